@@ -1,0 +1,108 @@
+from splitspec.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("request_id", "text", "token_ids", "sampling", "speculative")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    text: str
+    token_ids: _common_pb2.TokenIds
+    sampling: _common_pb2.SamplingParams
+    speculative: _common_pb2.SpeculativeParams
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., speculative: _Optional[_Union[_common_pb2.SpeculativeParams, _Mapping]] = ...) -> None: ...
+
+class Chunk(_message.Message):
+    __slots__ = ("token_ids", "text")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ...) -> None: ...
+
+class Usage(_message.Message):
+    __slots__ = ("prompt_tokens", "completion_tokens")
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: int
+    completion_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
+
+class SpeculativeStats(_message.Message):
+    __slots__ = ("method", "verify_steps", "accept_length", "accepted_per_position", "draft_tokens", "draft_ms", "verify_ms", "wire_ms", "hidden_state_bytes", "draft_fallbacks", "target_failovers", "time_to_first_token_ms")
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_STEPS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_PER_POSITION_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_MS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_MS_FIELD_NUMBER: _ClassVar[int]
+    WIRE_MS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FALLBACKS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FAILOVERS_FIELD_NUMBER: _ClassVar[int]
+    TIME_TO_FIRST_TOKEN_MS_FIELD_NUMBER: _ClassVar[int]
+    method: str
+    verify_steps: int
+    accept_length: float
+    accepted_per_position: _containers.RepeatedScalarFieldContainer[int]
+    draft_tokens: int
+    draft_ms: float
+    verify_ms: float
+    wire_ms: float
+    hidden_state_bytes: int
+    draft_fallbacks: int
+    target_failovers: int
+    time_to_first_token_ms: float
+    def __init__(self, method: _Optional[str] = ..., verify_steps: _Optional[int] = ..., accept_length: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[int] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., wire_ms: _Optional[float] = ..., hidden_state_bytes: _Optional[int] = ..., draft_fallbacks: _Optional[int] = ..., target_failovers: _Optional[int] = ..., time_to_first_token_ms: _Optional[float] = ...) -> None: ...
+
+class Complete(_message.Message):
+    __slots__ = ("finish_reason", "usage", "stats")
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    finish_reason: str
+    usage: Usage
+    stats: SpeculativeStats
+    def __init__(self, finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., stats: _Optional[_Union[SpeculativeStats, _Mapping]] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("chunk", "complete")
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    chunk: Chunk
+    complete: Complete
+    def __init__(self, chunk: _Optional[_Union[Chunk, _Mapping]] = ..., complete: _Optional[_Union[Complete, _Mapping]] = ...) -> None: ...
+
+class GetModelInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("model_id", "vocab_size", "max_context", "eos_token_ids", "draft_model_id", "speculative_method", "num_draft_tokens", "max_new_tokens_cap")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_METHOD_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_CAP_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    vocab_size: int
+    max_context: int
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    draft_model_id: str
+    speculative_method: str
+    num_draft_tokens: int
+    max_new_tokens_cap: int
+    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., draft_model_id: _Optional[str] = ..., speculative_method: _Optional[str] = ..., num_draft_tokens: _Optional[int] = ..., max_new_tokens_cap: _Optional[int] = ...) -> None: ...

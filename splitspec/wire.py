@@ -1,0 +1,108 @@
+"""Conversions between protobuf messages and the engine's plain types, with the
+validation every service applies to what arrives on the wire."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from splitspec.v1 import common_pb2
+
+from target_service.sample import SamplingParams
+from target_service.tree import Tree
+
+_TO_PB = {torch.float32: common_pb2.DTYPE_F32, torch.float16: common_pb2.DTYPE_F16,
+          torch.bfloat16: common_pb2.DTYPE_BF16}
+_FROM_PB = {v: k for k, v in _TO_PB.items()}
+_NAMES = {common_pb2.DTYPE_F32: "f32", common_pb2.DTYPE_F16: "f16", common_pb2.DTYPE_BF16: "bf16"}
+
+
+class WireError(ValueError):
+    """A message field is malformed; maps to INVALID_ARGUMENT."""
+
+
+def dtype_to_pb(dtype: torch.dtype) -> int:
+    return _TO_PB[dtype]
+
+
+def dtype_from_pb(value: int) -> torch.dtype:
+    if value not in _FROM_PB:
+        raise WireError(f"tensor dtype {value} is not one of DTYPE_F32, DTYPE_F16, DTYPE_BF16")
+    return _FROM_PB[value]
+
+
+def tensor_to_pb(t: torch.Tensor, dtype: torch.dtype | None = None) -> common_pb2.Tensor:
+    t = t.detach().to("cpu", dtype or t.dtype).contiguous()
+    raw = t.view(torch.int16) if t.dtype == torch.bfloat16 else t   # numpy has no bfloat16
+    data = raw.numpy().astype(raw.numpy().dtype.newbyteorder("<"), copy=False).tobytes()
+    return common_pb2.Tensor(data=data, dtype=_TO_PB[t.dtype], shape=list(t.shape))
+
+
+def tensor_from_pb(msg: common_pb2.Tensor, *, field: str = "tensor",
+                   shape: tuple[int | None, ...] | None = None,
+                   allowed=(torch.float32, torch.float16, torch.bfloat16)) -> torch.Tensor:
+    """Decode a Tensor, checking dtype, byte count and (optionally) shape; None in `shape`
+    matches any size."""
+    dtype = dtype_from_pb(msg.dtype) if msg.dtype else None
+    if dtype is None or dtype not in allowed:
+        names = ", ".join(_NAMES[_TO_PB[d]] for d in allowed)
+        raise WireError(f"{field}.dtype must be one of {names}, got {_NAMES.get(msg.dtype, msg.dtype)}")
+    dims = tuple(msg.shape)
+    if any(d < 0 for d in dims):
+        raise WireError(f"{field}.shape {list(dims)} has a negative dimension")
+    if shape is not None:
+        if len(dims) != len(shape) or any(e is not None and e != d for e, d in zip(shape, dims)):
+            want = [("*" if e is None else e) for e in shape]
+            raise WireError(f"{field}.shape is {list(dims)}, expected {want}")
+    elem = torch.empty((), dtype=dtype).element_size()
+    count = math.prod(dims)
+    if len(msg.data) != count * elem:
+        raise WireError(f"{field}.data has {len(msg.data)} bytes; shape {list(dims)} of "
+                        f"{_NAMES[msg.dtype]} needs {count * elem}")
+    np_dtype = {torch.float32: "<f4", torch.float16: "<f2", torch.bfloat16: "<i2"}[dtype]
+    arr = np.frombuffer(msg.data, dtype=np_dtype).reshape(dims).copy()
+    t = torch.from_numpy(arr)
+    return t.view(torch.bfloat16) if dtype == torch.bfloat16 else t
+
+
+def sampling_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:
+    """Unset temperature means greedy, unset top_p means 1.0 (DESIGN §2)."""
+    temperature = msg.temperature if msg.HasField("temperature") else 0.0
+    top_p = msg.top_p if msg.HasField("top_p") else 1.0
+    top_k = msg.top_k if msg.HasField("top_k") else 0
+    seed = msg.seed if msg.HasField("seed") else None
+    if math.isnan(temperature) or temperature < 0:
+        raise WireError(f"sampling.temperature must be >= 0, got {temperature}")
+    if math.isnan(top_p) or not 0.0 < top_p <= 1.0:
+        raise WireError(f"sampling.top_p must be in (0, 1], got {top_p}")
+    if top_k < 0:
+        raise WireError(f"sampling.top_k must be >= 0 (0 disables it), got {top_k}")
+    return SamplingParams(temperature=float(temperature), top_p=float(top_p), top_k=int(top_k), seed=seed)
+
+
+def sampling_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
+    msg = common_pb2.SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k)
+    if p.seed is not None:
+        msg.seed = p.seed
+    return msg
+
+
+def tree_from_pb(msg: common_pb2.TokenTree, vocab_size: int, max_nodes: int | None = None) -> Tree:
+    tree = Tree(tuple(msg.token_ids), tuple(msg.parents))
+    try:
+        return tree.validate(vocab_size, max_nodes)
+    except ValueError as exc:
+        raise WireError(str(exc)) from exc
+
+
+def tree_to_pb(tree: Tree) -> common_pb2.TokenTree:
+    return common_pb2.TokenTree(token_ids=list(tree.token_ids), parents=list(tree.parents))
+
+
+def check_token_ids(ids, vocab_size: int, field: str) -> list[int]:
+    ids = list(ids)
+    for i, t in enumerate(ids):
+        if not 0 <= t < vocab_size:
+            raise WireError(f"{field}[{i}] = {t} is outside the vocabulary [0, {vocab_size})")
+    return ids
