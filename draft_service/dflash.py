@@ -1,0 +1,326 @@
+"""DFlash block-diffusion drafter (z-lab/dflash layout).
+
+One forward drafts a whole block. The block is `[last committed token, MASK x (B-1)]`
+embedded with the target's embedding; every draft layer is a Qwen3-style decoder layer
+whose queries come only from the block, while keys/values come from the concatenation of
+the projected target features of the committed context ("KV injection") and the block
+itself, through the same k/v projections, k-norm and RoPE at absolute positions. Attention
+inside the block is bidirectional. Logits come from the target's lm_head at the B-1 mask
+positions.
+
+Checkpoint: `config.json` (`architectures: ["DFlashDraftModel"]`, `block_size`,
+`dflash_config: {mask_token_id, target_layer_ids}`, `num_target_layers`, Qwen3 fields) and
+`model.safetensors` with `layers.*`, `fc.weight`, `hidden_norm.weight`, `norm.weight`.
+`embed_tokens` and `lm_head` are read from the target checkpoint.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import structlog
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from torch import nn
+
+from target_service.config import ConfigError, ModelConfig
+from target_service.loader import load_state, parse_dtype, resolve_device, weight_files
+from target_service.model import MLP, RMSNorm, apply_rope, repeat_kv, rope_cos_sin, rope_inv_freq
+
+log = structlog.get_logger(__name__)
+
+BLOCK_SIZE_MEANINGS = ("verify_width", "draft_count")
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """Evenly spread taps: round(1 + i * (L - 4) / (n - 1)) (z-lab's build_target_layer_ids)."""
+    n, L = num_draft_layers, num_target_layers
+    if n == 1:
+        return [L // 2]
+    ids = [int(round(1 + i * (L - 4) / (n - 1))) for i in range(n)]
+    return [min(max(i, 0), L - 1) for i in ids]
+
+
+@dataclass(frozen=True)
+class DFlashConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    block_size: int                    # verify width B: the last token plus B - 1 masks
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    num_target_layers: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict = field(default_factory=dict)
+    max_position_embeddings: int = 4096
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return self.block_size - 1
+
+    @property
+    def target_feature_size(self) -> int:
+        return len(self.target_layer_ids) * self.hidden_size
+
+    def rope_config(self) -> ModelConfig:
+        """A Qwen3 ModelConfig view, so the target's RoPE code serves the draft too."""
+        return ModelConfig(architecture="Qwen3ForCausalLM", vocab_size=self.vocab_size,
+                           hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+                           num_hidden_layers=self.num_hidden_layers,
+                           num_attention_heads=self.num_attention_heads,
+                           num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
+                           rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta,
+                           rope_scaling=dict(self.rope_scaling) or {"rope_type": "default"},
+                           max_position_embeddings=self.max_position_embeddings, qk_norm=True)
+
+    @classmethod
+    def from_dict(cls, raw: dict, *, block_size_means: str = "verify_width") -> "DFlashConfig":
+        archs = raw.get("architectures") or []
+        if "DFlashDraftModel" not in archs:
+            raise ConfigError(f"draft config.json: architectures={archs!r}; expected ['DFlashDraftModel']")
+        dcfg = raw.get("dflash_config") or {}
+        for key in ("mask_token_id", "target_layer_ids"):
+            if key not in dcfg:
+                raise ConfigError(f"draft config.json: dflash_config.{key} is missing")
+        if "block_size" not in raw:
+            raise ConfigError("draft config.json: block_size is missing")
+        if block_size_means not in BLOCK_SIZE_MEANINGS:
+            raise ConfigError(f"block size meaning {block_size_means!r}; expected one of {BLOCK_SIZE_MEANINGS}")
+        # Checkpoints disagree on whether block_size counts the drafted tokens (7) or the
+        # verify width including the last committed token (8); the caller says which.
+        stored = int(raw["block_size"])
+        block = stored if block_size_means == "verify_width" else stored + 1
+        if block < 2:
+            raise ConfigError(f"draft config.json: block_size={stored} leaves no token to draft")
+        heads = raw["num_attention_heads"]
+        rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+        rope.setdefault("rope_type", rope.pop("type", "default"))
+        theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
+        return cls(hidden_size=raw["hidden_size"], intermediate_size=raw["intermediate_size"],
+                   num_hidden_layers=raw["num_hidden_layers"], num_attention_heads=heads,
+                   num_key_value_heads=raw.get("num_key_value_heads") or heads,
+                   head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+                   vocab_size=raw["vocab_size"], block_size=block,
+                   mask_token_id=int(dcfg["mask_token_id"]),
+                   target_layer_ids=tuple(int(i) for i in dcfg["target_layer_ids"]),
+                   num_target_layers=int(raw.get("num_target_layers", max(dcfg["target_layer_ids"]) + 1)),
+                   rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)), rope_theta=theta,
+                   rope_scaling=rope, max_position_embeddings=int(raw.get("max_position_embeddings", 4096)))
+
+    def to_dict(self) -> dict:
+        """z-lab export format; block_size is written as the verify width."""
+        return {
+            "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers, "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
+            "vocab_size": self.vocab_size, "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta, "max_position_embeddings": self.max_position_embeddings,
+            "hidden_act": "silu", "tie_word_embeddings": False, "attention_bias": False,
+            "block_size": self.block_size, "num_target_layers": self.num_target_layers,
+            "dflash_config": {"mask_token_id": self.mask_token_id,
+                              "target_layer_ids": list(self.target_layer_ids)},
+        }
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def kv(self, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V [B, n_kv, T, D] of x [B, T, H]: k_proj, k_norm, RoPE; v_proj."""
+        B, T, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        return apply_rope(k, cos, sin), v
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask=None):
+        """x: block hidden [B, T, H]; ctx_k/ctx_v: injected context K/V [B, n_kv, C, D]."""
+        B, T, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(B, T, self.n_heads, self.head_dim)).transpose(1, 2)
+        q = apply_rope(q, cos, sin)
+        k, v = self.kv(x, cos, sin)
+        k, v = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)
+        groups = self.n_heads // self.n_kv
+        out = F.scaled_dot_product_attention(q, repeat_kv(k, groups), repeat_kv(v, groups), attn_mask=mask)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        self.self_attn = DraftAttention(cfg)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDraft(nn.Module):
+    """Draft layers + feature fusion. The target's embedding and lm_head are attached with
+    `attach_target` and are not part of this module's state dict (they stay frozen)."""
+
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.fc = nn.Linear(cfg.target_feature_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self._inv_freq: torch.Tensor | None = None
+        self._target: dict[str, torch.Tensor] = {}
+
+    def attach_target(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
+        V, H = self.cfg.vocab_size, self.cfg.hidden_size
+        for name, w in (("embed_tokens", embed_weight), ("lm_head", lm_head_weight)):
+            if tuple(w.shape) != (V, H):
+                raise ConfigError(f"target {name} has shape {tuple(w.shape)}; the draft expects ({V}, {H})")
+        self._target = {"embed": embed_weight.detach(), "lm_head": lm_head_weight.detach()}
+
+    def rope(self, positions: torch.Tensor, dtype):
+        if self._inv_freq is None or self._inv_freq.device != positions.device:
+            self._inv_freq = rope_inv_freq(self.cfg.rope_config()).to(positions.device)
+        return rope_cos_sin(self._inv_freq, positions, dtype)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self._target["embed"])
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, self._target["lm_head"])
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """Target features [.., len(ids) * H_t] -> context hidden [.., H]."""
+        return self.hidden_norm(self.fc(features))
+
+    def context_kv(self, fused: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-layer injected K/V for context tokens fused [B, C, H] at positions [B, C] / [C]."""
+        cos, sin = self.rope(positions, fused.dtype)
+        return [layer.self_attn.kv(fused, cos, sin) for layer in self.layers]
+
+    def block_forward(self, block_ids: torch.Tensor, positions: torch.Tensor,
+                      ctx_kv: list[tuple[torch.Tensor, torch.Tensor]], mask=None) -> torch.Tensor:
+        """Final normed hidden [B, T, H] of the block tokens attending to context + block."""
+        x = self.embed(block_ids)
+        cos, sin = self.rope(positions, x.dtype)
+        for layer, (ck, cv) in zip(self.layers, ctx_kv):
+            x = layer(x, cos, sin, ck, cv, mask)
+        return self.norm(x)
+
+
+class DraftCache:
+    """Injected context K/V per draft layer, for one sequence. Only committed tokens whose
+    target features exist are appended; the block's own K/V is never stored."""
+
+    def __init__(self, model: DFlashDraft, max_len: int):
+        cfg, p = model.cfg, next(model.parameters())
+        shape = (len(model.layers), 1, cfg.num_key_value_heads, max_len, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=p.dtype, device=p.device)
+        self.v = torch.zeros(shape, dtype=p.dtype, device=p.device)
+        self.max_len, self.length = max_len, 0
+
+    def append(self, model: DFlashDraft, features: torch.Tensor) -> None:
+        """features: [n, len(target_layer_ids) * H_t] for the next n context positions."""
+        n = features.shape[0]
+        if n == 0:
+            return
+        if self.length + n > self.max_len:
+            raise ValueError(f"draft context would reach {self.length + n} tokens; max is {self.max_len}")
+        p = next(model.parameters())
+        fused = model.fuse(features.to(p.device, p.dtype))[None]
+        positions = torch.arange(self.length, self.length + n, device=p.device)
+        for i, (k, v) in enumerate(model.context_kv(fused, positions)):
+            self.k[i, :, :, self.length:self.length + n] = k
+            self.v[i, :, :, self.length:self.length + n] = v
+        self.length += n
+
+    def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(self.k[i, :, :, :self.length], self.v[i, :, :, :self.length]) for i in range(self.k.shape[0])]
+
+
+def draft_block(model: DFlashDraft, cache: DraftCache, last_token: int, position: int) -> torch.Tensor:
+    """Logits [B - 1, V] for the mask slots of block [last_token, MASK...] at `position`."""
+    cfg = model.cfg
+    p = next(model.parameters())
+    ids = torch.full((1, cfg.block_size), cfg.mask_token_id, dtype=torch.long, device=p.device)
+    ids[0, 0] = last_token     # slot 0 is the real last token, never MASK
+    positions = torch.arange(position, position + cfg.block_size, device=p.device)
+    h = model.block_forward(ids, positions, cache.layers())
+    return model.logits(h[0, 1:]).float()
+
+
+def load_draft(path: str | Path, target_path: str | Path, *, dtype="float32", device="cpu",
+               block_size_means: str = "verify_width") -> DFlashDraft:
+    path, target_path = Path(path), Path(target_path)
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise ConfigError(f"{cfg_file}: not found; --model-path must be a DFlash draft folder")
+    cfg = DFlashConfig.from_dict(json.loads(cfg_file.read_text()), block_size_means=block_size_means)
+    log.info("dflash_block_size", block_size=cfg.block_size, drafted_per_step=cfg.num_draft_tokens,
+             stored_as=block_size_means)
+    tcfg = ModelConfig.from_dir(target_path)
+    if tcfg.hidden_size != cfg.hidden_size or tcfg.vocab_size != cfg.vocab_size:
+        raise ConfigError(f"draft expects hidden {cfg.hidden_size} / vocab {cfg.vocab_size}; target "
+                          f"{target_path} has hidden {tcfg.hidden_size} / vocab {tcfg.vocab_size}")
+    if max(cfg.target_layer_ids) >= tcfg.num_hidden_layers:
+        raise ConfigError(f"draft target_layer_ids {list(cfg.target_layer_ids)} exceed the target's "
+                          f"{tcfg.num_hidden_layers} layers")
+    dt, dev = parse_dtype(dtype), resolve_device(device)
+    with torch.device("meta"):
+        model = DFlashDraft(cfg)
+    model = model.to_empty(device=dev).to(dt)
+    load_state(model, weight_files(path))
+    tfiles = weight_files(target_path)
+    from safetensors import safe_open
+    names = {"embed": "model.embed_tokens.weight",
+             "lm_head": "lm_head.weight" if "lm_head.weight" in tfiles else "model.embed_tokens.weight"}
+    got = {}
+    for key, name in names.items():
+        with safe_open(tfiles[name], framework="pt") as f:
+            got[key] = f.get_tensor(name).to(dev, dt)
+    model.attach_target(got["embed"], got["lm_head"])
+    return model.eval().requires_grad_(False)
+
+
+def save_draft(model: DFlashDraft, path: str | Path) -> None:
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(model.cfg.to_dict(), indent=2) + "\n")
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+def new_draft(target_cfg: ModelConfig, *, num_layers: int = 1, block_size: int = 8, mask_token_id: int,
+              target_layer_ids=None, intermediate_size: int | None = None, seed: int = 0) -> DFlashDraft:
+    """A randomly initialised draft sized for `target_cfg` (for training or tests)."""
+    ids = tuple(target_layer_ids or default_target_layer_ids(target_cfg.num_hidden_layers, max(num_layers, 1)))
+    cfg = DFlashConfig(hidden_size=target_cfg.hidden_size,
+                       intermediate_size=intermediate_size or target_cfg.intermediate_size,
+                       num_hidden_layers=num_layers, num_attention_heads=target_cfg.num_attention_heads,
+                       num_key_value_heads=target_cfg.num_key_value_heads, head_dim=target_cfg.head_dim,
+                       vocab_size=target_cfg.vocab_size, block_size=block_size, mask_token_id=mask_token_id,
+                       target_layer_ids=ids, num_target_layers=target_cfg.num_hidden_layers,
+                       rms_norm_eps=target_cfg.rms_norm_eps, rope_theta=target_cfg.rope_theta,
+                       max_position_embeddings=target_cfg.max_position_embeddings)
+    torch.manual_seed(seed)
+    model = DFlashDraft(cfg)
+    for name, p in model.named_parameters():
+        if p.dim() == 2:
+            nn.init.normal_(p, std=0.02)
+    return model

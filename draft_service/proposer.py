@@ -1,0 +1,111 @@
+"""Per-session proposers. Each keeps the committed tokens it has been told about and turns
+them (plus, for DFlash, the target features) into a draft tree for the next verify step.
+
+Both follow one protocol: `open(prompt_ids, prompt_hidden)` once, then
+`propose(base_len, new_token_ids, new_hidden)` per step, where the new tokens are those
+committed since the last call and `base_len` is the committed length afterwards."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from target_service.sample import SamplingParams, make_generator, probs_from_logits, sample_from_probs
+from target_service.tree import Tree
+
+from .dflash import DFlashDraft, DraftCache, draft_block
+
+
+class ProposerError(ValueError):
+    """The caller's view of the sequence disagrees with the proposer's."""
+
+
+@dataclass
+class Proposal:
+    tree: Tree
+    draft_probs: torch.Tensor | None   # [N, V] when drafts were sampled
+    draft_ms: float
+
+
+class _Tokens:
+    def _commit(self, base_len: int, new_ids: list[int]) -> None:
+        if len(self.tokens) + len(new_ids) != base_len:
+            raise ProposerError(f"base_len {base_len} does not match the draft's {len(self.tokens)} known "
+                                f"tokens + {len(new_ids)} new ones")
+        self.tokens.extend(new_ids)
+
+
+class DFlashProposer(_Tokens):
+    def __init__(self, model: DFlashDraft, *, num_draft_tokens: int | None = None, max_len: int = 4096,
+                 sampling: SamplingParams | None = None):
+        width = num_draft_tokens or model.cfg.block_size
+        if not 2 <= width <= model.cfg.block_size:
+            raise ProposerError(f"num_draft_tokens={width} must be in 2..{model.cfg.block_size} "
+                                f"(the draft's block size)")
+        self.model, self.width = model, width
+        self.sampling = sampling if sampling is not None and not sampling.greedy else None
+        device = next(model.parameters()).device
+        self.generator = make_generator(sampling.seed if sampling else None, device)
+        self.cache = DraftCache(model, max_len)
+        self.tokens: list[int] = []
+
+    def open(self, prompt_ids: list[int], prompt_hidden: torch.Tensor | None) -> None:
+        want = self.model.cfg.target_feature_size
+        if prompt_hidden is None or tuple(prompt_hidden.shape) != (len(prompt_ids), want):
+            got = None if prompt_hidden is None else list(prompt_hidden.shape)
+            raise ProposerError(f"prompt_hidden has shape {got}, expected [{len(prompt_ids)}, {want}]")
+        self.tokens = list(prompt_ids)
+        self.cache.append(self.model, prompt_hidden)
+
+    def propose(self, base_len: int, new_ids: list[int], new_hidden: torch.Tensor | None) -> Proposal:
+        t0 = time.perf_counter()
+        self._commit(base_len, new_ids)
+        if new_hidden is not None and new_hidden.numel():
+            if new_hidden.dim() != 2 or new_hidden.shape[1] != self.model.cfg.target_feature_size:
+                raise ProposerError(f"new_hidden has shape {list(new_hidden.shape)}, expected "
+                                    f"[k, {self.model.cfg.target_feature_size}]")
+            self.cache.append(self.model, new_hidden)
+        # Features exist for every committed token but the last one (it has not been run yet).
+        if self.cache.length != base_len - 1:
+            raise ProposerError(f"draft has features for {self.cache.length} tokens; base_len {base_len} "
+                                f"needs {base_len - 1}")
+        with torch.inference_mode():
+            logits = draft_block(self.model, self.cache, self.tokens[-1], base_len - 1)[: self.width - 1]
+        if self.sampling is None:
+            ids, q = logits.argmax(-1).tolist(), None
+        else:
+            q = probs_from_logits(logits, self.sampling)
+            ids = [sample_from_probs(row, self.generator) for row in q]
+        return Proposal(Tree.chain(ids), q, (time.perf_counter() - t0) * 1e3)
+
+
+class NgramProposer(_Tokens):
+    """Prompt lookup (vLLM's `ngram`, transformers' prompt_lookup_num_tokens): find the most
+    recent earlier occurrence of the sequence's last n tokens (longest n first) and propose
+    the tokens that followed it."""
+
+    def __init__(self, *, num_draft_tokens: int = 8, min_n: int = 1, max_n: int = 4):
+        if num_draft_tokens < 1:
+            raise ProposerError(f"num_draft_tokens={num_draft_tokens} must be >= 1")
+        self.width, self.min_n, self.max_n = num_draft_tokens, min_n, max_n
+        self.tokens: list[int] = []
+
+    def open(self, prompt_ids: list[int], prompt_hidden=None) -> None:
+        self.tokens = list(prompt_ids)
+
+    def propose(self, base_len: int, new_ids: list[int], new_hidden=None) -> Proposal:
+        t0 = time.perf_counter()
+        self._commit(base_len, new_ids)
+        ids = lookup(self.tokens, self.width - 1, self.min_n, self.max_n)
+        return Proposal(Tree.chain(ids), None, (time.perf_counter() - t0) * 1e3)
+
+
+def lookup(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    L = len(tokens)
+    for n in range(min(max_n, L - 1), min_n - 1, -1):
+        suffix = tokens[L - n:]
+        for start in range(L - n - 1, -1, -1):
+            if tokens[start:start + n] == suffix:
+                return tokens[start + n:start + n + k]
+    return []
