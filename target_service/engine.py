@@ -91,13 +91,21 @@ class TargetSequence:
     def verify(self, tree: Tree, draft_probs: torch.Tensor | None = None) -> StepOutput:
         """Verify `tree` (drafted after the last committed token) in one forward pass."""
         tree.validate(self.model.cfg.vocab_size)
+        vocab = self.model.cfg.vocab_size
+        if draft_probs is not None and tuple(draft_probs.shape) != (len(tree), vocab):
+            raise ValueError(f"draft_probs has shape {tuple(draft_probs.shape)}, expected "
+                             f"({len(tree)}, {vocab}): one row per tree node over the vocabulary")
         self._check_room(len(tree) + 1)
         base = self.length - 1                       # cached tokens; the root goes here
         depths = torch.tensor([0] + tree.depths())
         mask = torch.cat([torch.ones(len(tree) + 1, base, dtype=torch.bool), tree.ancestor_mask()], dim=1)
         out = self._run([self.tokens[-1], *tree.token_ids], base + depths, mask=mask.to(self.device))
-        result = self.verifier.verify(out.logits[0], tree, self.params, self.generator,
-                                      None if draft_probs is None else draft_probs.to(self.device))
+        try:
+            result = self.verifier.verify(out.logits[0], tree, self.params, self.generator,
+                                          None if draft_probs is None else draft_probs.to(self.device))
+        except Exception:
+            self.cache.truncate(base)   # drop the root + nodes the forward appended
+            raise
         rows = [0] + [i + 1 for i in result.accepted]
         self.cache.keep(base, rows)
         committed = result.committed(tree)

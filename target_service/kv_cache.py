@@ -67,8 +67,11 @@ class KVCache:
         """
         if any(b <= a for a, b in zip(offsets, offsets[1:])) or (offsets and offsets[0] < 0):
             raise ValueError(f"keep offsets must be strictly increasing and >= 0, got {offsets}")
-        if offsets and start + offsets[-1] >= self.max_len:
-            raise ValueError(f"keep offset {offsets[-1]} beyond the cache")
+        if not 0 <= start <= self.length:
+            raise ValueError(f"keep start {start} outside the cached length 0..{self.length}")
+        if offsets and start + offsets[-1] >= self.length:
+            raise ValueError(f"keep offset {offsets[-1]} beyond the cached length {self.length} "
+                             f"(start {start})")
         if offsets and offsets != list(range(len(offsets))):
             idx = torch.tensor(offsets, device=self.k.device) + start
             n = len(offsets)

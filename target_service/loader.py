@@ -65,7 +65,8 @@ def load_state(module: torch.nn.Module, files: dict[str, Path], *, prefix: str =
             raise CheckpointError(f"tensor {full!r} is missing from the checkpoint")
         by_file.setdefault(files[full], []).append(name)
     if strict:
-        known = {prefix + n for n in params}
+        # Skipped names (a tied lm_head.weight some exports store anyway) are not "unexpected".
+        known = {prefix + n for n in params} | {prefix + n for n in skip}
         extra = sorted(n for n in files if n.startswith(prefix) and n not in known
                        and not n.endswith("rotary_emb.inv_freq"))
         if extra:

@@ -1,0 +1,132 @@
+"""Shared fixtures: tiny random HF checkpoints (saved once per session) and model loading.
+
+The checkpoint factory itself is the plain function `tests.tiny_models.save_tiny_model`,
+so test files outside this suite (services, draft) can reuse it; `tiny_model_factory`
+here only caches its results per session."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from tiny_models import save_tiny_model  # noqa: E402
+
+# The target variants every parity test runs on. Between them they cover: a sharded save
+# with an index, GQA, llama3 rope scaling, tied embeddings, q/k/v bias (Qwen2), q/k norm
+# with an explicit head_dim != hidden / heads (Qwen3).
+TARGET_VARIANTS = {
+    "llama-sharded": dict(arch="llama", max_shard_size="20KB", seed=11),
+    "llama3-tied": dict(arch="llama3", tie_word_embeddings=True, seed=12),
+    "qwen2-bias": dict(arch="qwen2", seed=13),
+    "qwen3-qknorm": dict(arch="qwen3", head_dim=32, seed=14),
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory):
+    """`make(arch="qwen3", **save_tiny_model_kwargs) -> Path`, cached per session.
+    Treat the returned folder as read-only; copy it (`shutil.copytree`) to modify it."""
+    made: dict[str, Path] = {}
+
+    def make(arch: str = "qwen3", **kwargs) -> Path:
+        key = json.dumps({"arch": arch, **kwargs}, sort_keys=True, default=str)
+        if key not in made:
+            path = tmp_path_factory.mktemp(f"tiny-{arch}")
+            made[key] = save_tiny_model(path, arch, **kwargs)
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="session", params=list(TARGET_VARIANTS), ids=list(TARGET_VARIANTS))
+def target_variant(request, tiny_model_factory):
+    """(variant name, checkpoint path) for each entry of TARGET_VARIANTS."""
+    kw = dict(TARGET_VARIANTS[request.param])
+    return request.param, tiny_model_factory(kw.pop("arch"), **kw)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tiny_model_factory) -> Path:
+    """A default tiny Qwen3 checkpoint (vocab 128, 2 layers, hidden 64, head_dim 32)."""
+    return tiny_model_factory("qwen3", seed=21)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_model(tiny_qwen3):
+    from target_service.loader import load_model
+    return load_model(tiny_qwen3)
+
+
+# ---------------------------------------------------------------------------------------
+# Independent references for the statistical tests (numpy, float64): they do not call
+# target_service.sample, so a mistake there cannot cancel out.
+
+def reference_probs(logits, temperature: float, top_k: int = 0, top_p: float = 1.0):
+    """Exact distribution of temperature -> top-k -> top-p sampling (renormalised after
+    each filter; top-p keeps the shortest highest-probability prefix whose mass reaches
+    top_p). temperature 0 is a one-hot of the argmax."""
+    import numpy as np
+
+    z = np.asarray(logits, dtype=np.float64)
+    V = z.shape[-1]
+    if temperature == 0:
+        out = np.zeros(V)
+        out[int(np.argmax(z))] = 1.0
+        return out
+    z = z / temperature
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    if top_k and top_k < V:
+        keep = np.argsort(-p, kind="stable")[:top_k]
+        mask = np.zeros(V, dtype=bool)
+        mask[keep] = True
+        p = np.where(mask, p, 0.0)
+        p /= p.sum()
+    if top_p < 1.0:
+        order = np.argsort(-p, kind="stable")
+        csum = np.cumsum(p[order])
+        n_keep = int(np.searchsorted(csum, top_p - 1e-12)) + 1   # first prefix reaching top_p
+        mask = np.zeros(V, dtype=bool)
+        mask[order[:n_keep]] = True
+        p = np.where(mask, p, 0.0)
+        p /= p.sum()
+    return p
+
+
+def chi2_pvalue(counts, probs, min_expected: float = 5.0) -> float:
+    """Chi-square goodness of fit of observed `counts` to exact `probs` (same shape).
+    Cells with expected count < min_expected are pooled into one bin. Any observation in
+    a zero-probability cell returns 0.0 (impossible outcome)."""
+    import numpy as np
+    from scipy import stats
+
+    counts = np.asarray(counts, dtype=np.float64).ravel()
+    probs = np.asarray(probs, dtype=np.float64).ravel()
+    assert counts.shape == probs.shape
+    assert abs(probs.sum() - 1.0) < 1e-9, probs.sum()
+    if counts[probs <= 0].sum() > 0:
+        return 0.0
+    n = counts.sum()
+    expected = n * probs
+    big = expected >= min_expected
+    obs = list(counts[big])
+    exp = list(expected[big])
+    rest_e = expected[~big].sum()
+    if rest_e > 0:
+        obs.append(counts[~big].sum())
+        exp.append(rest_e)
+    if len(obs) < 2:
+        return 1.0
+    stat = float(sum((o - e) ** 2 / e for o, e in zip(obs, exp)))
+    return float(stats.chi2.sf(stat, len(obs) - 1))
+
+
+@pytest.fixture(scope="session")
+def stat_ref():
+    """`stat_ref.probs(logits, T, top_k, top_p)` and `stat_ref.chi2(counts, probs)`."""
+    from types import SimpleNamespace
+    return SimpleNamespace(probs=reference_probs, chi2=chi2_pvalue)

@@ -1,0 +1,231 @@
+"""DFlash drafter: forward equals a from-scratch reference, the draft cache is exact across
+steps, checkpoints round-trip, and the in-process speculative loop is lossless."""
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import pytest
+import torch
+from scipy import stats as sstats
+
+from draft_service.dflash import (DFlashConfig, DraftCache, default_target_layer_ids, draft_block,
+                                  load_draft, new_draft, save_draft)
+from draft_service.proposer import DFlashProposer, NgramProposer, ProposerError, lookup
+from splitspec.speculate import speculative_generate
+from target_service.config import ConfigError
+from target_service.engine import TargetSequence, generate
+from target_service.loader import load_model
+from target_service.sample import SamplingParams, probs_from_logits
+
+
+def make_draft(target, block_size=4, num_layers=2, seed=0):
+    d = new_draft(target.cfg, num_layers=num_layers, block_size=block_size,
+                  mask_token_id=target.cfg.vocab_size - 1, seed=seed,
+                  target_layer_ids=[0, target.cfg.num_hidden_layers - 1])
+    # Non-trivial norms so a forgotten norm cannot match by luck.
+    g = torch.Generator().manual_seed(seed + 7)
+    with torch.no_grad():
+        for name, p in d.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
+            elif p.dim() == 2:
+                p.normal_(0, 0.2, generator=g)
+    d.attach_target(target.model.embed_tokens.weight, target.lm_head.weight)
+    return d.eval()
+
+
+def reference_block_logits(d, features, last_token, position):
+    """DFlash written out directly: no cache, explicit softmax attention, every K/V recomputed."""
+    cfg = d.cfg
+    H, nh, nkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    C, B = features.shape[0], cfg.block_size
+
+    def rms(x, w):
+        return w * (x / torch.sqrt((x * x).mean(-1, keepdim=True) + cfg.rms_norm_eps))
+
+    def rope(x, pos):   # x [T, heads, hd]
+        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2).float() / hd))
+        ang = pos[:, None].float() * inv[None]
+        cos, sin = torch.cos(ang).repeat(1, 2)[:, None], torch.sin(ang).repeat(1, 2)[:, None]
+        x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
+        return x * cos + torch.cat([-x2, x1], -1) * sin
+
+    ctx = rms(features @ d.fc.weight.T, d.hidden_norm.weight)            # [C, H]
+    ids = torch.tensor([last_token] + [cfg.mask_token_id] * (B - 1))
+    x = d._target["embed"][ids]
+    ctx_pos, blk_pos = torch.arange(C), torch.arange(position, position + B)
+    for layer in d.layers:
+        a = layer.self_attn
+        h = rms(x, layer.input_layernorm.weight)
+        q = rope(rms((h @ a.q_proj.weight.T).view(B, nh, hd), a.q_norm.weight), blk_pos)
+        kin = torch.cat([ctx, h])
+        k = rms((kin @ a.k_proj.weight.T).view(C + B, nkv, hd), a.k_norm.weight)
+        k = rope(k, torch.cat([ctx_pos, blk_pos]))
+        v = (kin @ a.v_proj.weight.T).view(C + B, nkv, hd)
+        rep = nh // nkv
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        att = torch.softmax(torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(hd), -1)
+        o = torch.einsum("hqk,khd->qhd", att, v).reshape(B, nh * hd)
+        x = x + o @ a.o_proj.weight.T
+        h = rms(x, layer.post_attention_layernorm.weight)
+        m = layer.mlp
+        x = x + (torch.nn.functional.silu(h @ m.gate_proj.weight.T) * (h @ m.up_proj.weight.T)) @ m.down_proj.weight.T
+    x = rms(x, d.norm.weight)
+    return (x @ d._target["lm_head"].T)[1:]
+
+
+@pytest.fixture(scope="module")
+def target(tiny_model_factory):
+    return load_model(tiny_model_factory("qwen3", vocab_size=64, seed=31))
+
+
+def test_forward_matches_reference(target):
+    d = make_draft(target, block_size=5)
+    feats = torch.randn(9, d.cfg.target_feature_size)
+    cache = DraftCache(d, 64)
+    cache.append(d, feats[:4])
+    cache.append(d, feats[4:])            # appended in two pieces on purpose
+    with torch.no_grad():
+        got = draft_block(d, cache, last_token=7, position=9)
+        want = reference_block_logits(d, feats, 7, 9)
+    assert got.shape == (4, target.cfg.vocab_size)
+    assert (got - want).abs().max().item() < 1e-5
+
+
+def test_slot0_is_the_real_last_token(target):
+    d = make_draft(target)
+    cache = DraftCache(d, 32)
+    cache.append(d, torch.randn(5, d.cfg.target_feature_size))
+    with torch.no_grad():
+        a = draft_block(d, cache, 3, 5)
+        b = draft_block(d, cache, 4, 5)
+    assert not torch.allclose(a, b)
+
+
+def test_draft_cache_after_many_steps_equals_from_scratch(target):
+    """Features arrive in pieces from verify steps (rejected tokens never enter); drafting
+    from that cache must equal drafting from a fresh cache over the same committed context."""
+    d = make_draft(target, block_size=4)
+    layers = d.cfg.target_layer_ids
+    seq = TargetSequence(target, [5, 9, 2, 11, 7], SamplingParams(temperature=1.0, seed=3),
+                         max_len=256, hidden_layers=layers)
+    prop = DFlashProposer(d, max_len=256)
+    first = seq.prefill()
+    prop.open(list(seq.prompt), first.hidden)
+    new_ids, new_hidden = first.committed, None
+    for _ in range(12):
+        p = prop.propose(seq.length, new_ids, new_hidden)
+        step = seq.verify(p.tree)
+        new_ids, new_hidden = step.committed, step.hidden
+    prop._commit(seq.length, new_ids)
+    prop.cache.append(d, new_hidden)
+    assert prop.cache.length == seq.length - 1
+    # From scratch: one causal forward of the committed context gives every feature.
+    with torch.no_grad():
+        full = target(torch.tensor(seq.tokens[:-1]), hidden_layers=layers).hidden[0]
+        fresh = DraftCache(d, 256)
+        fresh.append(d, full)
+        a = draft_block(d, prop.cache, seq.tokens[-1], seq.length - 1)
+        b = draft_block(d, fresh, seq.tokens[-1], seq.length - 1)
+    assert (a - b).abs().max().item() < 1e-4
+
+
+def test_checkpoint_roundtrip_and_block_size_meaning(tmp_path, target, tiny_model_factory):
+    tdir = tiny_model_factory("qwen3", vocab_size=64, seed=31)
+    d = make_draft(target, block_size=6)
+    save_draft(d, tmp_path / "draft")
+    loaded = load_draft(tmp_path / "draft", tdir)
+    for (n, a), (_, b) in zip(d.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a, b), n
+    assert loaded.cfg.block_size == 6
+    as_count = load_draft(tmp_path / "draft", tdir, block_size_means="draft_count")
+    assert as_count.cfg.block_size == 7
+    with pytest.raises(ConfigError, match="architectures"):
+        DFlashConfig.from_dict({"architectures": ["Qwen3ForCausalLM"]})
+
+
+def test_default_target_layer_ids():
+    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert all(0 <= i < 6 for i in default_target_layer_ids(6, 3))
+
+
+def test_ngram_lookup_prefers_longest_recent_match():
+    toks = [1, 2, 3, 4, 9, 1, 2, 3, 5, 7, 2, 3]
+    assert lookup(toks, 3, 1, 3) == [5, 7, 2]
+    assert lookup([1, 2, 3], 3, 1, 3) == []
+    prop = NgramProposer(num_draft_tokens=3)
+    prop.open([1, 2, 1])
+    with pytest.raises(ProposerError, match="base_len"):
+        prop.propose(9, [2], None)
+
+
+@pytest.mark.parametrize("method", ["dflash", "ngram"])
+@pytest.mark.parametrize("width", [2, 4, 8])
+def test_greedy_speculative_equals_target_only(target, method, width):
+    d = make_draft(target, block_size=8)
+    rng = random.Random(width)
+    for _ in range(4):
+        prompt = [rng.randrange(60) for _ in range(rng.randrange(1, 12))]
+        ref = generate(target, prompt, 40)
+        prop = (DFlashProposer(d, num_draft_tokens=width, max_len=128) if method == "dflash"
+                else NgramProposer(num_draft_tokens=width))
+        seq = TargetSequence(target, prompt, max_len=128, hidden_layers=d.cfg.target_layer_ids)
+        out, st = speculative_generate(seq, prop, 40)
+        assert out == ref
+        assert 1.0 <= st.accept_length <= width
+
+
+def exact_joint(target, prompt, params, n=2):
+    """Exact target-only probability of each n-token continuation."""
+    V = target.cfg.vocab_size
+    table = {}
+    with torch.no_grad():
+        for prefix in itertools.product(range(V), repeat=n - 1):
+            logits = target(torch.tensor(prompt + list(prefix))).logits[0]
+            p_first = probs_from_logits(logits[len(prompt) - 1], params)
+            p_next = probs_from_logits(logits[-1], params)
+            for t in range(V):
+                table[prefix + (t,)] = float(p_first[prefix[0]] * p_next[t]) if n == 2 else None
+    return table
+
+
+def chi_square_pvalue(counts, probs, total):
+    """Pool cells with expected count < 5 into one, then a chi-square goodness of fit."""
+    obs, exp, rest_o, rest_e = [], [], 0.0, 0.0
+    for key, p in probs.items():
+        e = p * total
+        if e < 5:
+            rest_o += counts.get(key, 0)
+            rest_e += e
+        else:
+            obs.append(counts.get(key, 0))
+            exp.append(e)
+    if rest_e > 0:
+        obs.append(rest_o)
+        exp.append(rest_e)
+    scale = sum(obs) / sum(exp)
+    return sstats.chisquare(obs, [e * scale for e in exp]).pvalue
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0, top_p=0.9),
+                                    SamplingParams(temperature=0.7, top_k=20)],
+                         ids=["t1-topp0.9", "t0.7-topk20"])
+@pytest.mark.parametrize("draft_sampling", ["greedy", "sample"])
+def test_speculative_sampling_matches_target_distribution(tiny_model_factory, params, draft_sampling):
+    target = load_model(tiny_model_factory("qwen3", vocab_size=24, seed=41))
+    d = make_draft(target, block_size=4, seed=5)
+    prompt = [3, 8, 1]
+    exact = exact_joint(target, prompt, params)
+    n, counts = 2500, {}
+    for seed in range(n):
+        p = SamplingParams(params.temperature, params.top_p, params.top_k, seed=seed)
+        seq = TargetSequence(target, prompt, p, max_len=32, hidden_layers=d.cfg.target_layer_ids)
+        prop = DFlashProposer(d, max_len=32,
+                              sampling=SamplingParams(params.temperature, params.top_p, params.top_k,
+                                                      seed=10_000 + seed) if draft_sampling == "sample" else None)
+        out, _ = speculative_generate(seq, prop, 3)
+        key = tuple(out[:2])
+        counts[key] = counts.get(key, 0) + 1
+    assert chi_square_pvalue(counts, exact, n) > 1e-3
