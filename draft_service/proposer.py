@@ -18,7 +18,11 @@ from .dflash import DFlashDraft, DraftCache, draft_block
 
 
 class ProposerError(ValueError):
-    """The caller's view of the sequence disagrees with the proposer's."""
+    """A malformed Open or Propose (shapes, sizes): nothing was changed."""
+
+
+class StaleProposeError(ProposerError):
+    """base_len disagrees with what the draft knows: the caller's state moved on without it."""
 
 
 @dataclass
@@ -29,10 +33,13 @@ class Proposal:
 
 
 class _Tokens:
-    def _commit(self, base_len: int, new_ids: list[int]) -> None:
+    def _check_len(self, base_len: int, new_ids: list[int]) -> None:
         if len(self.tokens) + len(new_ids) != base_len:
-            raise ProposerError(f"base_len {base_len} does not match the draft's {len(self.tokens)} known "
-                                f"tokens + {len(new_ids)} new ones")
+            raise StaleProposeError(f"propose.base_len = {base_len} but the draft knows {len(self.tokens)} "
+                                    f"tokens + {len(new_ids)} new ones")
+
+    def _commit(self, base_len: int, new_ids: list[int]) -> None:
+        self._check_len(base_len, new_ids)
         self.tokens.extend(new_ids)
 
 
@@ -60,16 +67,20 @@ class DFlashProposer(_Tokens):
 
     def propose(self, base_len: int, new_ids: list[int], new_hidden: torch.Tensor | None) -> Proposal:
         t0 = time.perf_counter()
-        self._commit(base_len, new_ids)
-        if new_hidden is not None and new_hidden.numel():
-            if new_hidden.dim() != 2 or new_hidden.shape[1] != self.model.cfg.target_feature_size:
-                raise ProposerError(f"new_hidden has shape {list(new_hidden.shape)}, expected "
-                                    f"[k, {self.model.cfg.target_feature_size}]")
-            self.cache.append(self.model, new_hidden)
+        self._check_len(base_len, new_ids)
+        rows = 0 if new_hidden is None else new_hidden.shape[0]
+        want = self.model.cfg.target_feature_size
+        if rows and (new_hidden.dim() != 2 or new_hidden.shape[1] != want):
+            raise ProposerError(f"propose.new_hidden has shape {list(new_hidden.shape)}, expected [k, {want}]")
         # Features exist for every committed token but the last one (it has not been run yet).
-        if self.cache.length != base_len - 1:
-            raise ProposerError(f"draft has features for {self.cache.length} tokens; base_len {base_len} "
-                                f"needs {base_len - 1}")
+        if self.cache.length + rows != base_len - 1:
+            raise ProposerError(f"propose.new_hidden has {rows} rows; the draft has features for "
+                                f"{self.cache.length} tokens and base_len {base_len} needs {base_len - 1}")
+        if base_len - 1 > self.cache.max_len:
+            raise ProposerError(f"propose.base_len = {base_len} is past the draft's context ({self.cache.max_len} tokens)")
+        self.tokens.extend(new_ids)
+        if rows:
+            self.cache.append(self.model, new_hidden)
         with torch.inference_mode():
             logits = draft_block(self.model, self.cache, self.tokens[-1], base_len - 1)[: self.width - 1]
         if self.sampling is None:

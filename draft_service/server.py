@@ -1,0 +1,328 @@
+"""gRPC adapter of the draft service: `Draft.Session` (Open, Propose, Close per sequence) and
+`GetInfo`, over a proposer per session (`dflash` or model-free `ngram`), plus the
+`splitspec-draft` command. Every drafter forward runs on one engine-loop thread, as on the
+target, so gRPC handlers never call the model.
+
+    splitspec-draft --model-path models/splitspec-code-draft \
+        --target-model-path models/splitspec-code-target --port 50052
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import torch
+
+from splitspec import logs
+from splitspec.flags import apply_env
+from splitspec.serving import Server
+from splitspec.v1 import draft_pb2, draft_pb2_grpc
+from splitspec.wire import (WireError, check_token_ids, sampling_from_pb, tensor_from_pb, tensor_to_pb,
+                            tree_to_pb)
+from target_service.config import ConfigError, ModelConfig
+from target_service.loader import CheckpointError, parse_dtype, resolve_device, tokenizer_hash
+from target_service.scheduler import AdmissionError, DrainingError, EngineLoop
+from target_service.server import IdleError, ProtocolError, status_for
+
+from .dflash import BLOCK_SIZE_MEANINGS, load_draft
+from .proposer import DFlashProposer, NgramProposer, ProposerError, StaleProposeError
+
+SERVICE = "splitspec.v1.Draft"
+METHODS = ("dflash", "ngram")
+
+
+class CompatError(Exception):
+    """The caller's target is not the one this draft was built for: FAILED_PRECONDITION."""
+
+
+def draft_status(exc: BaseException) -> grpc.StatusCode:
+    if isinstance(exc, StaleProposeError):
+        return grpc.StatusCode.ABORTED
+    if isinstance(exc, CompatError):
+        return grpc.StatusCode.FAILED_PRECONDITION
+    return status_for(exc)
+
+
+@dataclass
+class DraftState:
+    args: argparse.Namespace
+    method: str
+    target_cfg: ModelConfig | None
+    target_tok_hash: str
+    model: object = None            # DFlashDraft once loaded (dflash only)
+    engine: EngineLoop | None = None
+    active: int = 0
+    accepting: bool = True
+
+    @property
+    def block_size(self) -> int:
+        return self.model.cfg.block_size if self.model is not None else self.args.speculative_num_draft_tokens
+
+    @property
+    def vocab_size(self) -> int | None:
+        return self.target_cfg.vocab_size if self.target_cfg else None
+
+
+class DraftServicer(draft_pb2_grpc.DraftServicer):
+    def __init__(self, state: DraftState, server: Server):
+        self.state = state
+        self.server = server
+
+    async def GetInfo(self, request, context):
+        st = self._ready_state()
+        if st is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the draft is loading; retry when health is SERVING")
+        info = draft_pb2.DraftInfo(method=st.method, block_size=st.block_size, active_sessions=st.active,
+                                   max_sessions=st.args.max_sessions, target_tokenizer_hash=st.target_tok_hash,
+                                   model_id=st.args.served_model_name or (Path(st.args.model_path).name
+                                                                          if st.args.model_path else "ngram"))
+        if st.target_cfg is not None:
+            info.target_vocab_size = st.target_cfg.vocab_size
+            info.target_num_layers = st.target_cfg.num_hidden_layers
+            info.target_hidden_size = st.target_cfg.hidden_size
+        if st.model is not None:
+            cfg = st.model.cfg
+            info.mask_token_id = cfg.mask_token_id
+            info.target_layer_ids.extend(cfg.target_layer_ids)
+            info.dtype = str(next(st.model.parameters()).dtype).removeprefix("torch.")
+        return info
+
+    def _ready_state(self) -> DraftState | None:
+        return self.state if self.server.serving and self.state.engine is not None else None
+
+    async def Session(self, request_iterator, context):
+        st = self._ready_state()
+        if st is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the draft is loading; retry when health is SERVING")
+        proposer, session_id, counted = None, None, False
+        log = logs.get_logger(peer=context.peer())
+        try:
+            while True:
+                req = await self._read(context, idle=proposer is not None)
+                if req is grpc.aio.EOF:
+                    break
+                kind = req.WhichOneof("kind")
+                if kind == "open":
+                    if proposer is not None:
+                        raise ProtocolError("a second Open on one stream; open a new stream per sequence")
+                    if not st.accepting:
+                        raise DrainingError("the draft is draining (shutting down)")
+                    if st.active >= st.args.max_sessions:
+                        raise AdmissionError(f"the draft already has {st.active} open sessions "
+                                             f"(--max-sessions {st.args.max_sessions})")
+                    st.active += 1
+                    counted = True
+                    session_id = req.open.session_id or uuid.uuid4().hex
+                    log = log.bind(session_id=session_id)
+                    proposer, width = await self._open(st, req.open)
+                    log.info("session_opened", method=st.method, num_draft_tokens=width,
+                             prompt_len=len(req.open.prompt_token_ids), active_sessions=st.active)
+                    await context.write(draft_pb2.DraftResponse(opened=draft_pb2.DraftOpened(
+                        session_id=session_id, method=st.method, num_draft_tokens=width)))
+                elif kind is None:
+                    raise WireError("DraftRequest.kind is not set: send open, propose or close")
+                elif proposer is None:
+                    raise ProtocolError(f"{kind} before open: the first message must be Open")
+                elif kind == "propose":
+                    await context.write(await self._propose(st, proposer, req.propose))
+                else:
+                    await context.write(draft_pb2.DraftResponse(closed=draft_pb2.DraftClosed()))
+                    break
+        except asyncio.CancelledError:
+            log.info("session_cancelled")
+            raise
+        except Exception as exc:  # every failure ends this stream only, never the service
+            code = draft_status(exc)
+            if code == grpc.StatusCode.INTERNAL:
+                log.exception("session_failed")
+            else:
+                log.info("session_refused", code=code.name, message=str(exc))
+            await context.abort(code, str(exc))
+        finally:
+            if counted:
+                st.active -= 1
+                log.info("session_closed", active_sessions=st.active)
+
+    async def _read(self, context, idle: bool):
+        timeout = self.state.args.idle_timeout_s if idle and self.state.args.idle_timeout_s > 0 else None
+        try:
+            return await asyncio.wait_for(context.read(), timeout)
+        except asyncio.TimeoutError:
+            raise IdleError(f"session idle for more than {timeout:g} s (--idle-timeout-s)") from None
+
+    async def _open(self, st: DraftState, msg: draft_pb2.DraftOpen):
+        if st.target_tok_hash and msg.target_tokenizer_hash and msg.target_tokenizer_hash != st.target_tok_hash:
+            raise CompatError(f"open.target_tokenizer_hash {msg.target_tokenizer_hash} differs from the tokenizer "
+                              f"this draft was built for ({st.target_tok_hash}): pair the draft with its own target")
+        prompt = list(msg.prompt_token_ids)
+        if not prompt:
+            raise WireError("open.prompt_token_ids is empty: at least one token id is needed")
+        if st.vocab_size:
+            check_token_ids(prompt, st.vocab_size, "open.prompt_token_ids")
+        if len(prompt) >= st.args.max_context:
+            raise WireError(f"open.prompt_token_ids has {len(prompt)} tokens; the draft's max context is "
+                            f"{st.args.max_context} (--max-context)")
+        spec = msg.speculative
+        if spec.HasField("topk") and spec.topk not in (0, 1):
+            raise WireError(f"open.speculative.topk = {spec.topk}: this draft proposes chains only (topk 1)")
+        if spec.draft_sampling not in ("", "greedy", "sample"):
+            raise WireError(f"open.speculative.draft_sampling = {spec.draft_sampling!r}: expected greedy or sample")
+        width = spec.num_draft_tokens if spec.HasField("num_draft_tokens") and spec.num_draft_tokens else st.block_size
+        if spec.HasField("num_steps") and spec.num_steps and spec.num_steps + 1 < width:
+            width = spec.num_steps + 1
+        sampling = sampling_from_pb(msg.sampling)
+        if st.method == "ngram":
+            if width < 2:
+                raise WireError(f"open.speculative.num_draft_tokens = {width} must be >= 2")
+            proposer = NgramProposer(num_draft_tokens=width, min_n=st.args.ngram_min, max_n=st.args.ngram_max)
+            proposer.open(prompt)
+            return proposer, width
+        cfg = st.model.cfg
+        if not 2 <= width <= cfg.block_size:
+            raise WireError(f"open.speculative.num_draft_tokens = {width} must be in 2..{cfg.block_size} "
+                            f"(this draft's block size)")
+        hidden = tensor_from_pb(msg.prompt_hidden, field="open.prompt_hidden",
+                                shape=(len(prompt), cfg.target_feature_size))
+
+        def run():
+            p = DFlashProposer(st.model, num_draft_tokens=width, max_len=st.args.max_context,
+                               sampling=sampling if spec.draft_sampling == "sample" else None)
+            p.open(prompt, hidden)
+            return p
+        return await st.engine.submit("open", run), width
+
+    async def _propose(self, st: DraftState, proposer, msg: draft_pb2.DraftPropose):
+        new_ids = list(msg.new_token_ids)
+        if st.vocab_size:
+            check_token_ids(new_ids, st.vocab_size, "propose.new_token_ids")
+        hidden = None
+        if msg.HasField("new_hidden") and st.method == "dflash":
+            hidden = tensor_from_pb(msg.new_hidden, field="propose.new_hidden",
+                                    shape=(None, st.model.cfg.target_feature_size))
+        if st.method == "ngram":
+            prop = proposer.propose(msg.base_len, new_ids)      # microseconds: no need for the engine
+        else:
+            prop = await st.engine.submit("propose", lambda: proposer.propose(msg.base_len, new_ids, hidden))
+        out = draft_pb2.Proposal(base_len=msg.base_len, tree=tree_to_pb(prop.tree), draft_ms=prop.draft_ms)
+        if prop.draft_probs is not None:
+            out.draft_probs.CopyFrom(tensor_to_pb(prop.draft_probs, torch.float32))
+        return draft_pb2.DraftResponse(proposal=out)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="splitspec-draft", description="The draft (proposer) gRPC service.")
+    a = p.add_argument
+    a("--model-path", default=None, help="DFlash draft folder (config.json + model.safetensors); "
+                                         "not needed with --method ngram")
+    a("--target-model-path", default=None,
+      help="the target's Hugging Face folder: embed_tokens/lm_head, vocab and tokenizer come from it")
+    a("--method", default="dflash", choices=METHODS, help="dflash (block diffusion) or ngram (prompt lookup)")
+    a("--served-model-name", default=None, help="model id reported by GetInfo (default: the folder name)")
+    a("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in containers)")
+    a("--port", type=int, default=50052, help="port to listen on (0: any free port)")
+    a("--device", default="cpu", help="cpu, cuda or cuda:N")
+    a("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+      help="draft weights dtype (auto: bfloat16 on CUDA, float32 on CPU)")
+    a("--block-size-means", default="verify_width", choices=BLOCK_SIZE_MEANINGS,
+      help="how to read the checkpoint's block_size: the verify width B (z-lab, SGLang) or the "
+           "number of drafted tokens B - 1")
+    a("--speculative-num-draft-tokens", type=int, default=8,
+      help="verify width for --method ngram (dflash uses the checkpoint's block size)")
+    a("--ngram-min", type=int, default=1, help="shortest suffix n-gram to look up (ngram)")
+    a("--ngram-max", type=int, default=4, help="longest suffix n-gram to look up (ngram)")
+    a("--max-sessions", type=int, default=64, help="open sessions at once; more get RESOURCE_EXHAUSTED")
+    a("--max-context", type=int, default=4096, help="longest sequence a session may reach")
+    a("--idle-timeout-s", type=float, default=300.0, help="close a session silent for this long (0: never)")
+    a("--max-message-mb", type=int, default=64, help="largest gRPC message, either direction")
+    a("--drain-timeout-s", type=float, default=30.0, help="on SIGTERM, how long in-flight sessions may run")
+    a("--log-level", default="info", choices=list(logs.LEVELS), help="JSON log lines at this level and above")
+    return apply_env(p)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    if args.method == "dflash":
+        for flag, value in (("--model-path", args.model_path), ("--target-model-path", args.target_model_path)):
+            if not value or not (Path(value) / "config.json").is_file():
+                raise SystemExit(f"{flag} {value}: no config.json there (--method dflash needs the draft "
+                                 f"and its target's folders)")
+    for name in ("max_sessions", "max_message_mb", "max_context"):
+        if getattr(args, name) <= 0:
+            raise SystemExit(f"--{name.replace('_', '-')} must be positive")
+    if not 1 <= args.ngram_min <= args.ngram_max:
+        raise SystemExit("--ngram-min must be >= 1 and <= --ngram-max")
+
+
+def _load(args: argparse.Namespace):
+    if args.method != "dflash":
+        return None
+    device = resolve_device(args.device)
+    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
+    return load_draft(args.model_path, args.target_model_path, dtype=parse_dtype(dtype), device=device,
+                      block_size_means=args.block_size_means)
+
+
+def _warmup(model) -> float:
+    """One real draft forward over a 1-token context, so the first request pays nothing lazy."""
+    if model is None:
+        return 0.0
+    t = time.perf_counter()
+    p = DFlashProposer(model, max_len=8)
+    p.open([0], torch.zeros(1, model.cfg.target_feature_size))
+    p.propose(2, [0], None)
+    return (time.perf_counter() - t) * 1e3
+
+
+async def serve(args: argparse.Namespace, *, started=None) -> None:
+    log = logs.get_logger()
+    target_path = Path(args.target_model_path) if args.target_model_path else None
+    target_cfg = ModelConfig.from_dir(target_path) if target_path else None
+    state = DraftState(args, args.method, target_cfg, tokenizer_hash(target_path) if target_path else "")
+    server = Server([SERVICE], max_message_mb=args.max_message_mb)
+    draft_pb2_grpc.add_DraftServicer_to_server(DraftServicer(state, server), server.grpc)
+    port = await server.start(args.host, args.port)
+    log.info("listening", host=args.host, port=port, method=args.method, model_path=args.model_path)
+    if started is not None:
+        started(server)
+    engine = EngineLoop("draft-engine-loop")
+
+    async def startup():
+        t = time.perf_counter()
+        state.model = await engine.submit("load", lambda: _load(args))
+        warm_ms = await engine.submit("warmup", lambda: _warmup(state.model))
+        state.engine = engine
+        info = {"block_size": state.block_size}
+        if state.model is not None:
+            info.update(target_layer_ids=list(state.model.cfg.target_layer_ids),
+                        layers=state.model.cfg.num_hidden_layers, mask_token_id=state.model.cfg.mask_token_id)
+        log.info("serving", method=args.method, load_s=round(time.perf_counter() - t, 3),
+                 warmup_ms=round(warm_ms, 1), **info)
+
+    def refuse_new():
+        state.accepting = False
+    try:
+        await server.run(startup(), args.drain_timeout_s, on_drain=refuse_new)
+    finally:
+        engine.stop()
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
+    check_args(args)
+    logs.configure("draft", args.log_level)
+    try:
+        asyncio.run(serve(args))
+    except (ConfigError, CheckpointError, ValueError, json.JSONDecodeError) as exc:
+        logs.get_logger().error("startup_failed", error=str(exc))
+        raise SystemExit(f"splitspec-draft: {exc}") from None
+    except KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    main()
