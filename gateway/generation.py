@@ -1,0 +1,108 @@
+"""One request, start to finish. A *token source* is an async generator that yields lists of
+newly committed tokens: `target_only_steps` (Open, then Decode on the target) today, a
+speculative source (propose on the draft, verify on the target) next to it. `stream_response`
+is common to all sources: it applies eos / stop tokens / stop strings / max_new_tokens,
+detokenizes incrementally and turns the tokens into Chunk messages, then one Complete."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from splitspec.v1 import gateway_pb2
+
+from .backends import TargetSession
+from .detok import IncrementalDetokenizer
+from .request import Request
+from .stops import StopMatcher
+
+
+@dataclass
+class Stats:
+    """Filled in by the token source as it goes; becomes SpeculativeStats."""
+    method: str = "none"
+    verify_steps: int = 0                  # Verify calls, or Decode steps target-only
+    committed: int = 0                     # tokens committed by those steps (not b0)
+    accepted_per_position: list[int] = field(default_factory=list)
+    draft_tokens: int = 0
+    draft_ms: float = 0.0
+    verify_ms: float = 0.0
+    model_ms: float = 0.0                  # time inside the models, as the services report it
+    hidden_state_bytes: int = 0
+    draft_fallbacks: int = 0
+    target_failovers: int = 0
+    time_to_first_token_ms: float = 0.0
+    started: float = field(default_factory=time.perf_counter)   # when the request arrived
+
+    def to_pb(self) -> gateway_pb2.SpeculativeStats:
+        return gateway_pb2.SpeculativeStats(
+            method=self.method, verify_steps=self.verify_steps,
+            accept_length=self.committed / self.verify_steps if self.verify_steps else 0.0,
+            accepted_per_position=self.accepted_per_position, draft_tokens=self.draft_tokens,
+            draft_ms=self.draft_ms, verify_ms=self.verify_ms,
+            wire_ms=max(0.0, self.draft_ms + self.verify_ms - self.model_ms),
+            hidden_state_bytes=self.hidden_state_bytes, draft_fallbacks=self.draft_fallbacks,
+            target_failovers=self.target_failovers, time_to_first_token_ms=self.time_to_first_token_ms)
+
+
+async def target_only_steps(target: TargetSession, req: Request, stats: Stats) -> AsyncIterator[list[int]]:
+    """Prefill with Open (yields b0), then one Decode for the rest, streamed token by token.
+    If the consumer stops early (eos, stop string), the session is cancelled by its owner."""
+    stats.method = "none"
+    t = time.perf_counter()
+    opened = await target.open(req.request_id, req.prompt_ids, req.sampling, max_new_tokens=req.max_new_tokens)
+    stats.model_ms += opened.forward_ms
+    stats.verify_ms += (time.perf_counter() - t) * 1e3
+    yield [opened.first_token_id]
+    if req.max_new_tokens > 1:
+        t = time.perf_counter()
+        async for tok in target.decode(req.max_new_tokens - 1):
+            now = time.perf_counter()
+            stats.verify_ms += (now - t) * 1e3
+            stats.model_ms += tok.forward_ms
+            stats.verify_steps += 1
+            stats.committed += 1
+            yield [tok.token_id]
+            t = time.perf_counter()     # time the consumer spends is not the target's
+
+
+async def stream_response(req: Request, steps: AsyncIterator[list[int]], tokenizer,
+                          stats: Stats) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+    detok = IncrementalDetokenizer(tokenizer, req.prompt_ids)
+    stops = StopMatcher(req.stop)
+    generated = 0
+    finish = None
+    async for tokens in steps:
+        ids, text = [], []
+        for tok in tokens:
+            ids.append(tok)
+            generated += 1
+            text.append(stops.feed(detok.add([tok])))
+            if stops.stopped:
+                finish = "stop"
+            elif tok in req.eos_token_ids:
+                finish = "eos"
+            elif tok in req.stop_token_ids:
+                finish = "stop"
+            elif generated >= req.max_new_tokens:
+                finish = "length"
+            if finish:
+                break
+        if finish and not stops.stopped:
+            text.append(stops.feed(detok.flush()))
+            if not stops.stopped:
+                text.append(stops.flush())
+        if not stats.time_to_first_token_ms:
+            stats.time_to_first_token_ms = (time.perf_counter() - stats.started) * 1e3
+        yield gateway_pb2.GenerateResponse(chunk=gateway_pb2.Chunk(token_ids=ids, text="".join(text)))
+        if finish:
+            break
+    if finish is None:   # the source ended on its own: only at the context limit
+        finish = "length"
+        tail = stops.feed(detok.flush()) + ("" if stops.stopped else stops.flush())
+        if tail:
+            yield gateway_pb2.GenerateResponse(chunk=gateway_pb2.Chunk(text=tail))
+    yield gateway_pb2.GenerateResponse(complete=gateway_pb2.Complete(
+        finish_reason=finish,
+        usage=gateway_pb2.Usage(prompt_tokens=len(req.prompt_ids), completion_tokens=generated),
+        stats=stats.to_pb()))

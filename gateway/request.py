@@ -1,0 +1,117 @@
+"""Validation of a GenerateRequest into a plain `Request`. Every refusal names the field to
+fix; `RequestError.code` is the gRPC status (INVALID_ARGUMENT, or OUT_OF_RANGE for a prompt
+longer than the context)."""
+from __future__ import annotations
+
+import math
+import uuid
+from dataclasses import dataclass
+
+import grpc
+
+from splitspec.v1 import common_pb2, gateway_pb2
+
+from .config import DRAFT_SAMPLING, METHODS, GatewayConfig, SpeculativeConfig
+
+
+class RequestError(Exception):
+    def __init__(self, message: str, code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What the gateway knows about the target from GetInfo."""
+    vocab_size: int
+    max_context: int
+    eos_token_ids: tuple[int, ...]
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    sampling: common_pb2.SamplingParams     # temperature/top_p/top_k/seed, forwarded to the target
+    max_new_tokens: int                      # after clamping to the context
+    stop: list[str]
+    stop_token_ids: frozenset[int]
+    eos_token_ids: frozenset[int]           # empty with ignore_eos
+    speculative: SpeculativeConfig           # the request's choices over the gateway's defaults
+
+
+def parse_request(req: gateway_pb2.GenerateRequest, cfg: GatewayConfig, limits: ModelLimits,
+                  tokenizer) -> Request:
+    s = req.sampling
+    if s.HasField("temperature") and (math.isnan(s.temperature) or s.temperature < 0):
+        raise RequestError(f"sampling.temperature must be >= 0 (0 = greedy), got {s.temperature}")
+    if s.HasField("top_p") and (math.isnan(s.top_p) or not 0.0 < s.top_p <= 1.0):
+        raise RequestError(f"sampling.top_p must be in (0, 1], got {s.top_p}")
+    if s.HasField("top_k") and s.top_k < 0:
+        raise RequestError(f"sampling.top_k must be >= 0 (0 = off), got {s.top_k}")
+    max_new = s.max_new_tokens if s.HasField("max_new_tokens") else cfg.default_max_new_tokens
+    if max_new <= 0:
+        raise RequestError(f"sampling.max_new_tokens must be >= 1, got {max_new}")
+    if max_new > cfg.max_new_tokens_cap:
+        raise RequestError(f"sampling.max_new_tokens = {max_new} is above the gateway's cap of "
+                           f"{cfg.max_new_tokens_cap} (--max-new-tokens-cap)")
+    for i, stop in enumerate(s.stop):
+        if not stop:
+            raise RequestError(f"sampling.stop[{i}] is empty")
+    for i, t in enumerate(s.stop_token_ids):
+        if not 0 <= t < limits.vocab_size:
+            raise RequestError(f"sampling.stop_token_ids[{i}] = {t} is outside the vocabulary "
+                               f"[0, {limits.vocab_size})")
+
+    prompt = _prompt(req, limits, tokenizer)
+    if len(prompt) >= limits.max_context:
+        raise RequestError(f"the prompt has {len(prompt)} tokens; the model's max context is "
+                           f"{limits.max_context} (prompt + at least one new token)",
+                           grpc.StatusCode.OUT_OF_RANGE)
+    sampling = common_pb2.SamplingParams()
+    for name in ("temperature", "top_p", "top_k", "seed"):
+        if s.HasField(name):
+            setattr(sampling, name, getattr(s, name))
+    return Request(
+        request_id=req.request_id or uuid.uuid4().hex[:16],
+        prompt_ids=prompt, sampling=sampling,
+        # Past the context there is no room; stop there with finish_reason "length".
+        max_new_tokens=min(max_new, limits.max_context - len(prompt)),
+        stop=list(s.stop), stop_token_ids=frozenset(s.stop_token_ids),
+        eos_token_ids=frozenset() if s.ignore_eos else frozenset(limits.eos_token_ids),
+        speculative=_speculative(req.speculative, cfg.speculative))
+
+
+def _prompt(req: gateway_pb2.GenerateRequest, limits: ModelLimits, tokenizer) -> list[int]:
+    kind = req.WhichOneof("input")
+    if kind is None:
+        raise RequestError("input is not set: give text or token_ids")
+    if kind == "text":
+        if not req.text:
+            raise RequestError("text is empty")
+        return tokenizer.encode(req.text, add_special_tokens=True).ids   # BOS where the model wants one, as vLLM does
+    ids = list(req.token_ids.ids)
+    if not ids:
+        raise RequestError("token_ids.ids is empty")
+    for i, t in enumerate(ids):
+        if not 0 <= t < limits.vocab_size:
+            raise RequestError(f"token_ids.ids[{i}] = {t} is outside the vocabulary [0, {limits.vocab_size})")
+    return ids
+
+
+def _speculative(msg: common_pb2.SpeculativeParams, default: SpeculativeConfig) -> SpeculativeConfig:
+    method = msg.method.lower() or default.method
+    if method not in METHODS:
+        raise RequestError(f"speculative.method {msg.method!r} is not one of {', '.join(METHODS)}")
+    draft_sampling = msg.draft_sampling.lower() or default.draft_sampling
+    if draft_sampling not in DRAFT_SAMPLING:
+        raise RequestError(f"speculative.draft_sampling {msg.draft_sampling!r} is not one of "
+                           f"{', '.join(DRAFT_SAMPLING)}")
+    values = {}
+    for name, attr, low in (("num_steps", "num_steps", 1), ("topk", "eagle_topk", 1),
+                            ("num_draft_tokens", "num_draft_tokens", 2)):
+        value = getattr(msg, name) if msg.HasField(name) else getattr(default, attr)
+        if value < low:
+            raise RequestError(f"speculative.{name} must be >= {low}, got {value}")
+        values[attr] = value
+    return SpeculativeConfig(method=method, draft_sampling=draft_sampling, **values)

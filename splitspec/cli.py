@@ -1,0 +1,207 @@
+"""The `splitspec` command.
+
+    splitspec up [--prompt TEXT]              start target (+ draft) + gateway locally; serve, or run one prompt
+    splitspec generate --gateway H:P PROMPT   stream one generation from a running gateway
+    splitspec health H:P                      grpc.health.v1 check (exit 0 when SERVING); for container health checks
+    splitspec train-target ...                train the default target model (splitspec.train.target)
+"""
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from splitspec.flags import apply_env
+
+DEFAULT_TARGET = "models/splitspec-code-target"
+DEFAULT_DRAFT = "models/splitspec-code-draft"
+DEFAULT_GATEWAY_PORT = 50050
+
+
+def _model_dir(given: str | None, default: str) -> Path | None:
+    """The given folder, else the default one under the working directory or the source tree."""
+    if given:
+        return Path(given)
+    for root in (Path.cwd(), Path(__file__).resolve().parent.parent):
+        if (root / default / "config.json").is_file():
+            return root / default
+    return None
+
+
+def add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    a = p.add_argument
+    a("--max-new-tokens", type=int, default=None, help="tokens to generate (default: the gateway's)")
+    a("--temperature", type=float, default=None, help="0 or unset: greedy")
+    a("--top-p", type=float, default=None, help="nucleus sampling, in (0, 1]")
+    a("--top-k", type=int, default=None, help="sample among the k most likely tokens (0: off)")
+    a("--seed", type=int, default=None, help="same seed, same output")
+    a("--stop", action="append", default=[], help="stop string (repeatable); not printed")
+    a("--stop-token-id", type=int, action="append", default=[], help="stop token id (repeatable)")
+    a("--ignore-eos", action="store_true", help="keep generating past the model's eos")
+    a("--method", default="", choices=["", "dflash", "ngram", "none"],
+      help="speculative method (default: the gateway's)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="splitspec", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="start the services locally; serve, or run one --prompt and exit")
+    a = up.add_argument
+    a("--model-path", default=None, help=f"target model folder (default: {DEFAULT_TARGET}; a small random "
+      "model if that is missing)")
+    a("--draft-model-path", default=None, help=f"draft model folder (default: {DEFAULT_DRAFT})")
+    a("--host", default="127.0.0.1", help="address the services listen on")
+    a("--target-port", type=int, default=0, help="0: a free port")
+    a("--draft-port", type=int, default=0, help="0: a free port")
+    a("--gateway-port", type=int, default=DEFAULT_GATEWAY_PORT, help="0: a free port (the default one, "
+      "if taken, falls back to a free port)")
+    a("--device", default="cpu", help="target device: cpu, cuda or cuda:N")
+    a("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="target dtype")
+    a("--sampling-backend", default="torch", choices=["torch", "flashinfer"], help="target sampling kernels")
+    a("--log-dir", default=None, help="where the services' logs go (default: a temporary folder)")
+    a("--startup-timeout-s", type=float, default=600.0, help="how long to wait for each service to serve")
+    a("--prompt", default=None, help="stream one generation for this prompt, print stats, stop everything")
+    add_sampling_flags(up)
+    apply_env(up)
+
+    gen = sub.add_parser("generate", help="stream one generation from a running gateway")
+    gen.add_argument("--gateway", default="127.0.0.1:50050", help="gateway address host:port")
+    gen.add_argument("prompt", nargs="?", default=None, help="prompt text")
+    gen.add_argument("--token-ids", default=None, help="comma-separated prompt token ids instead of text")
+    gen.add_argument("--request-id", default="", help="shows in the services' logs (default: generated)")
+    gen.add_argument("--timeout-s", type=float, default=None, help="deadline for the whole generation")
+    add_sampling_flags(gen)
+    apply_env(gen)
+
+    health = sub.add_parser("health", help="grpc.health.v1 check: exit 0 when SERVING")
+    health.add_argument("address", help="host:port")
+    health.add_argument("--service", default="", help="service name (default: the whole server)")
+    health.add_argument("--timeout-s", type=float, default=3.0)
+
+    sub.add_parser("train-target", add_help=False, help="train the default target model (see its --help)")
+    return p
+
+
+def _sampling(args) -> dict:
+    return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                top_k=args.top_k, seed=args.seed, stop=args.stop, stop_token_ids=args.stop_token_id,
+                ignore_eos=args.ignore_eos, method=args.method)
+
+
+def run_generation(address: str, prompt, sampling: dict, *, request_id: str = "",
+                   timeout_s: float | None = None, out=sys.stdout, err=sys.stderr) -> int:
+    """Stream text to `out`, stats to `err`; returns an exit code."""
+    import grpc
+
+    from splitspec.client import build_request, format_stats, stream
+    t = time.perf_counter()
+    try:
+        for resp in stream(address, build_request(prompt, request_id=request_id, **sampling), timeout_s):
+            if resp.HasField("chunk"):
+                out.write(resp.chunk.text)
+                out.flush()
+            else:
+                out.write("\n")
+                out.flush()
+                print(f"--- {format_stats(resp.complete, time.perf_counter() - t)}", file=err)
+    except grpc.RpcError as exc:
+        print(f"\nsplitspec generate: {exc.code().name}: {exc.details()}", file=err)
+        return 1
+    return 0
+
+
+def cmd_generate(args) -> int:
+    if (args.prompt is None) == (args.token_ids is None):
+        raise SystemExit("splitspec generate: give a prompt or --token-ids, not both")
+    prompt = args.prompt if args.token_ids is None else [int(x) for x in args.token_ids.split(",") if x]
+    return run_generation(args.gateway, prompt, _sampling(args), request_id=args.request_id,
+                          timeout_s=args.timeout_s)
+
+
+def cmd_health(args) -> int:
+    from grpc_health.v1 import health_pb2
+
+    from splitspec.launch import health_status
+    status = health_status(args.address, args.service, args.timeout_s)
+    name = "UNREACHABLE" if status is None else health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+    print(name)
+    return 0 if status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def cmd_up(args) -> int:
+    from splitspec.launch import port_available, start_service
+
+    model = _model_dir(args.model_path, DEFAULT_TARGET)
+    if model is None:
+        from splitspec.random_model import ensure_random_model   # imports torch: only when needed
+        model = ensure_random_model()
+        print(f"WARNING: {DEFAULT_TARGET} not found: serving a small RANDOM model from {model}.\n"
+              f"WARNING: its weights are random, so its output is noise. Train the default model with "
+              f"`splitspec train-target`, or pass --model-path.", file=sys.stderr)
+    elif not (model / "config.json").is_file():
+        raise SystemExit(f"--model-path {model}: no config.json there")
+    draft = _model_dir(args.draft_model_path, DEFAULT_DRAFT)
+    if draft is not None:
+        print(f"note: the draft service is not available yet; {draft} is not served "
+              "(generation runs target-only)", file=sys.stderr)
+    gateway_port = args.gateway_port
+    if gateway_port == DEFAULT_GATEWAY_PORT and not port_available(args.host, gateway_port):
+        gateway_port = 0
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="splitspec-up-"))
+    procs = []
+    # SIGTERM, and SIGINT even where a non-interactive shell ignores it, must still reach the
+    # `finally` below, or the services would outlive `up`.
+    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
+    try:
+        target = start_service("target", ["--model-path", str(model), "--device", args.device,
+                                          "--dtype", args.dtype, "--sampling-backend", args.sampling_backend],
+                               log_dir=log_dir, host=args.host, port=args.target_port or None)
+        procs.append(target)
+        print(f"target  {target.address}  loading {model} (logs: {target.log_path})", file=sys.stderr)
+        target.wait_healthy(args.startup_timeout_s)
+        gateway = start_service("gateway", ["--target", target.address], log_dir=log_dir,
+                                host=args.host, port=gateway_port or None)
+        procs.append(gateway)
+        gateway.wait_healthy(args.startup_timeout_s)
+        print(f"gateway {gateway.address}  serving (logs: {gateway.log_path})", file=sys.stderr)
+        if args.prompt is not None:
+            return run_generation(gateway.address, args.prompt, _sampling(args))
+        print(f"ready: splitspec generate --gateway {gateway.address} \"def fibonacci(n):\"   (Ctrl-C stops)",
+              file=sys.stderr)
+        while all(p.proc.poll() is None for p in procs):
+            time.sleep(0.5)
+        dead = next(p for p in procs if p.proc.poll() is not None)
+        print(f"{dead.name} exited with code {dead.proc.returncode}; last log lines:\n{dead.log_tail()}",
+              file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"splitspec up: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        for p in reversed(procs):
+            p.stop()
+
+
+def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "train-target":
+        from splitspec.train.target import main as train_main   # heavy: imported only when asked for
+        sys.exit(train_main(argv[1:]))
+    args = build_parser().parse_args(argv)
+    sys.exit({"up": cmd_up, "generate": cmd_generate, "health": cmd_health}[args.command](args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""A small Python client of the gateway: build a GenerateRequest and stream the response.
+`splitspec generate` and `splitspec up --prompt` print with it; programs can import it."""
+from __future__ import annotations
+
+from typing import Iterator
+
+import grpc
+
+from splitspec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+
+
+def build_request(prompt: str | list[int], *, max_new_tokens: int | None = None,
+                  temperature: float | None = None, top_p: float | None = None,
+                  top_k: int | None = None, seed: int | None = None, stop=(), stop_token_ids=(),
+                  ignore_eos: bool = False, method: str = "", request_id: str = "") -> gateway_pb2.GenerateRequest:
+    sampling = common_pb2.SamplingParams(stop=list(stop), stop_token_ids=list(stop_token_ids),
+                                         ignore_eos=ignore_eos)
+    for name, value in (("max_new_tokens", max_new_tokens), ("temperature", temperature),
+                        ("top_p", top_p), ("top_k", top_k), ("seed", seed)):
+        if value is not None:
+            setattr(sampling, name, value)
+    req = gateway_pb2.GenerateRequest(request_id=request_id, sampling=sampling,
+                                      speculative=common_pb2.SpeculativeParams(method=method))
+    if isinstance(prompt, str):
+        req.text = prompt
+    else:
+        req.token_ids.ids.extend(prompt)
+    return req
+
+
+def stream(address: str, request: gateway_pb2.GenerateRequest,
+           timeout_s: float | None = None) -> Iterator[gateway_pb2.GenerateResponse]:
+    with grpc.insecure_channel(address) as ch:
+        yield from gateway_pb2_grpc.GenerationStub(ch).Generate(request, timeout=timeout_s)
+
+
+def format_stats(complete: gateway_pb2.Complete, elapsed_s: float) -> str:
+    s, u = complete.stats, complete.usage
+    rate = u.completion_tokens / elapsed_s if elapsed_s > 0 else 0.0
+    lines = [f"finish_reason={complete.finish_reason} prompt_tokens={u.prompt_tokens} "
+             f"completion_tokens={u.completion_tokens} time={elapsed_s:.2f}s ({rate:.1f} tok/s) "
+             f"ttft={s.time_to_first_token_ms:.0f}ms",
+             f"method={s.method} verify_steps={s.verify_steps} accept_length={s.accept_length:.2f} "
+             f"verify_ms={s.verify_ms:.0f} draft_ms={s.draft_ms:.0f} wire_ms={s.wire_ms:.0f}"]
+    if s.draft_tokens:
+        lines.append(f"draft_tokens={s.draft_tokens} accepted_per_position={list(s.accepted_per_position)} "
+                     f"hidden_state_bytes={s.hidden_state_bytes}")
+    return "\n".join(lines)

@@ -1,0 +1,122 @@
+"""What every splitspec gRPC server shares: message-size options, standard health
+(grpc.health.v1) and reflection, and a SIGTERM/SIGINT drain. The target, draft and gateway
+servers each build one `Server` and register their own servicer on `server.grpc`."""
+from __future__ import annotations
+
+import asyncio
+import signal
+import threading
+from dataclasses import dataclass, field
+from typing import Awaitable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from .logs import get_logger
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def channel_options(max_message_mb: int, *, round_robin: bool = False) -> list[tuple]:
+    """Options for servers and clients. round_robin spreads RPCs (for us: whole sessions)
+    over every address a name resolves to, e.g. the replicas behind `dns:///target:50051`."""
+    size = max_message_mb * 1024 * 1024
+    opts = [("grpc.max_send_message_length", size), ("grpc.max_receive_message_length", size),
+            # A client stream left open by a crashed peer must not pin a KV cache forever.
+            ("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_timeout_ms", 10_000),
+            ("grpc.http2.max_pings_without_data", 0), ("grpc.keepalive_permit_without_calls", 1)]
+    if round_robin:
+        opts.append(("grpc.service_config", '{"loadBalancingConfig": [{"round_robin": {}}]}'))
+    return opts
+
+
+def server_options(max_message_mb: int) -> list[tuple]:
+    return channel_options(max_message_mb) + [
+        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+        ("grpc.so_reuseport", 0),  # two servers on one port would split sessions silently
+    ]
+
+
+@dataclass
+class Server:
+    """A grpc.aio server with health and reflection for `services` (full names, e.g.
+    "splitspec.v1.Target"). Health starts NOT_SERVING; call `set_serving(True)` once the
+    service can take work (weights loaded and warmed up)."""
+    services: list[str]
+    max_message_mb: int = 64
+    grpc: grpc.aio.Server = field(init=False)
+    health: health.aio.HealthServicer = field(init=False)
+
+    def __post_init__(self):
+        self.grpc = grpc.aio.server(options=server_options(self.max_message_mb))
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
+        names = [*self.services, health.SERVICE_NAME, reflection.SERVICE_NAME]
+        reflection.enable_server_reflection(names, self.grpc)
+        self.serving = False
+        self.draining = False
+
+    async def start(self, host: str, port: int) -> int:
+        """Bind and start with health NOT_SERVING; returns the bound port (useful with port 0).
+        From here on SIGTERM/SIGINT request a drain, even during start-up."""
+        for name in ("", *self.services):
+            await self.health.set(name, NOT_SERVING)
+        try:
+            bound = self.grpc.add_insecure_port(_address(host, port))
+        except RuntimeError:
+            bound = 0
+        if bound == 0:
+            raise SystemExit(f"cannot listen on {host}:{port}: the port is in use or the address is not local")
+        await self.grpc.start()
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._loop.add_signal_handler(sig, self._stop.set)
+        return bound
+
+    def request_stop(self) -> None:
+        """Same as SIGTERM; callable from any thread."""
+        self._loop.call_soon_threadsafe(self._stop.set)
+
+    async def set_serving(self, ok: bool) -> None:
+        self.serving = ok
+        for name in ("", *self.services):
+            await self.health.set(name, SERVING if ok else NOT_SERVING)
+
+    async def run(self, startup: Awaitable, drain_timeout_s: float, on_drain=None) -> bool:
+        """Run `startup` (load weights and warm up, or connect to backends), go SERVING, serve
+        until SIGTERM/SIGINT, then drain: health goes NOT_SERVING (load balancers and compose
+        stop sending work), new RPCs are refused, in-flight ones get `drain_timeout_s` to
+        finish, and the server stops. Returns False if stopped before start-up finished."""
+        log = get_logger()
+        stopper = asyncio.ensure_future(self._stop.wait())
+        task = asyncio.ensure_future(startup)
+        try:
+            await asyncio.wait([task, stopper], return_when=asyncio.FIRST_COMPLETED)
+            if not task.done():
+                log.info("stopped_during_startup")
+                return False
+            task.result()                       # start-up errors propagate
+            await self.set_serving(True)
+            waiter = asyncio.ensure_future(self.grpc.wait_for_termination())
+            await asyncio.wait([waiter, stopper], return_when=asyncio.FIRST_COMPLETED)
+            if not waiter.done():
+                log.info("draining", timeout_s=drain_timeout_s)
+                self.draining = True
+                await self.health.enter_graceful_shutdown()
+                if on_drain is not None:
+                    on_drain()
+                await self.grpc.stop(drain_timeout_s)
+            log.info("stopped")
+            return True
+        finally:
+            task.cancel()
+            stopper.cancel()
+            await self.grpc.stop(0)
+
+
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"

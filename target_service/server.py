@@ -1,0 +1,296 @@
+"""gRPC adapter of the target service: `Target.Session` (one bidi stream per sequence) and
+`GetInfo` over the scheduler's engine loop, plus the `splitspec-target` command.
+
+    splitspec-target --model-path models/splitspec-code-target --port 50051
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+import time
+import uuid
+from pathlib import Path
+
+import grpc
+
+from splitspec import logs
+from splitspec.flags import apply_env
+from splitspec.serving import Server
+from splitspec.v1 import target_pb2, target_pb2_grpc
+from splitspec.wire import (WireError, check_token_ids, dtype_from_pb, sampling_from_pb,
+                            tensor_from_pb, tensor_to_pb, tree_from_pb)
+
+from .flashinfer_backend import BackendError, make_verifier
+from .loader import load_model, parse_dtype, resolve_device, tokenizer_hash
+from .config import ConfigError
+from .loader import CheckpointError
+from .scheduler import AdmissionError, ContextError, DrainingError, EngineLoop, Scheduler, StaleError
+from .tree import TreeError
+
+SERVICE = "splitspec.v1.Target"
+MAX_TREE_NODES = 256
+
+# Exceptions from the scheduler and engine -> the status a client can act on.
+_STATUS = [
+    (AdmissionError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (DrainingError, grpc.StatusCode.UNAVAILABLE),
+    (ContextError, grpc.StatusCode.OUT_OF_RANGE),
+    (StaleError, grpc.StatusCode.ABORTED),
+    (WireError, grpc.StatusCode.INVALID_ARGUMENT),
+    (TreeError, grpc.StatusCode.INVALID_ARGUMENT),
+    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
+]
+
+
+class ProtocolError(Exception):
+    """Messages in the wrong order: FAILED_PRECONDITION."""
+
+
+class IdleError(Exception):
+    """No message for --idle-timeout-s while the session was waiting: DEADLINE_EXCEEDED."""
+
+
+def status_for(exc: BaseException) -> grpc.StatusCode:
+    if isinstance(exc, ProtocolError):
+        return grpc.StatusCode.FAILED_PRECONDITION
+    if isinstance(exc, IdleError):
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+    for cls, code in _STATUS:
+        if isinstance(exc, cls):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+class TargetState:
+    """Everything the servicer needs; `scheduler` is None until the weights are loaded."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.scheduler: Scheduler | None = None
+        self.model = None
+        self.replica_id = f"{socket.gethostname()}-{os.getpid()}"
+        path = Path(args.model_path)
+        self.model_id = args.served_model_name or path.name
+        tok = path / "tokenizer.json"
+        self.tokenizer_json = tok.read_bytes() if tok.is_file() else b""
+        tok_cfg = path / "tokenizer_config.json"
+        self.tokenizer_config_json = tok_cfg.read_text() if tok_cfg.is_file() else ""
+        self.tokenizer_hash = tokenizer_hash(path)
+
+
+class TargetServicer(target_pb2_grpc.TargetServicer):
+    def __init__(self, state: TargetState, server: Server):
+        self.state = state
+        self.server = server
+
+    async def GetInfo(self, request, context):
+        sched = await self._scheduler(context)
+        cfg, args = sched.cfg, self.state.args
+        return target_pb2.TargetInfo(
+            model_id=self.state.model_id, architecture=cfg.architecture, vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size, num_layers=cfg.num_hidden_layers,
+            dtype=str(sched.dtype).removeprefix("torch."), eos_token_ids=list(cfg.eos_token_ids),
+            max_context=sched.max_context, tokenizer_hash=self.state.tokenizer_hash,
+            tokenizer_json=self.state.tokenizer_json,
+            tokenizer_config_json=self.state.tokenizer_config_json,
+            active_sessions=sched.active_sessions, max_sessions=sched.max_sessions,
+            kv_cache_bytes=sched.kv_bytes, kv_cache_budget_bytes=sched.kv_budget_bytes,
+            sampling_backend=args.sampling_backend, replica_id=self.state.replica_id)
+
+    async def _scheduler(self, context) -> Scheduler:
+        if self.state.scheduler is None or not self.server.serving:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the target is loading its model; retry when "
+                                "grpc.health.v1 reports SERVING")
+        return self.state.scheduler
+
+    async def Session(self, request_iterator, context):
+        sched = await self._scheduler(context)
+        session = None
+        log = logs.get_logger(peer=context.peer())
+        try:
+            while True:
+                req = await self._read(context, idle=session is not None)
+                if req is grpc.aio.EOF:
+                    break
+                kind = req.WhichOneof("kind")
+                if kind == "open":
+                    if session is not None:
+                        raise ProtocolError("a second Open on one stream; open a new stream per sequence")
+                    session, resp = await self._open(sched, req.open)
+                    log = log.bind(session_id=session.session_id)
+                    log.info("session_opened", prompt_len=session.prompt_len, max_len=session.max_len,
+                             kv_bytes=session.kv_bytes, active_sessions=sched.active_sessions)
+                    await context.write(resp)
+                elif kind is None:
+                    raise WireError("TargetRequest.kind is not set: send open, decode, verify or close")
+                elif session is None:
+                    raise ProtocolError(f"{kind} before open: the first message must be Open")
+                elif kind == "decode":
+                    await self._decode(sched, session, req.decode, context)
+                elif kind == "verify":
+                    await context.write(await self._verify(sched, session, req.verify))
+                else:
+                    await context.write(target_pb2.TargetResponse(closed=target_pb2.TargetClosed()))
+                    break
+        except asyncio.CancelledError:
+            log.info("session_cancelled")
+            raise
+        except Exception as exc:  # every failure ends this stream only, never the service
+            code = status_for(exc)
+            if code == grpc.StatusCode.INTERNAL:
+                log.exception("session_failed")
+            else:
+                log.info("session_refused", code=code.name, message=str(exc))
+            await context.abort(code, str(exc))
+        finally:
+            if session is not None:
+                sched.close(session)
+                log.info("session_closed", length=session.length, active_sessions=sched.active_sessions,
+                         seconds=round(time.monotonic() - session.opened_at, 3))
+
+    async def _read(self, context, idle: bool):
+        timeout = self.state.args.idle_timeout_s if idle and self.state.args.idle_timeout_s > 0 else None
+        try:
+            return await asyncio.wait_for(context.read(), timeout)
+        except asyncio.TimeoutError:
+            raise IdleError(f"session idle for more than {timeout:g} s (--idle-timeout-s); "
+                            "its KV cache was freed") from None
+
+    async def _open(self, sched: Scheduler, msg: target_pb2.TargetOpen):
+        prompt = check_token_ids(msg.prompt_token_ids, sched.cfg.vocab_size, "open.prompt_token_ids")
+        if not prompt:
+            raise WireError("open.prompt_token_ids is empty: at least one token id is needed")
+        params = sampling_from_pb(msg.sampling)
+        wire_dtype = dtype_from_pb(msg.hidden_dtype) if msg.hidden_dtype else sched.dtype
+        session, step = await sched.open(msg.session_id or uuid.uuid4().hex, prompt, params,
+                                        hidden_layers=tuple(msg.hidden_layer_ids),
+                                        max_new_tokens=msg.max_new_tokens)
+        session.wire_dtype = wire_dtype
+        opened = target_pb2.TargetOpened(session_id=session.session_id, first_token_id=step.out.committed[0],
+                                          length=session.length, forward_ms=step.forward_ms)
+        if step.out.hidden is not None:
+            opened.hidden.CopyFrom(tensor_to_pb(step.out.hidden, wire_dtype))
+        return session, target_pb2.TargetResponse(opened=opened)
+
+    async def _decode(self, sched: Scheduler, session, msg: target_pb2.TargetDecode, context) -> None:
+        async for step in sched.decode(session, msg.n):
+            tok = target_pb2.TargetToken(token_id=step.out.committed[0], length=session.length,
+                                         forward_ms=step.forward_ms)
+            if msg.return_hidden and step.out.hidden is not None:
+                tok.hidden.CopyFrom(tensor_to_pb(step.out.hidden, session.wire_dtype))
+            await context.write(target_pb2.TargetResponse(token=tok))
+
+    async def _verify(self, sched: Scheduler, session, msg: target_pb2.TargetVerify):
+        tree = tree_from_pb(msg.tree, sched.cfg.vocab_size, MAX_TREE_NODES)
+        draft_probs = None
+        if msg.HasField("draft_probs"):
+            draft_probs = tensor_from_pb(msg.draft_probs, field="verify.draft_probs",
+                                         shape=(len(tree), sched.cfg.vocab_size))
+        step = await sched.verify(session, msg.base_len, tree, draft_probs)
+        verified = target_pb2.TargetVerified(
+            step=msg.step, committed_token_ids=step.out.committed, length=session.length,
+            num_accepted=step.out.result.num_accepted, forward_ms=step.forward_ms)
+        if step.out.hidden is not None:
+            verified.hidden.CopyFrom(tensor_to_pb(step.out.hidden, session.wire_dtype))
+        return target_pb2.TargetResponse(verified=verified)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="splitspec-target", description="The target (verifier) gRPC service.")
+    a = p.add_argument
+    a("--model-path", required=True, help="Hugging Face model folder (config.json, *.safetensors, tokenizer.json)")
+    a("--served-model-name", default=None, help="model id reported by GetInfo (default: the folder name)")
+    a("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in containers)")
+    a("--port", type=int, default=50051, help="port to listen on (0: any free port)")
+    a("--device", default="cpu", help="cpu, cuda or cuda:N")
+    a("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+      help="weights and KV cache dtype (auto: bfloat16 on CUDA, float32 on CPU)")
+    a("--max-sessions", type=int, default=64, help="open sessions at once; more get RESOURCE_EXHAUSTED")
+    a("--kv-cache-budget-mb", type=int, default=4096,
+      help="KV cache memory for all sessions; an Open that would exceed it gets RESOURCE_EXHAUSTED")
+    a("--max-context", type=int, default=0, help="longest sequence (0: the model's max_position_embeddings)")
+    a("--idle-timeout-s", type=float, default=300.0,
+      help="close a session that sends nothing for this long (0: never)")
+    a("--max-message-mb", type=int, default=64, help="largest gRPC message, either direction")
+    a("--sampling-backend", default="torch", choices=["torch", "flashinfer"],
+      help="verification/sampling kernels: torch (reference, any device) or flashinfer (CUDA)")
+    a("--drain-timeout-s", type=float, default=30.0,
+      help="on SIGTERM, how long in-flight sessions may run before the server stops")
+    a("--log-level", default="info", choices=list(logs.LEVELS), help="JSON log lines at this level and above")
+    return apply_env(p)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    for name in ("max_sessions", "kv_cache_budget_mb", "max_message_mb"):
+        if getattr(args, name) <= 0:
+            raise SystemExit(f"--{name.replace('_', '-')} must be positive")
+    if args.max_context < 0:
+        raise SystemExit("--max-context must be >= 0")
+    if not (Path(args.model_path) / "config.json").is_file():
+        raise SystemExit(f"--model-path {args.model_path}: no config.json there; expected a Hugging Face model folder")
+
+
+def _load(args: argparse.Namespace):
+    device = resolve_device(args.device)
+    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
+    model = load_model(args.model_path, dtype=parse_dtype(dtype), device=device)
+    return model, make_verifier(args.sampling_backend, device)
+
+
+async def serve(args: argparse.Namespace, *, load=_load, started=None) -> None:
+    """Listen at once (health NOT_SERVING), load and warm up on the engine thread, then go
+    SERVING. `load` and `started` (called with the Server once listening) are seams for tests."""
+    log = logs.get_logger()
+    server = Server([SERVICE], max_message_mb=args.max_message_mb)
+    state = TargetState(args)
+    target_pb2_grpc.add_TargetServicer_to_server(TargetServicer(state, server), server.grpc)
+    port = await server.start(args.host, args.port)
+    log.info("listening", host=args.host, port=port, model_path=str(args.model_path))
+    if started is not None:
+        started(server)
+    engine = EngineLoop()
+
+    async def startup():
+        t = time.perf_counter()
+        model, verifier = await engine.submit("load", lambda: load(args))
+        cfg = model.cfg
+        max_context = args.max_context or cfg.max_position_embeddings
+        if max_context > cfg.max_position_embeddings:
+            raise ConfigError(f"--max-context {max_context} exceeds the model's max_position_embeddings "
+                             f"{cfg.max_position_embeddings}")
+        sched = Scheduler(model, verifier=verifier, max_sessions=args.max_sessions,
+                          kv_budget_bytes=args.kv_cache_budget_mb * 1024 * 1024,
+                          max_context=max_context, engine=engine)
+        load_s = time.perf_counter() - t
+        warm_ms = await sched.warmup()
+        state.scheduler = sched
+        log.info("serving", model_id=state.model_id, architecture=cfg.architecture, layers=cfg.num_hidden_layers,
+                 vocab_size=cfg.vocab_size, max_context=max_context, dtype=str(sched.dtype).removeprefix("torch."),
+                 load_s=round(load_s, 3), warmup_ms=round(warm_ms, 1), sampling_backend=verifier.name)
+
+    def refuse_new():
+        if state.scheduler is not None:
+            state.scheduler.accepting = False
+    try:
+        await server.run(startup(), args.drain_timeout_s, on_drain=refuse_new)
+    finally:
+        engine.stop()
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
+    check_args(args)
+    logs.configure("target", args.log_level)
+    try:
+        asyncio.run(serve(args))
+    except (BackendError, ConfigError, CheckpointError, ValueError) as exc:
+        logs.get_logger().error("startup_failed", error=str(exc))
+        raise SystemExit(f"splitspec-target: {exc}") from None
+    except KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    main()

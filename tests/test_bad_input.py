@@ -1,0 +1,193 @@
+"""Bad input never crashes a service: each case gets INVALID_ARGUMENT / OUT_OF_RANGE (or the
+documented status for protocol and capacity errors) with a message naming the field, and both
+services stay healthy and keep serving afterwards."""
+from __future__ import annotations
+
+import math
+import queue
+import time
+
+import grpc
+import pytest
+
+from service_helpers import (collect, gateway_stub, running_gateway, running_target, target_info,
+                             target_stub, tiny_target_dir)
+from splitspec.client import build_request
+from splitspec.launch import health_status
+from splitspec.v1 import common_pb2, gateway_pb2, target_pb2
+from splitspec.wire import tensor_to_pb
+
+import torch
+
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+CAP = 100
+CONTEXT = 2048
+IDLE_S = 2
+
+
+@pytest.fixture(scope="module")
+def services(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("logs")
+    model = tiny_target_dir(CONTEXT)
+    with running_target(model, logs, "--max-sessions", "3", "--kv-cache-budget-mb", "1",
+                        "--idle-timeout-s", str(IDLE_S)) as target, \
+            running_gateway(target, logs, "--max-new-tokens-cap", str(CAP)) as gateway:
+        yield target, gateway
+
+
+def req(prompt=(5, 6, 7), **sampling):
+    spec = sampling.pop("speculative", None)
+    r = build_request(list(prompt), **sampling) if prompt is not None else gateway_pb2.GenerateRequest()
+    if spec:
+        r.speculative.CopyFrom(common_pb2.SpeculativeParams(**spec))
+    return r
+
+
+def text_req(text):
+    return gateway_pb2.GenerateRequest(text=text)
+
+
+GATEWAY_CASES = [
+    ("temperature < 0", req(temperature=-0.5), INVALID, "sampling.temperature"),
+    ("temperature nan", req(temperature=math.nan), INVALID, "sampling.temperature"),
+    ("top_p = 0", req(top_p=0.0), INVALID, "sampling.top_p"),
+    ("top_p > 1", req(top_p=1.5), INVALID, "sampling.top_p"),
+    ("top_k < 0", req(top_k=-1), INVALID, "sampling.top_k"),
+    ("max_new_tokens = 0", req(max_new_tokens=0), INVALID, "sampling.max_new_tokens"),
+    ("max_new_tokens < 0", req(max_new_tokens=-3), INVALID, "sampling.max_new_tokens"),
+    ("max_new_tokens above cap", req(max_new_tokens=CAP + 1), INVALID, "sampling.max_new_tokens"),
+    ("no input", req(prompt=None), INVALID, "input"),
+    ("empty text", text_req(""), INVALID, "text"),
+    ("empty token ids", gateway_pb2.GenerateRequest(token_ids=common_pb2.TokenIds()), INVALID, "token_ids"),
+    ("token id above vocab", req(prompt=(5, 512)), INVALID, "token_ids.ids[1]"),
+    ("negative token id", req(prompt=(-1,)), INVALID, "token_ids.ids[0]"),
+    ("prompt over context", req(prompt=[5] * CONTEXT), grpc.StatusCode.OUT_OF_RANGE, "prompt"),
+    ("unknown method", req(speculative={"method": "medusa"}), INVALID, "speculative.method"),
+    ("unknown draft sampling", req(speculative={"draft_sampling": "beam"}), INVALID, "speculative.draft_sampling"),
+    ("num_draft_tokens < 2", req(speculative={"num_draft_tokens": 1}), INVALID, "speculative.num_draft_tokens"),
+    ("empty stop string", req(stop=[""]), INVALID, "sampling.stop[0]"),
+    ("stop token id out of range", req(stop_token_ids=[9999]), INVALID, "sampling.stop_token_ids[0]"),
+]
+
+
+@pytest.mark.parametrize("request_msg,code,field", [c[1:] for c in GATEWAY_CASES],
+                         ids=[c[0] for c in GATEWAY_CASES])
+def test_gateway_refuses_bad_input(services, request_msg, code, field):
+    ch, stub = gateway_stub(services[1].address)
+    with ch, pytest.raises(grpc.RpcError) as err:
+        list(stub.Generate(request_msg, timeout=30))
+    assert err.value.code() == code
+    assert field in err.value.details()
+
+
+class Stream:
+    """A Target.Session stream driven one message at a time."""
+
+    def __init__(self, address):
+        self.ch, stub = target_stub(address)
+        self.q: queue.Queue = queue.Queue()
+        self.responses = stub.Session(iter(self.q.get, None), timeout=60)
+
+    def send(self, **kind):
+        self.q.put(target_pb2.TargetRequest(**kind))
+        return self
+
+    def recv(self):
+        return next(self.responses)
+
+    def close(self):
+        self.q.put(None)
+        self.responses.cancel()
+        self.ch.close()
+
+
+def open_msg(prompt=(5, 6, 7), **kw):
+    kw.setdefault("max_new_tokens", 16)
+    return target_pb2.TargetOpen(session_id="t", prompt_token_ids=list(prompt), **kw)
+
+
+CHAIN = common_pb2.TokenTree(token_ids=[5, 6], parents=[-1, 0])
+
+TARGET_CASES = [
+    ("decode before open", [dict(decode=target_pb2.TargetDecode(n=2))],
+     grpc.StatusCode.FAILED_PRECONDITION, "before open"),
+    ("second open", [dict(open=open_msg()), dict(open=open_msg())],
+     grpc.StatusCode.FAILED_PRECONDITION, "second Open"),
+    ("kind not set", [dict()], INVALID, "TargetRequest.kind"),
+    ("empty prompt", [dict(open=open_msg(prompt=()))], INVALID, "open.prompt_token_ids"),
+    ("prompt token out of vocab", [dict(open=open_msg(prompt=(600,)))], INVALID, "open.prompt_token_ids[0]"),
+    ("hidden layer out of range", [dict(open=open_msg(hidden_layer_ids=[7]))], INVALID, "open.hidden_layer_ids[0]"),
+    ("bad sampling", [dict(open=open_msg(sampling=common_pb2.SamplingParams(top_p=2.0)))], INVALID, "sampling.top_p"),
+    ("prompt over context", [dict(open=open_msg(prompt=[5] * CONTEXT))], grpc.StatusCode.OUT_OF_RANGE,
+     "open.prompt_token_ids"),
+    ("decode n = 0", [dict(open=open_msg()), dict(decode=target_pb2.TargetDecode(n=0))], INVALID, "decode.n"),
+    ("decode past the session's room", [dict(open=open_msg(max_new_tokens=4)), dict(decode=target_pb2.TargetDecode(n=50))],
+     grpc.StatusCode.OUT_OF_RANGE, "decode.n"),
+    ("stale verify", [dict(open=open_msg()), dict(verify=target_pb2.TargetVerify(base_len=2, tree=CHAIN))],
+     grpc.StatusCode.ABORTED, "verify.base_len"),
+    ("malformed tree", [dict(open=open_msg()), dict(verify=target_pb2.TargetVerify(
+        base_len=4, tree=common_pb2.TokenTree(token_ids=[5], parents=[3])))], INVALID, "tree.parents[0]"),
+    ("tree token out of vocab", [dict(open=open_msg()), dict(verify=target_pb2.TargetVerify(
+        base_len=4, tree=common_pb2.TokenTree(token_ids=[5, 900], parents=[-1, 0])))], INVALID, "tree.token_ids[1]"),
+    ("draft probs misshapen", [dict(open=open_msg()), dict(verify=target_pb2.TargetVerify(
+        base_len=4, tree=CHAIN, draft_probs=tensor_to_pb(torch.full((2, 7), 0.1))))], INVALID, "verify.draft_probs"),
+    ("bad hidden dtype", [dict(open=open_msg(hidden_dtype=9))], INVALID, "dtype"),
+    ("kv budget", [dict(open=open_msg(max_new_tokens=0))], grpc.StatusCode.RESOURCE_EXHAUSTED, "KV cache budget"),
+]
+
+
+@pytest.mark.parametrize("messages,code,text", [c[1:] for c in TARGET_CASES], ids=[c[0] for c in TARGET_CASES])
+def test_target_refuses_bad_messages(services, messages, code, text):
+    s = Stream(services[0].address)
+    try:
+        for m in messages:
+            s.send(**m)
+        with pytest.raises(grpc.RpcError) as err:
+            while True:
+                s.recv()
+        assert err.value.code() == code
+        assert text in err.value.details()
+    finally:
+        s.close()
+
+
+def test_target_max_sessions(services):
+    streams = [Stream(services[0].address).send(open=open_msg()) for _ in range(3)]
+    try:
+        for s in streams:
+            assert s.recv().HasField("opened")
+        extra = Stream(services[0].address).send(open=open_msg())
+        streams.append(extra)
+        with pytest.raises(grpc.RpcError) as err:
+            extra.recv()
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "--max-sessions" in err.value.details()
+    finally:
+        for s in streams:
+            s.close()
+
+
+def test_idle_session_is_closed(services):
+    s = Stream(services[0].address).send(open=open_msg())
+    try:
+        assert s.recv().HasField("opened")
+        with pytest.raises(grpc.RpcError) as err:
+            s.recv()                     # nothing sent: the server gives up after --idle-timeout-s
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "--idle-timeout-s" in err.value.details()
+    finally:
+        s.close()
+
+
+def test_services_stay_healthy_and_serve(services):
+    target, gateway = services
+    assert health_status(target.address) == health_status(gateway.address) == 1   # SERVING
+    deadline = time.monotonic() + 5
+    while target_info(target.address).active_sessions and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert target_info(target.address).active_sessions == 0
+    assert target_info(target.address).kv_cache_bytes == 0
+    ch, stub = gateway_stub(gateway.address)
+    with ch:
+        ids, _, complete = collect(stub.Generate(req(max_new_tokens=8, ignore_eos=True), timeout=60))
+    assert len(ids) == 8 and complete.finish_reason == "length"
