@@ -121,10 +121,11 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
                     session_id = req.open.session_id or uuid.uuid4().hex
                     log = log.bind(session_id=session_id)
                     proposer, width = await self._open(st, req.open)
-                    log.info("session_opened", method=st.method, num_draft_tokens=width,
+                    log.info("session_opened", method=req.open.speculative.method or st.method, num_draft_tokens=width,
                              prompt_len=len(req.open.prompt_token_ids), active_sessions=st.active)
                     await context.write(draft_pb2.DraftResponse(opened=draft_pb2.DraftOpened(
-                        session_id=session_id, method=st.method, num_draft_tokens=width)))
+                        session_id=session_id, method="ngram" if isinstance(proposer, NgramProposer) else "dflash",
+                        num_draft_tokens=width)))
                 elif kind is None:
                     raise WireError("DraftRequest.kind is not set: send open, propose or close")
                 elif proposer is None:
@@ -169,15 +170,22 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
             raise WireError(f"open.prompt_token_ids has {len(prompt)} tokens; the draft's max context is "
                             f"{st.args.max_context} (--max-context)")
         spec = msg.speculative
+        method = spec.method.lower() or st.method
+        if method not in METHODS:
+            raise WireError(f"open.speculative.method = {spec.method!r}: this draft serves {' or '.join(METHODS)}")
+        if method == "dflash" and st.model is None:
+            raise CompatError("open.speculative.method = dflash, but this draft service runs --method ngram "
+                              "without a DFlash model")
         if spec.HasField("topk") and spec.topk not in (0, 1):
             raise WireError(f"open.speculative.topk = {spec.topk}: this draft proposes chains only (topk 1)")
         if spec.draft_sampling not in ("", "greedy", "sample"):
             raise WireError(f"open.speculative.draft_sampling = {spec.draft_sampling!r}: expected greedy or sample")
-        width = spec.num_draft_tokens if spec.HasField("num_draft_tokens") and spec.num_draft_tokens else st.block_size
+        default_width = st.block_size if method == "dflash" else st.args.speculative_num_draft_tokens
+        width = spec.num_draft_tokens if spec.HasField("num_draft_tokens") and spec.num_draft_tokens else default_width
         if spec.HasField("num_steps") and spec.num_steps and spec.num_steps + 1 < width:
             width = spec.num_steps + 1
         sampling = sampling_from_pb(msg.sampling)
-        if st.method == "ngram":
+        if method == "ngram":
             if width < 2:
                 raise WireError(f"open.speculative.num_draft_tokens = {width} must be >= 2")
             proposer = NgramProposer(num_draft_tokens=width, min_n=st.args.ngram_min, max_n=st.args.ngram_max)
@@ -202,10 +210,11 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         if st.vocab_size:
             check_token_ids(new_ids, st.vocab_size, "propose.new_token_ids")
         hidden = None
-        if msg.HasField("new_hidden") and st.method == "dflash":
+        ngram = isinstance(proposer, NgramProposer)
+        if msg.HasField("new_hidden") and not ngram:
             hidden = tensor_from_pb(msg.new_hidden, field="propose.new_hidden",
                                     shape=(None, st.model.cfg.target_feature_size))
-        if st.method == "ngram":
+        if ngram:
             prop = proposer.propose(msg.base_len, new_ids)      # microseconds: no need for the engine
         else:
             prop = await st.engine.submit("propose", lambda: proposer.propose(msg.base_len, new_ids, hidden))

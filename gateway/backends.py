@@ -10,7 +10,7 @@ from typing import AsyncIterator
 import grpc
 
 from splitspec.serving import channel_options
-from splitspec.v1 import common_pb2, target_pb2, target_pb2_grpc
+from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 
 class BackendError(Exception):
@@ -21,30 +21,38 @@ class BackendError(Exception):
         self.backend = backend
 
 
-def make_channel(address: str, max_message_mb: int = 64) -> grpc.aio.Channel:
+def make_channel(address: str, max_message_mb: int = 64, reconnect_max_s: float = 5.0) -> grpc.aio.Channel:
     """`dns:///name:port` (or plain host:port) resolves to every replica; round_robin then
-    spreads sessions over them, one stream per RPC."""
-    return grpc.aio.insecure_channel(address, options=channel_options(max_message_mb, round_robin=True))
+    spreads sessions over them, one stream per RPC. Reconnects to a lost backend back off from
+    0.1 s to reconnect_max_s (gRPC's default would wait up to 120 s)."""
+    ms = int(reconnect_max_s * 1000)
+    options = channel_options(max_message_mb, round_robin=True) + [
+        ("grpc.initial_reconnect_backoff_ms", min(100, ms)), ("grpc.min_reconnect_backoff_ms", min(100, ms)),
+        ("grpc.max_reconnect_backoff_ms", ms)]
+    return grpc.aio.insecure_channel(address, options=options)
 
 
 def _error(exc: grpc.aio.AioRpcError, backend: str = "target") -> BackendError:
     return BackendError(exc.code(), exc.details() or exc.code().name, backend)
 
 
-class TargetSession:
-    """One sequence on a target replica. Use as `async with client.session() as s:`; leaving
-    the block closes the stream, which frees the sequence's KV cache on the target."""
+class _StreamSession:
+    """One bidi `Session` stream to a backend. Use as `async with ...:`; leaving the block
+    closes the stream, which frees the sequence's state (KV cache, draft cache) there."""
 
-    def __init__(self, stub: target_pb2_grpc.TargetStub, timeout_s: float | None = None):
-        self._call = stub.Session(timeout=timeout_s)
-        self._pending = 0           # tokens of a Decode not read yet: the stream is mid-reply
+    backend = "backend"
+
+    def __init__(self, call):
+        self._call = call
+        self._pending = 0           # replies not read yet: the stream is mid-reply
         self.closed = False
+        self.opened = False         # Open answered: the backend holds the session's state
 
-    async def _send(self, req: target_pb2.TargetRequest) -> None:
+    async def _send(self, req) -> None:
         try:
             await self._call.write(req)
         except grpc.aio.AioRpcError as exc:
-            raise _error(exc) from None
+            raise _error(exc, self.backend) from None
         except (grpc.aio.UsageError, asyncio.InvalidStateError):
             # Writing after the server ended the stream: report the server's status instead.
             raise await self._ended() from None
@@ -53,20 +61,64 @@ class TargetSession:
         try:
             resp = await self._call.read()
         except grpc.aio.AioRpcError as exc:
-            raise _error(exc) from None
+            raise _error(exc, self.backend) from None
         if resp is grpc.aio.EOF:
             raise await self._ended()
         kind = resp.WhichOneof("kind")
         if kind != want:
-            raise BackendError(grpc.StatusCode.INTERNAL, f"expected {want}, got {kind}")
+            raise BackendError(grpc.StatusCode.INTERNAL, f"expected {want}, got {kind}", self.backend)
         return getattr(resp, want)
 
     async def _ended(self) -> BackendError:
         code = await self._call.code()
         details = await self._call.details()
         if code == grpc.StatusCode.OK:
-            return BackendError(grpc.StatusCode.INTERNAL, "the stream ended early")
-        return BackendError(code, details or code.name)
+            return BackendError(grpc.StatusCode.INTERNAL, "the stream ended early", self.backend)
+        return BackendError(code, details or code.name, self.backend)
+
+    def _close_request(self):
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        """Close politely when the stream is idle, else cancel it: either way the backend frees
+        the session at once."""
+        if self.closed:
+            return
+        self.closed = True
+        if self._pending or self._call.done():
+            self.cancel()
+            return
+        try:
+            await self._send(self._close_request())
+            await self._recv("closed")
+            await self._call.done_writing()
+        except BackendError:
+            self.cancel()
+
+    def cancel(self) -> None:
+        self.closed = True
+        self._call.cancel()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            await self.close()
+        else:
+            self.cancel()      # includes CancelledError: never await on a cancelled path
+
+
+class TargetSession(_StreamSession):
+    """One sequence on a target replica."""
+
+    backend = "target"
+
+    def __init__(self, stub: target_pb2_grpc.TargetStub, timeout_s: float | None = None):
+        super().__init__(stub.Session(timeout=timeout_s))
+
+    def _close_request(self):
+        return target_pb2.TargetRequest(close=target_pb2.TargetClose())
 
     async def open(self, session_id: str, prompt_ids: list[int], sampling: common_pb2.SamplingParams, *,
                    hidden_layer_ids=(), max_new_tokens: int = 0, hidden_dtype: int = 0) -> target_pb2.TargetOpened:
@@ -74,7 +126,9 @@ class TargetSession:
             session_id=session_id, prompt_token_ids=prompt_ids, sampling=sampling,
             hidden_layer_ids=list(hidden_layer_ids), max_new_tokens=max_new_tokens,
             hidden_dtype=hidden_dtype)))
-        return await self._recv("opened")
+        opened = await self._recv("opened")
+        self.opened = True
+        return opened
 
     async def decode(self, n: int, return_hidden: bool = False) -> AsyncIterator[target_pb2.TargetToken]:
         """Stream n tokens. Stopping early leaves the stream mid-reply: only `close` (which then
@@ -94,54 +148,68 @@ class TargetSession:
         await self._send(target_pb2.TargetRequest(verify=msg))
         return await self._recv("verified")
 
-    async def close(self) -> None:
-        """Close politely when the stream is idle, else cancel it: either way the target frees
-        the session at once."""
-        if self.closed:
-            return
-        self.closed = True
-        if self._pending or self._call.done():
-            self.cancel()
-            return
-        try:
-            await self._send(target_pb2.TargetRequest(close=target_pb2.TargetClose()))
-            await self._recv("closed")
-            await self._call.done_writing()
-        except BackendError:
-            self.cancel()
 
-    def cancel(self) -> None:
-        self.closed = True
-        self._call.cancel()
+class DraftSession(_StreamSession):
+    """One sequence on a draft replica."""
 
-    async def __aenter__(self) -> "TargetSession":
-        return self
+    backend = "draft"
 
-    async def __aexit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            await self.close()
-        else:
-            self.cancel()      # includes CancelledError: never await on a cancelled path
+    def __init__(self, stub: draft_pb2_grpc.DraftStub, timeout_s: float | None = None):
+        super().__init__(stub.Session(timeout=timeout_s))
+
+    def _close_request(self):
+        return draft_pb2.DraftRequest(close=draft_pb2.DraftClose())
+
+    async def open(self, session_id: str, prompt_ids: list[int], prompt_hidden: common_pb2.Tensor | None,
+                   speculative: common_pb2.SpeculativeParams, sampling: common_pb2.SamplingParams,
+                   target_tokenizer_hash: str = "") -> draft_pb2.DraftOpened:
+        msg = draft_pb2.DraftOpen(session_id=session_id, prompt_token_ids=prompt_ids, speculative=speculative,
+                                  sampling=sampling, target_tokenizer_hash=target_tokenizer_hash)
+        if prompt_hidden is not None:
+            msg.prompt_hidden.CopyFrom(prompt_hidden)
+        await self._send(draft_pb2.DraftRequest(open=msg))
+        opened = await self._recv("opened")
+        self.opened = True
+        return opened
+
+    async def propose(self, base_len: int, new_token_ids: list[int],
+                      new_hidden: common_pb2.Tensor | None) -> draft_pb2.Proposal:
+        msg = draft_pb2.DraftPropose(base_len=base_len, new_token_ids=new_token_ids)
+        if new_hidden is not None:
+            msg.new_hidden.CopyFrom(new_hidden)
+        await self._send(draft_pb2.DraftRequest(propose=msg))
+        return await self._recv("proposal")
 
 
-class TargetClient:
-    """One target address (a `dns:///` name may stand for many replicas)."""
+class _Client:
+    """One backend address (a `dns:///` name may stand for many replicas)."""
 
-    def __init__(self, address: str, max_message_mb: int = 64):
+    backend = "backend"
+    stub_cls = session_cls = None
+
+    def __init__(self, address: str, max_message_mb: int = 64, reconnect_max_s: float = 5.0):
         self.address = address
-        self.channel = make_channel(address, max_message_mb)
-        self.stub = target_pb2_grpc.TargetStub(self.channel)
+        self.channel = make_channel(address, max_message_mb, reconnect_max_s)
+        self.stub = self.stub_cls(self.channel)
 
-    def session(self, timeout_s: float | None = None) -> TargetSession:
-        return TargetSession(self.stub, timeout_s)
+    def session(self, timeout_s: float | None = None):
+        return self.session_cls(self.stub, timeout_s)
 
-    async def get_info(self, *, wait_s: float | None = None) -> target_pb2.TargetInfo:
-        """GetInfo; with wait_s, keep waiting that long for the target to come up."""
+    async def get_info(self, *, wait_s: float | None = None):
+        """GetInfo; with wait_s, keep waiting that long for the backend to come up."""
         try:
             return await self.stub.GetInfo(common_pb2.GetInfoRequest(), timeout=wait_s or 10.0,
                                            wait_for_ready=wait_s is not None)
         except grpc.aio.AioRpcError as exc:
-            raise _error(exc) from None
+            raise _error(exc, self.backend) from None
 
     async def close(self) -> None:
         await self.channel.close()
+
+
+class TargetClient(_Client):
+    backend, stub_cls, session_cls = "target", target_pb2_grpc.TargetStub, TargetSession
+
+
+class DraftClient(_Client):
+    backend, stub_cls, session_cls = "draft", draft_pb2_grpc.DraftStub, DraftSession

@@ -18,11 +18,12 @@ from tokenizers import Tokenizer
 from splitspec import logs
 from splitspec.flags import ListFlag, apply_env
 from splitspec.serving import Server
-from splitspec.v1 import gateway_pb2, gateway_pb2_grpc, target_pb2
+from splitspec.v1 import common_pb2, draft_pb2, gateway_pb2, gateway_pb2_grpc, target_pb2
 
-from .backends import BackendError, TargetClient
+from .backends import BackendError, DraftClient, TargetClient
 from .config import ALGORITHMS, DRAFT_SAMPLING, GatewayConfig, SpeculativeConfig
-from .generation import Stats, stream_response, target_only_steps
+from .failover import Health, Plan, ResilientSource
+from .generation import Stats, stream_response
 from .request import ModelLimits, RequestError, parse_request
 
 SERVICE = "splitspec.v1.Generation"
@@ -32,19 +33,85 @@ class StartupError(RuntimeError):
     """The gateway cannot start serving (no target, no tokenizer)."""
 
 
-class Backends:
-    """Target replicas (and, later, drafts) plus what the gateway learned from them at start-up."""
+class IncompatibleDraftError(StartupError):
+    """The draft was built for another target: FAILED_PRECONDITION, refused at start-up."""
 
-    def __init__(self, cfg: GatewayConfig):
+
+def check_pair(target: target_pb2.TargetInfo, draft: draft_pb2.DraftInfo) -> None:
+    """Refuse a draft/target pair that cannot work together, naming the mismatch, before any
+    request runs (never by failing mid-generation)."""
+    problems = []
+    if draft.target_vocab_size and draft.target_vocab_size != target.vocab_size:
+        problems.append(f"vocab size: draft expects {draft.target_vocab_size}, target has {target.vocab_size}")
+    if draft.method == "dflash":
+        if draft.target_hidden_size != target.hidden_size:
+            problems.append(f"hidden size: draft expects {draft.target_hidden_size}, target has {target.hidden_size}")
+        if draft.target_num_layers and draft.target_num_layers != target.num_layers:
+            problems.append(f"layer count: draft expects {draft.target_num_layers}, target has {target.num_layers}")
+        bad = [i for i in draft.target_layer_ids if not 0 <= i < target.num_layers]
+        if bad:
+            problems.append(f"target_layer_ids {list(draft.target_layer_ids)}: {bad} not in the target's "
+                            f"0..{target.num_layers - 1}")
+    if draft.target_tokenizer_hash and target.tokenizer_hash and draft.target_tokenizer_hash != target.tokenizer_hash:
+        problems.append(f"tokenizer: draft was built for {draft.target_tokenizer_hash}, target has "
+                        f"{target.tokenizer_hash}")
+    if problems:
+        raise IncompatibleDraftError(
+            f"FAILED_PRECONDITION: draft {draft.model_id!r} does not fit target {target.model_id!r}: "
+            + "; ".join(problems))
+
+
+class Backends:
+    """Target replicas and the draft, their health, and what the gateway learned from them at
+    start-up. A failed backend is skipped by new requests until a health probe brings it back
+    (gateway/failover.py)."""
+
+    def __init__(self, cfg: GatewayConfig, log=None):
         self.cfg = cfg
-        self.targets = [TargetClient(a, cfg.max_message_mb) for a in cfg.targets]
+        self.log = log or logs.get_logger()
+        self.targets = [TargetClient(a, cfg.max_message_mb, cfg.reconnect_max_s) for a in cfg.targets]
         self._next = itertools.cycle(range(len(self.targets)))
+        self._health = {id(c): Health("target", c.address, c.channel, self.log,
+                                      max_backoff_s=cfg.reconnect_max_s) for c in self.targets}
+        self.draft = DraftClient(cfg.draft, cfg.max_message_mb, cfg.reconnect_max_s) if cfg.draft else None
+        self.draft_health = Health("draft", cfg.draft or "", self.draft.channel if self.draft else None, self.log,
+                                   max_backoff_s=cfg.reconnect_max_s, verify=self._recheck_draft)
+        self.draft_info: draft_pb2.DraftInfo | None = None
         self.info: target_pb2.TargetInfo | None = None
         self.tokenizer: Tokenizer | None = None
         self.limits: ModelLimits | None = None
 
-    def pick_target(self) -> TargetClient:
-        return self.targets[next(self._next)]
+    def target_health(self, client: TargetClient) -> Health:
+        return self._health[id(client)]
+
+    def single_name(self) -> bool:
+        """One --target: a dns:/// name may stand for several replicas, so retrying it is useful."""
+        return len(self.targets) == 1
+
+    def pick_target(self, exclude: set[int] | None = None) -> TargetClient | None:
+        """The next healthy replica in turn (round robin over --target addresses). With
+        `exclude` (ids of clients a request already tried): one not tried, healthy first, or
+        None. Without: a healthy one, or the next one anyway (it answers UNAVAILABLE)."""
+        start = next(self._next)
+        order = self.targets[start:] + self.targets[:start]
+        candidates = [c for c in order if exclude is None or id(c) not in exclude]
+        for c in candidates:
+            if self._health[id(c)].healthy:
+                return c
+        if candidates:
+            return candidates[0]
+        return None
+
+    async def _recheck_draft(self) -> bool:
+        """A draft that came back must still fit the target (it may have been replaced)."""
+        try:
+            info = await self.draft.get_info()
+            check_pair(self.info, info)
+        except (BackendError, IncompatibleDraftError) as exc:
+            self.log.warning("draft_recheck_failed", error=str(exc))
+            return False
+        self.draft_info = info
+        return True
 
     async def connect(self, log) -> None:
         """Wait for a target to serve, then take the model's limits and tokenizer from it."""
@@ -64,6 +131,20 @@ class Backends:
         self.tokenizer = load_tokenizer(self.cfg.tokenizer_path, self.info)
         self.limits = ModelLimits(vocab_size=self.info.vocab_size, max_context=self.info.max_context,
                                   eos_token_ids=tuple(self.info.eos_token_ids))
+        if self.draft is not None:
+            try:
+                self.draft_info = await self.draft.get_info(wait_s=self.cfg.target_wait_s)
+            except BackendError as exc:
+                raise StartupError(f"the draft at {self.cfg.draft} did not answer GetInfo: {exc}") from None
+            check_pair(self.info, self.draft_info)
+
+    async def close(self) -> None:
+        for h in [*self._health.values(), self.draft_health]:
+            h.close()
+        for t in self.targets:
+            await t.close()
+        if self.draft is not None:
+            await self.draft.close()
 
 
 def load_tokenizer(path: str | None, info: target_pb2.TargetInfo) -> Tokenizer:
@@ -92,12 +173,23 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
         info, spec = self.backends.info, self.cfg.speculative
         return gateway_pb2.ModelInfo(
             model_id=info.model_id, vocab_size=info.vocab_size, max_context=info.max_context,
-            eos_token_ids=list(info.eos_token_ids), draft_model_id="",
+            eos_token_ids=list(info.eos_token_ids),
+            draft_model_id=self.backends.draft_info.model_id if self.backends.draft_info else "",
             speculative_method=self._default_method(), num_draft_tokens=spec.num_draft_tokens,
             max_new_tokens_cap=self.cfg.max_new_tokens_cap)
 
     def _default_method(self) -> str:
-        return "none"   # until a draft is wired in, everything runs target-only
+        return self.cfg.speculative.method if self.backends.draft is not None else "none"
+
+    def _method(self, req) -> str:
+        """What this request runs (reported in its stats): speculation needs a draft, and dflash
+        needs a draft service that has a DFlash model; otherwise the nearest thing that works."""
+        method = req.speculative.method
+        if method == "none" or self.backends.draft_info is None:
+            return "none"
+        if method == "dflash" and self.backends.draft_info.method != "dflash":
+            return "ngram"
+        return method
 
     async def _ready(self, context) -> None:
         if self.backends.limits is None or not self.server.serving:
@@ -113,44 +205,72 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
             await context.abort(exc.code, str(exc))
         if self.active >= self.cfg.max_sessions:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"the gateway is serving {self.active} requests (--max-sessions "
+                                f"the gateway is serving {self.active} requests (gateway --max-sessions "
                                 f"{self.cfg.max_sessions}); retry later")
         log = logs.get_logger(request_id=req.request_id)
         log.info("request_started", prompt_tokens=len(req.prompt_ids), max_new_tokens=req.max_new_tokens,
-                 method=req.speculative.method)
+                 method=req.speculative.method, deadline_s=context.time_remaining())
         self.active += 1
         stats = Stats()
-        target = self.backends.pick_target().session()
-        complete = None
+        source = ResilientSource(self.backends, req, stats, self._plan(req), log,
+                                 timeout_s=context.time_remaining)   # the client's deadline, propagated
+        complete, finished = None, False
         try:
-            steps = target_only_steps(target, req, stats)
+            # Written with context.write from this coroutine (not yielded): a client that goes
+            # away cancels this very task, so the except clauses below always free the sessions.
+            steps = source.steps()
             responses = stream_response(req, steps, self.backends.tokenizer, stats)
             async with contextlib.aclosing(steps), contextlib.aclosing(responses):
                 async for resp in responses:
                     if resp.HasField("complete"):
                         complete = resp.complete
                         break
-                    yield resp
-            await target.close()     # free the target session before telling the client we are done
-            yield gateway_pb2.GenerateResponse(complete=complete)
+                    await context.write(resp)
+            await source.close()        # free both sessions before telling the client we are done
+            await context.write(gateway_pb2.GenerateResponse(complete=complete))
+            finished = True
         except BackendError as exc:
-            target.cancel()
-            code = grpc.StatusCode.UNAVAILABLE if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED else exc.code
-            log.info("request_failed", code=exc.code.name, message=str(exc))
+            source.cancel()
+            code = exc.code
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                left = context.time_remaining()
+                code = grpc.StatusCode.DEADLINE_EXCEEDED if left is not None and left <= 0.05 \
+                    else grpc.StatusCode.UNAVAILABLE
+            log.info("request_failed", code=exc.code.name, message=str(exc),
+                     completion_tokens=len(source.history), draft_fallbacks=stats.draft_fallbacks,
+                     target_failovers=stats.target_failovers)
             await context.abort(code, str(exc))
         except asyncio.CancelledError:
-            target.cancel()       # the client went away: free the target session now
-            log.info("request_cancelled")
+            source.cancel()       # the client went away (cancel or deadline): free both sessions now
+            log.info("request_cancelled", completion_tokens=len(source.history))
             raise
         except Exception as exc:  # a bug here must fail this request only
-            target.cancel()
+            source.cancel()
+            if context.cancelled() or context.done():
+                log.info("request_cancelled", completion_tokens=len(source.history))
+                return
             log.exception("request_failed")
             await context.abort(grpc.StatusCode.INTERNAL, f"gateway error: {exc}")
         finally:
+            if not finished:
+                source.cancel()   # whatever ended the request early, never leave a session open
             self.active -= 1
         log.info("request_finished", finish_reason=complete.finish_reason,
-                 completion_tokens=complete.usage.completion_tokens,
+                 completion_tokens=complete.usage.completion_tokens, method=complete.stats.method,
+                 draft_fallbacks=stats.draft_fallbacks, target_failovers=stats.target_failovers,
                  ttft_ms=round(complete.stats.time_to_first_token_ms, 1))
+
+    def _plan(self, req) -> Plan:
+        method = self._method(req)
+        if method == "none":
+            return Plan("none", [], None)
+        spec = req.speculative
+        layer_ids = list(self.backends.draft_info.target_layer_ids) if method == "dflash" else []
+        params = common_pb2.SpeculativeParams(
+            method=method, num_steps=spec.num_steps, topk=spec.eagle_topk,
+            num_draft_tokens=min(spec.num_draft_tokens, spec.num_steps + 1),
+            draft_sampling=spec.draft_sampling)
+        return Plan(method, layer_ids, params, self.backends.info.tokenizer_hash)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -175,6 +295,14 @@ def build_parser() -> argparse.ArgumentParser:
       help="greedy drafts (target-only verification) or sampled drafts with min(1, p/q)")
     a("--max-message-mb", type=int, default=64, help="largest gRPC message, either direction")
     a("--target-wait-s", type=float, default=600.0, help="how long to wait for a target at start-up")
+    a("--max-prompt-tokens", type=int, default=0,
+      help="longest prompt in tokens; longer ones get OUT_OF_RANGE (0: up to the model's context)")
+    a("--draft-timeout-ms", type=float, default=2000.0,
+      help="deadline of one draft step (Propose; Open gets 4x); past it the request goes on target-only")
+    a("--reconnect-max-s", type=float, default=5.0,
+      help="longest wait between health probes of a failed draft or target (exponential backoff from 0.1 s)")
+    a("--target-failover-attempts", type=int, default=3,
+      help="how many times one request may move to another target replica before failing UNAVAILABLE")
     a("--drain-timeout-s", type=float, default=30.0, help="on SIGTERM, how long in-flight requests may run")
     a("--log-level", default="info", choices=list(logs.LEVELS), help="JSON log lines at this level and above")
     return apply_env(p)
@@ -184,9 +312,13 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     if not args.target:
         raise SystemExit("--target is required (host:port or dns:///name:port)")
     for name in ("max_new_tokens_cap", "default_max_new_tokens", "max_sessions", "max_message_mb",
-                 "speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens"):
+                 "speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens",
+                 "draft_timeout_ms", "reconnect_max_s"):
         if getattr(args, name) <= 0:
             raise SystemExit(f"--{name.replace('_', '-')} must be positive")
+    for name in ("max_prompt_tokens", "target_failover_attempts"):
+        if getattr(args, name) < 0:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 0")
     spec = SpeculativeConfig(method=ALGORITHMS[args.speculative_algorithm],
                              num_steps=args.speculative_num_steps, eagle_topk=args.speculative_eagle_topk,
                              num_draft_tokens=args.speculative_num_draft_tokens,
@@ -197,6 +329,9 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
                          default_max_new_tokens=min(args.default_max_new_tokens, args.max_new_tokens_cap),
                          max_sessions=args.max_sessions,
                          max_message_mb=args.max_message_mb, target_wait_s=args.target_wait_s,
+                         max_prompt_tokens=args.max_prompt_tokens, draft_timeout_ms=args.draft_timeout_ms,
+                         reconnect_max_s=args.reconnect_max_s,
+                         target_failover_attempts=args.target_failover_attempts,
                          speculative=spec)
 
 
@@ -207,18 +342,20 @@ async def serve(args: argparse.Namespace, cfg: GatewayConfig) -> None:
     gateway_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(backends, server), server.grpc)
     port = await server.start(args.host, args.port)
     log.info("listening", host=args.host, port=port, targets=list(cfg.targets), draft=cfg.draft)
-    if cfg.draft or cfg.speculative.method != "none":
-        log.warning("speculation_not_available", detail="the draft path is not wired in yet; "
-                    "every request decodes target-only")
+    if cfg.speculative.method != "none" and not cfg.draft:
+        log.warning("speculation_without_draft", detail=f"--speculative-algorithm "
+                    f"{cfg.speculative.method.upper()} needs --draft; requests decode target-only")
     async def startup():
         await backends.connect(log)
         log.info("serving", model_id=backends.info.model_id, vocab_size=backends.info.vocab_size,
-                 max_context=backends.info.max_context, replica=backends.info.replica_id)
+                 max_context=backends.info.max_context, replica=backends.info.replica_id,
+                 draft=backends.draft_info.model_id if backends.draft_info else None,
+                 draft_method=backends.draft_info.method if backends.draft_info else None,
+                 default_method=cfg.speculative.method)
     try:
         await server.run(startup(), args.drain_timeout_s)
     finally:
-        for t in backends.targets:
-            await t.close()
+        await backends.close()
 
 
 def main(argv=None) -> None:

@@ -3,7 +3,10 @@
     splitspec up [--prompt TEXT]              start target (+ draft) + gateway locally; serve, or run one prompt
     splitspec generate --gateway H:P PROMPT   stream one generation from a running gateway
     splitspec health H:P                      grpc.health.v1 check (exit 0 when SERVING); for container health checks
+    splitspec loadtest --gateway H:P ...      N concurrent streams for T seconds: failures, p50/p99, tokens/s, memory
     splitspec train-target ...                train the default target model (splitspec.train.target)
+    splitspec train-draft ...                 train a DFlash draft for a target (splitspec.train.draft)
+    splitspec bench ...                       benchmark harness (splitspec.bench; docs/benchmarks.md)
 """
 from __future__ import annotations
 
@@ -63,6 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
     a("--device", default="cpu", help="target device: cpu, cuda or cuda:N")
     a("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="target dtype")
     a("--sampling-backend", default="torch", choices=["torch", "flashinfer"], help="target sampling kernels")
+    a("--speculative-algorithm", default=None, type=str.upper, choices=["DFLASH", "NGRAM", "NONE"],
+      help="gateway default method (default: DFLASH when a draft model is found, else NGRAM)")
+    a("--speculative-num-draft-tokens", type=int, default=8, help="verify width: root + drafted tokens")
+    a("--speculative-draft-sampling", default="greedy", choices=["greedy", "sample"],
+      help="greedy drafts (target-only verification) or sampled drafts with min(1, p/q)")
     a("--log-dir", default=None, help="where the services' logs go (default: a temporary folder)")
     a("--startup-timeout-s", type=float, default=600.0, help="how long to wait for each service to serve")
     a("--prompt", default=None, help="stream one generation for this prompt, print stats, stop everything")
@@ -83,7 +91,13 @@ def build_parser() -> argparse.ArgumentParser:
     health.add_argument("--service", default="", help="service name (default: the whole server)")
     health.add_argument("--timeout-s", type=float, default=3.0)
 
+    from splitspec import loadtest
+    loadtest.build_parser(sub.add_parser("loadtest", help="N concurrent streams for T seconds against a gateway; "
+                                         "latency, tokens/s, failures, memory"))
+
     sub.add_parser("train-target", add_help=False, help="train the default target model (see its --help)")
+    sub.add_parser("train-draft", add_help=False, help="train a DFlash draft for a target (see its --help)")
+    sub.add_parser("bench", add_help=False, help="benchmark the configurations side by side (see its --help)")
     return p
 
 
@@ -133,6 +147,11 @@ def cmd_health(args) -> int:
     return 0 if status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
+def cmd_loadtest(args) -> int:
+    from splitspec import loadtest
+    return loadtest.main(args)
+
+
 def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
@@ -150,9 +169,17 @@ def cmd_up(args) -> int:
     elif not (model / "config.json").is_file():
         raise SystemExit(f"--model-path {model}: no config.json there")
     draft = _model_dir(args.draft_model_path, DEFAULT_DRAFT)
-    if draft is not None:
-        print(f"note: the draft service is not available yet; {draft} is not served "
-              "(generation runs target-only)", file=sys.stderr)
+    if draft is not None and not (draft / "config.json").is_file():
+        raise SystemExit(f"--draft-model-path {draft}: no config.json there")
+    algorithm = args.speculative_algorithm or ("DFLASH" if draft is not None else "NGRAM")
+    if draft is None:
+        print(f"note: no DFlash draft at {DEFAULT_DRAFT}: the draft service runs model-free ngram "
+              f"(prompt lookup); train one with `splitspec train-draft`", file=sys.stderr)
+        draft_args = ["--method", "ngram", "--target-model-path", str(model),
+                      "--speculative-num-draft-tokens", str(args.speculative_num_draft_tokens)]
+    else:
+        draft_args = ["--method", "dflash", "--model-path", str(draft), "--target-model-path", str(model),
+                      "--device", args.device]
     gateway_port = args.gateway_port
     if gateway_port == DEFAULT_GATEWAY_PORT and not port_available(args.host, gateway_port):
         gateway_port = 0
@@ -168,9 +195,17 @@ def cmd_up(args) -> int:
                                log_dir=log_dir, host=args.host, port=args.target_port or None)
         procs.append(target)
         print(f"target  {target.address}  loading {model} (logs: {target.log_path})", file=sys.stderr)
+        drafter = start_service("draft", draft_args, log_dir=log_dir, host=args.host, port=args.draft_port or None)
+        procs.append(drafter)
+        print(f"draft   {drafter.address}  loading {draft or 'ngram'} (logs: {drafter.log_path})", file=sys.stderr)
         target.wait_healthy(args.startup_timeout_s)
-        gateway = start_service("gateway", ["--target", target.address], log_dir=log_dir,
-                                host=args.host, port=gateway_port or None)
+        drafter.wait_healthy(args.startup_timeout_s)
+        gateway = start_service("gateway", ["--target", target.address, "--draft", drafter.address,
+                                            "--speculative-algorithm", algorithm,
+                                            "--speculative-num-draft-tokens", str(args.speculative_num_draft_tokens),
+                                            "--speculative-num-steps", str(args.speculative_num_draft_tokens - 1),
+                                            "--speculative-draft-sampling", args.speculative_draft_sampling],
+                                log_dir=log_dir, host=args.host, port=gateway_port or None)
         procs.append(gateway)
         gateway.wait_healthy(args.startup_timeout_s)
         print(f"gateway {gateway.address}  serving (logs: {gateway.log_path})", file=sys.stderr)
@@ -199,8 +234,15 @@ def main(argv=None) -> None:
     if argv and argv[0] == "train-target":
         from splitspec.train.target import main as train_main   # heavy: imported only when asked for
         sys.exit(train_main(argv[1:]))
+    if argv and argv[0] == "train-draft":
+        from splitspec.train.draft import main as train_draft_main
+        sys.exit(train_draft_main(argv[1:]))
+    if argv and argv[0] == "bench":
+        from splitspec.bench.run import main as bench_main
+        sys.exit(bench_main(argv[1:]))
     args = build_parser().parse_args(argv)
-    sys.exit({"up": cmd_up, "generate": cmd_generate, "health": cmd_health}[args.command](args))
+    sys.exit({"up": cmd_up, "generate": cmd_generate, "health": cmd_health,
+              "loadtest": cmd_loadtest}[args.command](args))
 
 
 if __name__ == "__main__":

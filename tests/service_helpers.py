@@ -47,6 +47,15 @@ def running_target(model_dir: Path, log_dir: Path, *extra: str):
     return running("target", ["--model-path", str(model_dir), *extra], log_dir)
 
 
+def running_draft(target_dir: Path, log_dir: Path, *extra: str, draft_dir: Path | None = None):
+    """A draft service: DFlash with `draft_dir`, else model-free ngram."""
+    if draft_dir is None:
+        args = ["--method", "ngram", "--target-model-path", str(target_dir)]
+    else:
+        args = ["--method", "dflash", "--model-path", str(draft_dir), "--target-model-path", str(target_dir)]
+    return running("draft", [*args, *extra], log_dir)
+
+
 def running_gateway(target: ServiceProcess | str, log_dir: Path, *extra: str):
     address = target if isinstance(target, str) else target.address
     return running("gateway", ["--target", address, *extra], log_dir)

@@ -1,0 +1,164 @@
+"""Speculation through the real services on loopback: gateway -> draft (Propose) -> target
+(Verify). Greedy output must equal target-only decoding token for token, for dflash and
+ngram and several verify widths; the pair is checked at start-up; stale state is refused."""
+from __future__ import annotations
+
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+import torch
+
+from draft_service.dflash import new_draft, save_draft
+from service_helpers import (collect, gateway_stub, running_draft, running_gateway, running_target,
+                             tiny_target_dir)
+from splitspec.client import build_request
+from splitspec.launch import start_service
+from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
+from splitspec.wire import tensor_to_pb
+from target_service.engine import generate
+from target_service.loader import load_model
+
+MAX_CONTEXT = 1024
+N_PROMPTS, N_NEW = 20, 64
+
+
+def prompts():
+    rng = random.Random(1234)
+    out = []
+    for i in range(N_PROMPTS):
+        base = [rng.randrange(3, 500) for _ in range(rng.randrange(2, 12))]
+        # Half the prompts repeat themselves, so prompt lookup has something to find.
+        out.append(base * 3 if i % 2 else base)
+    return out
+
+
+@pytest.fixture(scope="module")
+def target_dir():
+    return tiny_target_dir(MAX_CONTEXT)
+
+
+@pytest.fixture(scope="module")
+def model(target_dir):
+    return load_model(target_dir)
+
+
+@pytest.fixture(scope="module")
+def draft_dir(model, tmp_path_factory):
+    d = new_draft(model.cfg, num_layers=1, block_size=8, mask_token_id=2, seed=3)
+    path = tmp_path_factory.mktemp("draft") / "tiny-dflash"
+    save_draft(d, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def services(target_dir, draft_dir, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("logs")
+    with running_target(target_dir, logs) as target, \
+            running_draft(target_dir, logs, draft_dir=draft_dir) as draft, \
+            running_gateway(target, logs, "--draft", draft.address, "--speculative-algorithm", "DFLASH") as gw:
+        yield target, draft, gw
+
+
+@pytest.fixture(scope="module")
+def stub(services):
+    ch, stub = gateway_stub(services[2].address)
+    yield stub
+    ch.close()
+
+
+@pytest.fixture(scope="module")
+def references(model):
+    return [generate(model, p, N_NEW) for p in prompts()]
+
+
+def speculative_request(prompt, method, width, **sampling):
+    req = build_request(prompt, max_new_tokens=N_NEW, ignore_eos=True, method=method, **sampling)
+    req.speculative.num_draft_tokens = width
+    req.speculative.num_steps = width - 1
+    return req
+
+
+@pytest.mark.parametrize("width", [2, 4, 8])
+@pytest.mark.parametrize("method", ["dflash", "ngram"])
+def test_greedy_speculation_equals_target_only(stub, references, method, width):
+    # Four streams at a time: the services interleave sessions, which is also under test here.
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda p: collect(stub.Generate(speculative_request(p, method, width), timeout=300)),
+                                prompts()))
+    taus = []
+    for (ids, texts, complete), ref in zip(results, references):
+        assert ids == ref
+        st = complete.stats
+        assert st.method == method
+        accepted = sum(st.accepted_per_position)
+        # Every step commits its accepted drafts plus one bonus; b0 comes from the prefill.
+        assert st.verify_steps + accepted == len(ids) - 1
+        assert 1.0 <= st.accept_length <= width
+        assert len(st.accepted_per_position) <= width - 1
+        assert st.draft_tokens >= accepted
+        if method == "dflash":
+            assert st.hidden_state_bytes > 0
+        taus.append(st.accept_length)
+    print(f"{method} width {width}: mean tau {sum(taus) / len(taus):.2f}")
+
+
+@pytest.mark.parametrize("draft_sampling", ["greedy", "sample"])
+def test_seeded_sampled_speculation_is_reproducible(stub, draft_sampling):
+    prompt = prompts()[1]
+
+    def run(seed):
+        req = speculative_request(prompt, "dflash", 8, temperature=1.0, top_p=0.9, seed=seed)
+        req.speculative.draft_sampling = draft_sampling
+        ids, _, complete = collect(stub.Generate(req, timeout=120))
+        assert complete.stats.method == "dflash"
+        return ids
+    assert run(7) == run(7)
+    assert run(7) != run(8)
+
+
+def test_draft_refuses_stale_base_len_and_bad_hidden(services, target_dir, draft_dir):
+    from draft_service.dflash import load_draft
+    feat = load_draft(draft_dir, target_dir).cfg.target_feature_size
+    with grpc.insecure_channel(services[1].address) as ch:
+        stub = draft_pb2_grpc.DraftStub(ch)
+
+        def session(*msgs):
+            try:
+                return list(stub.Session(iter(msgs), timeout=30)), None
+            except grpc.RpcError as exc:
+                return None, exc
+        open_ok = draft_pb2.DraftRequest(open=draft_pb2.DraftOpen(
+            session_id="t", prompt_token_ids=[5, 6, 7], prompt_hidden=tensor_to_pb(torch.randn(3, feat))))
+        _, err = session(open_ok, draft_pb2.DraftRequest(propose=draft_pb2.DraftPropose(base_len=9, new_token_ids=[1])))
+        assert err.code() == grpc.StatusCode.ABORTED and "base_len" in err.details()
+        bad_open = draft_pb2.DraftRequest(open=draft_pb2.DraftOpen(
+            session_id="t", prompt_token_ids=[5, 6, 7], prompt_hidden=tensor_to_pb(torch.randn(3, feat + 1))))
+        _, err = session(bad_open)
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "open.prompt_hidden.shape" in err.details()
+        ok, err = session(open_ok, draft_pb2.DraftRequest(propose=draft_pb2.DraftPropose(base_len=4, new_token_ids=[1])))
+        assert err is None and len(ok[1].proposal.tree.token_ids) == 7
+        info = stub.GetInfo(common_pb2.GetInfoRequest(), timeout=10)
+        assert info.active_sessions == 0 and info.method == "dflash" and info.block_size == 8
+
+
+def test_incompatible_pair_is_refused_at_start(tmp_path, target_dir, services):
+    """A draft built for a different target (other hidden size): the gateway never serves."""
+    from tiny_models import save_tiny_model
+    other = save_tiny_model(tmp_path / "other", "qwen3", vocab_size=512, hidden_size=32, tokenizer=True, seed=9)
+    d = new_draft(load_model(other).cfg, num_layers=1, block_size=4, mask_token_id=2)
+    save_draft(d, tmp_path / "other-draft")
+    with running_draft(other, tmp_path, draft_dir=tmp_path / "other-draft") as draft:
+        gw = start_service("gateway", ["--target", services[0].address, "--draft", draft.address],
+                           log_dir=tmp_path)
+        try:
+            deadline = time.monotonic() + 120
+            while gw.proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert gw.proc.returncode not in (None, 0)
+            log = gw.log_tail(40)
+            assert "FAILED_PRECONDITION" in log and "hidden size" in log
+        finally:
+            gw.stop()
