@@ -139,6 +139,11 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
             log.info("session_cancelled")
             raise
         except Exception as exc:  # every failure ends this stream only, never the service
+            # A write to a stream the client just cancelled (gRPC raises ExecuteBatchError before
+            # it marks the call cancelled): nothing failed here.
+            if context.cancelled() or context.done() or type(exc).__name__ == "ExecuteBatchError":
+                log.info("session_cancelled")
+                return
             code = draft_status(exc)
             if code == grpc.StatusCode.INTERNAL:
                 log.exception("session_failed")

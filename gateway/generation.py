@@ -1,7 +1,7 @@
 """One request, start to finish. A *token source* is an async generator that yields lists of
-newly committed tokens: `target_only_steps` (Open, then Decode on the target) today, a
-speculative source (propose on the draft, verify on the target) next to it. `stream_response`
-is common to all sources: it applies eos / stop tokens / stop strings / max_new_tokens,
+newly committed tokens: `failover.ResilientSource.steps` (Open, then Propose on the draft ->
+Verify on the target per step, or Decode on the target without a draft; surviving the loss of
+either). `stream_response` consumes it: it applies eos / stop tokens / stop strings / max_new_tokens,
 detokenizes incrementally and turns the tokens into Chunk messages, then one Complete."""
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from typing import AsyncIterator
 
 from splitspec.v1 import gateway_pb2
 
-from .backends import TargetSession
 from .detok import IncrementalDetokenizer
 from .request import Request
 from .stops import StopMatcher
@@ -43,27 +42,6 @@ class Stats:
             wire_ms=max(0.0, self.draft_ms + self.verify_ms - self.model_ms),
             hidden_state_bytes=self.hidden_state_bytes, draft_fallbacks=self.draft_fallbacks,
             target_failovers=self.target_failovers, time_to_first_token_ms=self.time_to_first_token_ms)
-
-
-async def target_only_steps(target: TargetSession, req: Request, stats: Stats) -> AsyncIterator[list[int]]:
-    """Prefill with Open (yields b0), then one Decode for the rest, streamed token by token.
-    If the consumer stops early (eos, stop string), the session is cancelled by its owner."""
-    stats.method = "none"
-    t = time.perf_counter()
-    opened = await target.open(req.request_id, req.prompt_ids, req.sampling, max_new_tokens=req.max_new_tokens)
-    stats.model_ms += opened.forward_ms
-    stats.verify_ms += (time.perf_counter() - t) * 1e3
-    yield [opened.first_token_id]
-    if req.max_new_tokens > 1:
-        t = time.perf_counter()
-        async for tok in target.decode(req.max_new_tokens - 1):
-            now = time.perf_counter()
-            stats.verify_ms += (now - t) * 1e3
-            stats.model_ms += tok.forward_ms
-            stats.verify_steps += 1
-            stats.committed += 1
-            yield [tok.token_id]
-            t = time.perf_counter()     # time the consumer spends is not the target's
 
 
 async def stream_response(req: Request, steps: AsyncIterator[list[int]], tokenizer,

@@ -64,6 +64,9 @@ def parse_request(req: gateway_pb2.GenerateRequest, cfg: GatewayConfig, limits: 
                                f"[0, {limits.vocab_size})")
 
     prompt = _prompt(req, limits, tokenizer)
+    if cfg.max_prompt_tokens and len(prompt) > cfg.max_prompt_tokens:
+        raise RequestError(f"the prompt has {len(prompt)} tokens; this gateway accepts at most "
+                           f"{cfg.max_prompt_tokens} (--max-prompt-tokens)", grpc.StatusCode.OUT_OF_RANGE)
     if len(prompt) >= limits.max_context:
         raise RequestError(f"the prompt has {len(prompt)} tokens; the model's max context is "
                            f"{limits.max_context} (prompt + at least one new token)",

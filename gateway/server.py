@@ -13,6 +13,7 @@ import itertools
 from pathlib import Path
 
 import grpc
+from google.protobuf.message import DecodeError
 from tokenizers import Tokenizer
 
 from splitspec import logs
@@ -161,6 +162,38 @@ def load_tokenizer(path: str | None, info: target_pb2.TargetInfo) -> Tokenizer:
     return Tokenizer.from_str(info.tokenizer_json.decode("utf-8"))
 
 
+class Unparsable:
+    """A request protobuf could not parse (garbage on the wire): INVALID_ARGUMENT, not gRPC's
+    default UNKNOWN."""
+
+    def __init__(self, error: str):
+        self.error = error
+        self.request_id = ""
+
+
+def _lenient(cls):
+    def parse(data: bytes):
+        try:
+            return cls.FromString(data)
+        except DecodeError as exc:
+            return Unparsable(f"the request is not a valid {cls.DESCRIPTOR.full_name}: {exc}")
+    return parse
+
+
+def add_servicer(servicer: "GenerationServicer", server: grpc.aio.Server) -> None:
+    """gateway_pb2_grpc.add_GenerationServicer_to_server, with a Generate request parser that
+    turns garbage bytes into INVALID_ARGUMENT."""
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.Generate, request_deserializer=_lenient(gateway_pb2.GenerateRequest),
+            response_serializer=gateway_pb2.GenerateResponse.SerializeToString),
+        "GetModelInfo": grpc.unary_unary_rpc_method_handler(
+            servicer.GetModelInfo, request_deserializer=gateway_pb2.GetModelInfoRequest.FromString,
+            response_serializer=gateway_pb2.ModelInfo.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+
+
 class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
     def __init__(self, backends: Backends, server: Server):
         self.backends = backends
@@ -196,6 +229,8 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the gateway is not connected to a target yet")
 
     async def Generate(self, request, context):
+        if isinstance(request, Unparsable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
         await self._ready(context)
         try:
             req = parse_request(request, self.cfg, self.backends.limits, self.backends.tokenizer)
@@ -339,7 +374,7 @@ async def serve(args: argparse.Namespace, cfg: GatewayConfig) -> None:
     log = logs.get_logger()
     server = Server([SERVICE], max_message_mb=cfg.max_message_mb)
     backends = Backends(cfg)
-    gateway_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(backends, server), server.grpc)
+    add_servicer(GenerationServicer(backends, server), server.grpc)
     port = await server.start(args.host, args.port)
     log.info("listening", host=args.host, port=port, targets=list(cfg.targets), draft=cfg.draft)
     if cfg.speculative.method != "none" and not cfg.draft:

@@ -238,7 +238,7 @@ def main(argv=None) -> None:
         from splitspec.train.draft import main as train_draft_main
         sys.exit(train_draft_main(argv[1:]))
     if argv and argv[0] == "bench":
-        from splitspec.bench.run import main as bench_main
+        from splitspec.bench.run import cli_main as bench_main
         sys.exit(bench_main(argv[1:]))
     args = build_parser().parse_args(argv)
     sys.exit({"up": cmd_up, "generate": cmd_generate, "health": cmd_health,

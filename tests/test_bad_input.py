@@ -30,7 +30,7 @@ def services(tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
     model = tiny_target_dir(CONTEXT)
     with running_target(model, logs, "--max-sessions", "3", "--kv-cache-budget-mb", "1",
-                        "--idle-timeout-s", str(IDLE_S)) as target, \
+                        "--idle-timeout-s", str(IDLE_S), "--max-message-mb", "1") as target, \
             running_gateway(target, logs, "--max-new-tokens-cap", str(CAP)) as gateway:
         yield target, gateway
 
@@ -131,15 +131,33 @@ TARGET_CASES = [
         base_len=4, tree=common_pb2.TokenTree(token_ids=[5, 900], parents=[-1, 0])))], INVALID, "tree.token_ids[1]"),
     ("draft probs misshapen", [dict(open=open_msg()), dict(verify=target_pb2.TargetVerify(
         base_len=4, tree=CHAIN, draft_probs=tensor_to_pb(torch.full((2, 7), 0.1))))], INVALID, "verify.draft_probs"),
+    ("tree with a cycle", [dict(open=open_msg()), dict(verify=target_pb2.TargetVerify(
+        base_len=4, tree=common_pb2.TokenTree(token_ids=[5, 6], parents=[1, 0])))], INVALID, "tree.parents[0]"),
+    ("non-topological parent", [dict(open=open_msg()), dict(verify=target_pb2.TargetVerify(
+        base_len=4, tree=common_pb2.TokenTree(token_ids=[5, 6, 7], parents=[-1, 2, 0])))], INVALID, "tree.parents[1]"),
+    ("self parent", [dict(open=open_msg()), dict(verify=target_pb2.TargetVerify(
+        base_len=4, tree=common_pb2.TokenTree(token_ids=[5, 6], parents=[-1, 1])))], INVALID, "tree.parents[1]"),
+    ("parent below -1", [dict(open=open_msg()), dict(verify=target_pb2.TargetVerify(
+        base_len=4, tree=common_pb2.TokenTree(token_ids=[5], parents=[-2])))], INVALID, "tree.parents[0]"),
+    ("parents and tokens differ in length", [dict(open=open_msg()), dict(verify=target_pb2.TargetVerify(
+        base_len=4, tree=common_pb2.TokenTree(token_ids=[5, 6], parents=[-1])))], INVALID, "tree.parents"),
+    ("oversized tree", [dict(open=open_msg()), dict(verify=target_pb2.TargetVerify(
+        base_len=4, tree=common_pb2.TokenTree(token_ids=[5] * 300, parents=list(range(-1, 299)))))],
+     INVALID, "limit"),
     ("bad hidden dtype", [dict(open=open_msg(hidden_dtype=9))], INVALID, "dtype"),
+    ("oversized message", [dict(open=open_msg(prompt=[300] * 600_000))], grpc.StatusCode.RESOURCE_EXHAUSTED,
+     "larger than max"),
     ("kv budget", [dict(open=open_msg(max_new_tokens=0))], grpc.StatusCode.RESOURCE_EXHAUSTED, "KV cache budget"),
 ]
 
 
 @pytest.mark.parametrize("messages,code,text", [c[1:] for c in TARGET_CASES], ids=[c[0] for c in TARGET_CASES])
 def test_target_refuses_bad_messages(services, messages, code, text):
+    # A healthy session on another stream runs across the bad one, unaffected.
+    good = Stream(services[0].address).send(open=open_msg(max_new_tokens=4))
     s = Stream(services[0].address)
     try:
+        assert good.recv().HasField("opened")
         for m in messages:
             s.send(**m)
         with pytest.raises(grpc.RpcError) as err:
@@ -147,8 +165,22 @@ def test_target_refuses_bad_messages(services, messages, code, text):
                 s.recv()
         assert err.value.code() == code
         assert text in err.value.details()
+        good.send(decode=target_pb2.TargetDecode(n=1))
+        assert good.recv().token.length == 5
     finally:
         s.close()
+        good.close()
+
+
+def test_target_refuses_garbage_bytes(services):
+    with grpc.insecure_channel(services[0].address) as ch:
+        raw = ch.stream_stream("/splitspec.v1.Target/Session", request_serializer=lambda b: b,
+                               response_deserializer=lambda b: b)
+        with pytest.raises(grpc.RpcError) as err:
+            list(raw(iter([b"\xff\xfe garbage \x00\x01"]), timeout=10))
+    # gRPC itself refuses a message protobuf cannot parse, before the handler sees it.
+    assert err.value.code() == grpc.StatusCode.INTERNAL
+    assert "Error parsing message with type 'splitspec.v1.TargetRequest'" in err.value.details()
 
 
 def test_target_max_sessions(services):

@@ -1,0 +1,299 @@
+"""Reliability of one request: the token source that survives the loss of its draft or of its
+target replica, and the health trackers that keep new requests away from dead backends.
+
+The gateway owns the token history of every request, which makes both recoveries lossless:
+
+* **Draft failure** (a Propose/Open error, a step over `--draft-timeout-ms`, an unreachable
+  draft): the draft session is dropped and the request continues with target `Decode` on the
+  SAME target session. After Open or a Verify, the target's state is "last committed token not
+  yet in the KV cache", exactly what Decode expects, so no token is lost or repeated. The draft
+  is marked unhealthy (unless it only refused this one request) and a background loop probes
+  it with grpc.health.v1 (and GetInfo + the pair check) with exponential backoff; while it is
+  unhealthy new requests decode target-only. Each fallback is counted in
+  `SpeculativeStats.draft_fallbacks` and logged as `draft_fallback`.
+* **Target failure** (UNAVAILABLE, UNKNOWN or CANCELLED by the replica: it died or is
+  draining): the request opens a session on another replica with prompt + the tokens committed
+  so far as its prompt (re-prefill), re-opens the draft with the new hidden states, and goes on.
+  The Open samples the next token, so greedy output is identical to an uninterrupted run;
+  sampled output stays a correct sample but not the same one (the replica's sampler is seeded
+  afresh). Counted in `target_failovers`, logged as `target_failover`. After
+  `--target-failover-attempts` failovers, or when no replica is left, the request ends with
+  UNAVAILABLE; the tokens already streamed stay with the client.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator, Awaitable, Callable
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from splitspec.v1 import common_pb2
+
+from .backends import BackendError, DraftSession, TargetClient, TargetSession
+from .generation import Stats
+from .request import Request
+from .speculative import record_step, trim_chain
+
+# Codes from a target that mean "this replica (or our connection to it) is gone": fail over.
+REPLICA_LOST = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED})
+# Codes from a draft that say the draft service itself is in trouble (not just this request).
+DRAFT_DOWN = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED,
+                        grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL})
+
+
+class Health:
+    """Whether one backend address is usable. `mark_failed` flips it to unhealthy and starts a
+    probe loop (grpc.health.v1 Check, then the optional `verify` coroutine) with exponential
+    backoff from `min_backoff_s` to `max_backoff_s`; the first good probe makes it healthy."""
+
+    def __init__(self, name: str, address: str, channel: grpc.aio.Channel, log, *,
+                 min_backoff_s: float = 0.1, max_backoff_s: float = 5.0,
+                 verify: Callable[[], Awaitable[bool]] | None = None):
+        self.name, self.address, self.channel, self.log = name, address, channel, log
+        self.min_backoff_s, self.max_backoff_s = min_backoff_s, max_backoff_s
+        self.verify = verify
+        self.healthy = True
+        self.failures = 0
+        self._task: asyncio.Task | None = None
+
+    def mark_failed(self, reason: str) -> None:
+        self.failures += 1
+        if self.healthy:
+            self.log.warning("backend_unhealthy", backend=self.name, address=self.address, reason=reason)
+        self.healthy = False
+        if self._task is None or self._task.done():
+            self._task = asyncio.ensure_future(self._reconnect())
+
+    async def probe(self) -> bool:
+        try:
+            resp = await health_pb2_grpc.HealthStub(self.channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=2.0)
+        except grpc.aio.AioRpcError:
+            return False
+        if resp.status != health_pb2.HealthCheckResponse.SERVING:
+            return False
+        return await self.verify() if self.verify is not None else True
+
+    async def _reconnect(self) -> None:
+        delay, tries = self.min_backoff_s, 0
+        while True:
+            await asyncio.sleep(delay)
+            tries += 1
+            try:
+                ok = await self.probe()
+            except Exception as exc:  # noqa: BLE001 - a probe must never kill the loop
+                self.log.warning("health_probe_error", backend=self.name, error=str(exc))
+                ok = False
+            if ok:
+                self.healthy = True
+                self.log.info("backend_healthy", backend=self.name, address=self.address, probes=tries)
+                return
+            delay = min(delay * 2, self.max_backoff_s)
+
+    def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+
+@dataclass
+class Plan:
+    """What the servicer decided for a request before any backend call."""
+    method: str                                     # wanted: "dflash", "ngram" or "none"
+    layer_ids: list[int]                            # target layers the draft needs (dflash)
+    speculative: common_pb2.SpeculativeParams | None
+    tokenizer_hash: str = ""
+
+
+class DraftLost(Exception):
+    """Internal: the draft failed this step; the request goes on without it."""
+
+
+class ResilientSource:
+    """The token source of one request (see the module doc). Use `steps()` as the source for
+    `stream_response`; afterwards `await close()` (polite) or `cancel()` (client gone)."""
+
+    def __init__(self, backends, req: Request, stats: Stats, plan: Plan, log, *,
+                 timeout_s: Callable[[], float | None] = lambda: None):
+        self.b = backends
+        self.cfg = backends.cfg
+        self.req, self.stats, self.plan, self.log = req, stats, plan, log
+        self.timeout_s = timeout_s
+        self.history: list[int] = []             # tokens committed (and yielded) so far
+        self.target: TargetSession | None = None
+        self.draft: DraftSession | None = None
+        self.client: TargetClient | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+    async def close(self) -> None:
+        for s in (self.target, self.draft):
+            if s is not None:
+                await s.close()
+
+    def cancel(self) -> None:
+        for s in (self.target, self.draft):
+            if s is not None:
+                s.cancel()
+
+    # -- the source ------------------------------------------------------------------------
+    async def steps(self) -> AsyncIterator[list[int]]:
+        failovers = 0
+        tried: set[int] = set()
+        self.client = self.b.pick_target()
+        while True:
+            tried.add(id(self.client))
+            self.target = self.client.session(self.timeout_s())
+            try:
+                async with contextlib.aclosing(self._attempt()) as attempt:
+                    async for toks in attempt:
+                        self.history.extend(toks)
+                        yield toks
+                return
+            except BackendError as exc:
+                if exc.backend != "target":
+                    raise
+                opening = self.target.opened is False
+                lost = exc.code in REPLICA_LOST
+                full = exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED and opening
+                if not (lost or full):
+                    raise
+                self.target.cancel()
+                self._drop_draft()
+                if lost:
+                    self.b.target_health(self.client).mark_failed(f"{exc.code.name}: {exc.message}")
+                nxt = self.b.pick_target(exclude=tried)
+                if full:
+                    if nxt is None:
+                        raise           # every replica is full: RESOURCE_EXHAUSTED as is
+                    self.log.info("target_full_try_next", address=self.client.address, next=nxt.address)
+                    self.client = nxt
+                    continue
+                failovers += 1
+                if nxt is None and self.b.single_name():
+                    nxt = self.client    # a dns:/// name: a new stream goes to another replica
+                if nxt is None or failovers > self.cfg.target_failover_attempts:
+                    self.log.warning("target_failover_failed", address=self.client.address, code=exc.code.name,
+                                     tokens_streamed=len(self.history), failovers=failovers - 1)
+                    raise BackendError(
+                        grpc.StatusCode.UNAVAILABLE,
+                        f"no target replica could continue the request (failovers {failovers - 1}, "
+                        f"--target-failover-attempts {self.cfg.target_failover_attempts}, replicas "
+                        f"{', '.join(c.address for c in self.b.targets)}); {len(self.history)} tokens were "
+                        f"streamed before it failed; last error from {self.client.address}: "
+                        f"{exc.code.name}: {exc.message}") from None
+                self.stats.target_failovers += 1
+                self.log.warning("target_failover", failed=self.client.address, next=nxt.address,
+                                 code=exc.code.name, message=exc.message, tokens_so_far=len(self.history))
+                await asyncio.sleep(min(1.0, 0.05 * 2 ** (failovers - 1)))
+                self.client = nxt
+
+    # -- one target session ----------------------------------------------------------------
+    def _want_draft(self) -> bool:
+        if self.plan.method == "none" or self.b.draft is None:
+            return False
+        if not self.b.draft_health.healthy:
+            self._fallback("the draft is unhealthy (reconnecting)", count=True)
+            return False
+        return True
+
+    def _fallback(self, reason: str, *, count: bool = True) -> None:
+        if count:
+            self.stats.draft_fallbacks += 1
+        self.log.warning("draft_fallback", reason=reason, tokens_so_far=len(self.history),
+                         fallbacks=self.stats.draft_fallbacks)
+
+    def _drop_draft(self) -> None:
+        if self.draft is not None:
+            self.draft.cancel()
+            self.draft = None
+
+    def _draft_failed(self, exc: BaseException) -> None:
+        if isinstance(exc, BackendError):
+            reason = f"{exc.code.name}: {exc.message}"
+            down = exc.code in DRAFT_DOWN
+        else:
+            reason = f"no answer within --draft-timeout-ms {self.cfg.draft_timeout_ms}"
+            down = True
+        self._drop_draft()
+        if down:
+            self.b.draft_health.mark_failed(reason)
+        self._fallback(reason)
+
+    async def _draft_call(self, coro, timeout_s: float):
+        try:
+            async with asyncio.timeout(timeout_s):     # unlike wait_for, never swallows a cancel
+                return await coro
+        except BackendError as exc:
+            if exc.backend != "draft":
+                raise
+            self._draft_failed(exc)
+        except asyncio.TimeoutError as exc:
+            self._draft_failed(exc)
+        raise DraftLost()
+
+    async def _attempt(self) -> AsyncIterator[list[int]]:
+        req, stats, plan = self.req, self.stats, self.plan
+        prefix = req.prompt_ids + self.history
+        remaining = req.max_new_tokens - len(self.history)
+        if remaining <= 0:
+            return
+        use_draft = self._want_draft()
+        if use_draft:
+            stats.method = plan.method
+        elif not self.history:
+            stats.method = "none"
+        width = plan.speculative.num_draft_tokens if plan.speculative is not None else 0
+        layer_ids = plan.layer_ids if use_draft else []
+        t = time.perf_counter()
+        opened = await self.target.open(req.request_id, prefix, req.sampling, hidden_layer_ids=layer_ids,
+                                        max_new_tokens=remaining + width)
+        stats.model_ms += opened.forward_ms
+        stats.verify_ms += (time.perf_counter() - t) * 1e3
+        stats.hidden_state_bytes += len(opened.hidden.data)
+        yield [opened.first_token_id]
+        generated, length = 1, opened.length
+
+        step_s = self.cfg.draft_timeout_ms / 1e3
+        if use_draft and generated < remaining:
+            try:
+                self.draft = self.b.draft.session(self.timeout_s())
+                t = time.perf_counter()
+                await self._draft_call(self.draft.open(
+                    req.request_id, prefix, opened.hidden if layer_ids else None, plan.speculative,
+                    req.sampling, plan.tokenizer_hash), 4 * step_s)     # Open also prefills the draft
+                stats.draft_ms += (time.perf_counter() - t) * 1e3
+                new_ids, new_hidden = [opened.first_token_id], None
+                while generated < remaining:
+                    t = time.perf_counter()
+                    prop = await self._draft_call(self.draft.propose(length, new_ids, new_hidden), step_s)
+                    t_draft = time.perf_counter()
+                    stats.draft_ms += (t_draft - t) * 1e3
+                    stats.model_ms += prop.draft_ms
+                    probs = prop.draft_probs if prop.HasField("draft_probs") else None
+                    tree, probs = trim_chain(prop.tree, probs, remaining - generated - 1)
+                    verified = await self.target.verify(stats.verify_steps, length, tree, probs)
+                    stats.verify_ms += (time.perf_counter() - t_draft) * 1e3
+                    stats.model_ms += verified.forward_ms
+                    stats.hidden_state_bytes += len(verified.hidden.data)
+                    record_step(stats, len(tree.token_ids), verified.num_accepted,
+                                len(verified.committed_token_ids))
+                    new_ids = list(verified.committed_token_ids)
+                    new_hidden = verified.hidden if layer_ids else None
+                    length = verified.length
+                    generated += len(new_ids)
+                    yield new_ids
+            except DraftLost:
+                pass                        # go on target-only on the same session, below
+        if generated < remaining:
+            t = time.perf_counter()
+            async for tok in self.target.decode(remaining - generated):
+                now = time.perf_counter()
+                stats.verify_ms += (now - t) * 1e3
+                stats.model_ms += tok.forward_ms
+                stats.verify_steps += 1
+                stats.committed += 1
+                yield [tok.token_id]
+                t = time.perf_counter()
