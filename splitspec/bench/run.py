@@ -1,0 +1,453 @@
+"""`splitspec bench`: start the services (or use running ones), warm them up, run the same
+held-out prompts through every configuration, interleaved per prompt (a b c … a b c …) so that
+machine drift cancels, then a concurrency sweep; write JSON, Markdown and PNG plots.
+
+    splitspec bench                                   # default models, default prompts, everything
+    splitspec bench --configs target,ngram-grpc,hf,hf-pld --num-prompts 10 --temperatures 0
+    splitspec bench --gateway 127.0.0.1:50050 --target 127.0.0.1:50051   # running services
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timezone
+from pathlib import Path
+
+from .configs import CONFIGS, DRAFT_SAMPLING_CONFIGS, GatewayRunner, HFRunner, InprocRunner
+from .prompts import default_prompts, digest, load_jsonl
+from .report import markdown, metadata, percentile, summarize, write_json
+
+DEFAULT_CONFIGS = ",".join(CONFIGS)
+GRPC = [k for k, c in CONFIGS.items() if c.kind == "grpc"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="splitspec bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = p.add_argument
+    a("--target-model-path", default=None, help="target model folder (default: models/splitspec-code-target)")
+    a("--draft-model-path", default=None,
+      help="DFlash draft folder (default: models/splitspec-code-draft when the target is the default one; "
+           "'none', or no draft: the dflash configurations are skipped and the draft service runs ngram)")
+    a("--gateway", default=None, help="use this running gateway (host:port) instead of starting services")
+    a("--target", default=None, help="running target service: step times from it; with no --gateway, the "
+      "bench starts only a gateway in front of --target / --draft")
+    a("--draft", default=None, help="running draft service (with --target and no --gateway)")
+    a("--configs", default=DEFAULT_CONFIGS,
+      help=f"comma-separated, from {DEFAULT_CONFIGS} (target, the baseline, is always run)")
+    a("--temperatures", default="0,1.0", help="comma-separated; top_p applies when > 0")
+    a("--top-p", type=float, default=0.95, help="nucleus sampling at temperature > 0")
+    a("--draft-sampling", default="greedy,sample",
+      help="draft modes run at temperature > 0 for the dflash configurations: greedy (target-only "
+           "verification) and/or sample (min(1, p/q))")
+    a("--prompts", default=None, help="JSONL file of prompts ({\"prompt\": ...} or {\"token_ids\": [...]} a line)")
+    a("--num-prompts", type=int, default=50, help="prompts to run (default prompts: function cuts from "
+      "installed third-party packages)")
+    a("--max-prompt-chars", type=int, default=1500, help="context kept before each default cut")
+    a("--max-prompt-tokens", type=int, default=512, help="longer prompts keep their last tokens")
+    a("--max-new-tokens", type=int, default=128, help="tokens generated per request (eos ignored)")
+    a("--repeats", type=int, default=1, help="times every prompt runs through every configuration")
+    a("--warmup", type=int, default=2, help="warm-up requests per configuration (not timed)")
+    a("--num-draft-tokens", type=int, default=None,
+      help="verify width: root + drafted tokens (default: the draft's block size, else 8)")
+    a("--seed", type=int, default=0, help="request i of repeat r uses seed + 1000 r + i at temperature > 0")
+    a("--concurrency", default="1,4,16", help="stream counts of the concurrency sweep ('' to skip)")
+    a("--sweep-configs", default="target,dflash-grpc,ngram-grpc", help="configurations in the sweep")
+    a("--sweep-requests", type=int, default=8, help="requests per sweep point: max(this, streams)")
+    a("--step-time-prompts", type=int, default=3, help="prompts used to measure t(target step) / t(verify step)")
+    a("--out", default="bench-out", help="folder for results.json, results.md, the plots and service logs")
+    a("--json", default=None, help="JSON path (default: OUT/results.json)")
+    a("--markdown", default=None, help="Markdown path (default: OUT/results.md)")
+    a("--plots", default=None, help="folder for the PNG plots (default: OUT)")
+    a("--no-plots", action="store_true", help="skip the PNG plots")
+    a("--device", default="cpu", help="device of the services and in-process models")
+    a("--timeout-s", type=float, default=900.0, help="deadline per request")
+    a("--startup-timeout-s", type=float, default=600.0)
+    return p
+
+
+def _csv(s: str) -> list[str]:
+    return [x.strip() for x in s.split(",") if x.strip()]
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace, argv: list[str]):
+        self.args, self.argv = args, argv
+        self.procs = []
+        self.skipped: list[str] = []
+        self.runners = []
+
+    # -------------------------------------------------------------- setup
+
+    def resolve(self) -> None:
+        from splitspec.cli import DEFAULT_DRAFT, DEFAULT_TARGET, _model_dir
+        a = self.args
+        self.target_path = _model_dir(a.target_model_path, DEFAULT_TARGET)
+        if self.target_path is not None and not (self.target_path / "config.json").is_file():
+            raise SystemExit(f"--target-model-path {self.target_path}: no config.json there")
+        no_draft = (a.draft_model_path or "").lower() == "none"
+        # The default draft was trained for the default target: pair it with no other.
+        default_pair = a.target_model_path is None
+        self.draft_path = (None if no_draft or (a.draft_model_path is None and not default_pair)
+                           else _model_dir(a.draft_model_path, DEFAULT_DRAFT))
+        if self.draft_path is not None and not (self.draft_path / "config.json").is_file():
+            raise SystemExit(f"--draft-model-path {self.draft_path}: no config.json there")
+        if self.target_path is None and not (a.gateway or a.target):
+            raise SystemExit(f"no target model: {DEFAULT_TARGET} is missing; pass --target-model-path "
+                             f"(or --gateway/--target for running services)")
+        wanted = _csv(a.configs)
+        bad = [c for c in wanted if c not in CONFIGS]
+        if bad:
+            raise SystemExit(f"--configs: unknown {bad}; choose from {DEFAULT_CONFIGS}")
+        if "target" not in wanted:
+            wanted.insert(0, "target")
+        self.temperatures = [float(t) for t in _csv(a.temperatures)]
+        if not self.temperatures or any(t < 0 for t in self.temperatures):
+            raise SystemExit("--temperatures: give one or more values >= 0")
+        self.draft_modes = _csv(a.draft_sampling)
+        if not self.draft_modes or set(self.draft_modes) - {"greedy", "sample"}:
+            raise SystemExit("--draft-sampling: greedy and/or sample")
+        self.levels = [int(x) for x in _csv(a.concurrency)]
+        has_dflash = self.draft_path is not None or (a.gateway or a.draft)
+        configs = []
+        for key in [k for k in CONFIGS if k in wanted]:
+            info = CONFIGS[key]
+            if key == "dflash-grpc" and not has_dflash:
+                self.skipped.append(f"{key}: no DFlash draft model (--draft-model-path)")
+            elif info.kind == "inproc" and (self.draft_path is None or self.target_path is None):
+                self.skipped.append(f"{key}: needs --target-model-path and --draft-model-path")
+            elif info.kind == "hf" and self.target_path is None:
+                self.skipped.append(f"{key}: needs --target-model-path")
+            elif info.kind == "hf" and not _has_transformers():
+                self.skipped.append(f"{key}: transformers is not installed (pip install -e '.[bench]')")
+            else:
+                configs.append(key)
+        self.configs = configs
+
+    def start_services(self) -> None:
+        from splitspec.launch import start_service
+        a = self.args
+        log_dir = Path(a.out) / "logs"
+        if a.gateway:
+            self.gateway, self.target_address = a.gateway, a.target
+            self.services = f"running gateway {a.gateway}" + (f", target {a.target}" if a.target else "")
+            return
+        if a.target:
+            target_address, draft_address = a.target, a.draft
+        else:
+            target = start_service("target", ["--model-path", str(self.target_path), "--device", a.device,
+                                              "--log-level", "warning"], log_dir=log_dir)
+            self.procs.append(target)
+            if self.draft_path is not None:
+                dargs = ["--method", "dflash", "--model-path", str(self.draft_path)]
+            else:
+                dargs = ["--method", "ngram", "--speculative-num-draft-tokens", str(self.width)]
+            draft = start_service("draft", [*dargs, "--target-model-path", str(self.target_path), "--device",
+                                            a.device, "--log-level", "warning"], log_dir=log_dir)
+            self.procs.append(draft)
+            log(f"starting target {target.address} and draft {draft.address} (logs: {log_dir})")
+            target.wait_healthy(a.startup_timeout_s)
+            draft.wait_healthy(a.startup_timeout_s)
+            target_address, draft_address = target.address, draft.address
+        gargs = ["--target", target_address, "--max-new-tokens-cap", str(max(2048, a.max_new_tokens)),
+                 "--speculative-num-draft-tokens", str(self.width),
+                 "--speculative-num-steps", str(self.width - 1), "--log-level", "warning"]
+        if draft_address:
+            gargs += ["--draft", draft_address]
+        gateway = start_service("gateway", gargs, log_dir=log_dir)
+        self.procs.append(gateway)
+        gateway.wait_healthy(a.startup_timeout_s)
+        self.gateway, self.target_address = gateway.address, target_address
+        self.services = ("target, draft and gateway started by the bench" if not a.target else
+                         f"target {a.target}, draft {a.draft}, gateway started by the bench")
+        log(f"gateway {gateway.address} serving")
+
+    def check_gateway(self) -> None:
+        """Drop the speculative gRPC configurations the gateway cannot serve (no draft)."""
+        import grpc
+
+        from splitspec.v1 import gateway_pb2, gateway_pb2_grpc
+        with grpc.insecure_channel(self.gateway) as ch:
+            info = gateway_pb2_grpc.GenerationStub(ch).GetModelInfo(gateway_pb2.GetModelInfoRequest(), timeout=30)
+        if not info.draft_model_id:
+            for key in [k for k in self.configs if CONFIGS[k].kind == "grpc" and CONFIGS[k].speculative]:
+                self.configs.remove(key)
+                self.skipped.append(f"{key}: the gateway at {self.gateway} has no draft service")
+
+    def load_tokenizer(self):
+        from tokenizers import Tokenizer
+        if self.target_path is not None:
+            return Tokenizer.from_file(str(self.target_path / "tokenizer.json"))
+        import grpc
+
+        from splitspec.v1 import common_pb2, target_pb2_grpc
+        if not self.args.target:
+            raise SystemExit("with --gateway and no --target-model-path, pass --target so the bench can take "
+                             "the tokenizer from the target service")
+        with grpc.insecure_channel(self.args.target) as ch:
+            info = target_pb2_grpc.TargetStub(ch).GetInfo(common_pb2.GetInfoRequest(), timeout=30)
+        return Tokenizer.from_str(info.tokenizer_json.decode())
+
+    def max_context(self) -> int:
+        if self.target_path is not None:
+            cfg = json.loads((self.target_path / "config.json").read_text())
+            return int(cfg.get("max_position_embeddings", 4096))
+        return 4096
+
+    def prepare_prompts(self) -> None:
+        a = self.args
+        if a.prompts:
+            prompts = load_jsonl(a.prompts, a.num_prompts)
+            source = f"file {a.prompts}"
+        else:
+            prompts = default_prompts(a.num_prompts, max_chars=a.max_prompt_chars)
+            source = "function cuts from installed third-party packages"
+        if len(prompts) < a.num_prompts:
+            log(f"only {len(prompts)} prompts available (asked for {a.num_prompts})")
+        tok = self.load_tokenizer()
+        room = self.max_context() - a.max_new_tokens - self.width - 2
+        limit = max(1, min(a.max_prompt_tokens, room))
+        self.prompt_ids = []
+        for p in prompts:
+            ids = list(p.token_ids) or tok.encode(p.text).ids
+            self.prompt_ids.append(ids[-limit:])
+        self.prompt_names = [p.id for p in prompts]
+        self.prompt_source = source
+
+    def load_models(self) -> None:
+        a = self.args
+        self.model = self.draft = self.hf = None
+        if any(CONFIGS[k].kind == "inproc" for k in self.configs):
+            from draft_service.dflash import load_draft
+            from target_service.loader import load_model
+            self.model = load_model(self.target_path, device=a.device)
+            self.draft = load_draft(self.draft_path, self.target_path, device=a.device)
+        if any(CONFIGS[k].kind == "hf" for k in self.configs):
+            import torch
+            from transformers import AutoModelForCausalLM
+            self.hf = AutoModelForCausalLM.from_pretrained(self.target_path, dtype=torch.float32).eval().to(a.device)
+
+    def resolve_width(self) -> None:
+        w = self.args.num_draft_tokens
+        if w is None and self.draft_path is not None:
+            from draft_service.dflash import DFlashConfig
+            w = DFlashConfig.from_dict(json.loads((self.draft_path / "config.json").read_text())).block_size
+        self.width = w or 8
+        if self.width < 2:
+            raise SystemExit("--num-draft-tokens must be >= 2")
+
+    def runs_for(self, temperature: float) -> list[tuple[str, str, str | None, object]]:
+        """(name, config key, draft sampling, runner) for one temperature, in interleaving order."""
+        out = []
+        for key in self.configs:
+            info = CONFIGS[key]
+            modes = self.draft_modes if (key in DRAFT_SAMPLING_CONFIGS and temperature > 0) else ["greedy"]
+            for mode in modes:
+                suffix = key in DRAFT_SAMPLING_CONFIGS and temperature > 0
+                name = f"{key}:{'sampled' if mode == 'sample' else 'greedy'}-drafts" if suffix else key
+                if info.kind == "grpc":
+                    runner = GatewayRunner(self.gateway, info.method, self.width, mode, self.args.timeout_s)
+                    self.runners.append(runner)
+                elif info.kind == "inproc":
+                    runner = InprocRunner(self.model, self.draft, self.width, mode)
+                else:
+                    runner = HFRunner(self.hf, self.width - 1 if info.speculative else None)
+                out.append((name, key, mode if info.speculative and key in DRAFT_SAMPLING_CONFIGS else None, runner))
+        return out
+
+    # -------------------------------------------------------------- measuring
+
+    def params(self, temperature: float, seed: int):
+        from target_service.sample import SamplingParams
+        if temperature == 0:
+            return SamplingParams()
+        return SamplingParams(temperature=temperature, top_p=self.args.top_p, seed=seed)
+
+    def warm_up(self, runs) -> None:
+        n = min(self.args.warmup, len(self.prompt_ids))
+        for name, _, _, runner in runs:
+            for i in range(n):
+                runner.run(self.prompt_ids[i], min(16, self.args.max_new_tokens), self.params(0.0, 0))
+                for t in self.temperatures:
+                    if t > 0:
+                        runner.run(self.prompt_ids[i], min(16, self.args.max_new_tokens), self.params(t, 1))
+                        break
+
+    def step_times(self) -> dict | None:
+        from .configs import inproc_step_times, service_step_times
+        widths = list(range(2, self.width + 1))
+        prompts = self.prompt_ids[:max(1, self.args.step_time_prompts)]
+        try:
+            if self.target_address:
+                import grpc
+
+                from splitspec.v1 import common_pb2, target_pb2_grpc
+                with grpc.insecure_channel(self.target_address) as ch:
+                    vocab = target_pb2_grpc.TargetStub(ch).GetInfo(common_pb2.GetInfoRequest(), timeout=30).vocab_size
+                ms = service_step_times(self.target_address, prompts, widths, vocab)
+                source = "forward_ms reported by the target service"
+            elif self.model is not None:
+                ms = inproc_step_times(self.model, prompts, widths)
+                source = "timed in process around TargetSequence.decode / verify"
+            else:
+                self.skipped.append("ideal speedup: no --target address and no in-process model to time steps")
+                return None
+        except Exception as exc:  # a failed calibration must not lose the run
+            self.skipped.append(f"step times: {exc}")
+            return None
+        return {"source": source, "prompts": len(prompts), "ms": {str(w): v for w, v in ms.items()}}
+
+    def measure(self, step_times: dict | None) -> tuple[list[dict], dict]:
+        a = self.args
+        entries, baseline_outputs = [], {}
+        st = {int(w): v for w, v in step_times["ms"].items()} if step_times else None
+        for temperature in self.temperatures:
+            runs = self.runs_for(temperature)
+            log(f"temperature {temperature:g}: warming up {', '.join(r[0] for r in runs)}")
+            self.warm_up(runs)
+            samples = {r[0]: [] for r in runs}
+            index = []
+            n = len(self.prompt_ids)
+            for rep in range(a.repeats):
+                for i, ids in enumerate(self.prompt_ids):
+                    params = self.params(temperature, a.seed + 1000 * rep + i)
+                    index.append(i)
+                    rates = []
+                    for name, _, _, runner in runs:      # interleaved: a b c … for every prompt
+                        s = runner.run(ids, a.max_new_tokens, params)
+                        samples[name].append(s)
+                        rates.append(f"{name} {len(s.tokens) / s.wall_s:.0f}")
+                    log(f"T={temperature:g} rep {rep + 1}/{a.repeats} prompt {i + 1}/{n}: tok/s " + ", ".join(rates))
+            base_name = runs[0][0]
+            baseline_tokens = [s.tokens for s in samples[base_name]]
+            if temperature == 0:
+                baseline_outputs = {i: t for i, t in zip(index, baseline_tokens)}
+            baseline = None
+            for name, key, mode, _ in runs:
+                e = summarize(name, key, samples[name], prompt_ids=self.prompt_ids, prompt_index=index,
+                              temperature=temperature, top_p=a.top_p if temperature > 0 else None,
+                              draft_sampling=mode, width=self.width, baseline=baseline,
+                              baseline_tokens=baseline_tokens, step_times=st, prompt_names=self.prompt_names)
+                if baseline is None:
+                    baseline = e
+                entries.append(e)
+        return entries, baseline_outputs
+
+    def sweep(self, baseline_outputs: dict) -> list[dict]:
+        a = self.args
+        keys = [k for k in _csv(a.sweep_configs) if k in self.configs and CONFIGS[k].kind == "grpc"]
+        if not self.levels or not keys:
+            return []
+        temperature = self.temperatures[0]
+        out = []
+        for level in self.levels:
+            for key in keys:
+                info = CONFIGS[key]
+                runner = GatewayRunner(self.gateway, info.method, self.width, "greedy", a.timeout_s)
+                self.runners.append(runner)
+                n = max(level, a.sweep_requests)
+                jobs = [(j % len(self.prompt_ids), self.params(temperature, a.seed + 500_000 + j)) for j in range(n)]
+                t0 = time.perf_counter()
+                with ThreadPoolExecutor(level) as pool:
+                    results = list(pool.map(lambda job: runner.run(self.prompt_ids[job[0]], a.max_new_tokens, job[1]),
+                                            jobs))
+                wall = time.perf_counter() - t0
+                tokens = sum(len(s.tokens) for s in results)
+                matches = None
+                if temperature == 0 and baseline_outputs:
+                    matches = sum(1 for (i, _), s in zip(jobs, results) if baseline_outputs.get(i) == s.tokens)
+                out.append({"name": key, "config": key, "streams": level, "requests": n,
+                            "temperature": temperature, "top_p": a.top_p if temperature > 0 else None,
+                            "max_new_tokens": a.max_new_tokens, "tokens": tokens, "wall_s": wall,
+                            "tokens_per_s": tokens / wall,
+                            "latency_ms_p50": percentile([s.wall_s * 1e3 for s in results], 50),
+                            "latency_ms_p99": percentile([s.wall_s * 1e3 for s in results], 99),
+                            "ttft_ms_p50": percentile([s.ttft_s * 1e3 for s in results], 50),
+                            "greedy_matches": matches})
+                log(f"concurrency {level} {key}: {tokens / wall:.1f} tok/s")
+        return out
+
+    # -------------------------------------------------------------- main
+
+    def run(self) -> dict:
+        a = self.args
+        started = datetime.now(timezone.utc)
+        t0 = time.perf_counter()
+        meta = metadata(self.argv)
+        self.resolve()
+        self.resolve_width()
+        try:
+            self.start_services()
+            self.check_gateway()
+            self.prepare_prompts()
+            self.load_models()
+            log(f"{len(self.prompt_ids)} prompts, configurations {', '.join(self.configs)}; "
+                f"not run: {'; '.join(self.skipped) or 'none'}")
+            step_times = self.step_times()
+            entries, baseline_outputs = self.measure(step_times)
+            concurrency = self.sweep(baseline_outputs)
+        finally:
+            for r in self.runners:
+                r.close()
+            for p in reversed(self.procs):
+                p.stop()
+        lengths = [len(p) for p in self.prompt_ids]
+        return {
+            "meta": meta,
+            "run": {"started": started.isoformat(timespec="seconds"), "duration_s": time.perf_counter() - t0,
+                    "target_model": str(self.target_path or a.target), "draft_model": str(self.draft_path or "") or None,
+                    "services": self.services, "num_prompts": len(self.prompt_ids),
+                    "prompt_source": self.prompt_source, "prompt_digest": digest(self.prompt_ids),
+                    "prompt_ids": self.prompt_names, "prompt_tokens_mean": sum(lengths) / len(lengths),
+                    "max_new_tokens": a.max_new_tokens, "repeats": a.repeats, "num_draft_tokens": self.width,
+                    "configs": self.configs, "seed": a.seed},
+            "step_times": step_times,
+            "temperatures": [{"temperature": t, "top_p": a.top_p if t > 0 else None} for t in self.temperatures],
+            "configs": entries,
+            "concurrency": concurrency,
+            "skipped": self.skipped,
+        }
+
+
+def _has_transformers() -> bool:
+    try:
+        import transformers  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser().parse_args(argv)
+    out = Path(args.out)
+    bench = Bench(args, argv)
+    results = bench.run()
+    json_path = Path(args.json) if args.json else out / "results.json"
+    md_path = Path(args.markdown) if args.markdown else out / "results.md"
+    write_json(results, json_path)
+    text = markdown(results)
+    md_path.parent.mkdir(parents=True, exist_ok=True)
+    md_path.write_text(text)
+    paths = [json_path, md_path]
+    if not args.no_plots:
+        from .plots import plot
+        paths += plot(results, Path(args.plots) if args.plots else out)
+    print(text)
+    log("wrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+def cli_main(argv: list[str] | None = None) -> int:
+    """`splitspec bench` / `python -m splitspec.bench`: library logs go to stderr as JSON lines
+    (warnings and up), so stdout carries only the Markdown report."""
+    from splitspec import logs
+    logs.configure("bench", "warning")
+    return main(argv)
