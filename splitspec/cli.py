@@ -168,13 +168,16 @@ def cmd_up(args) -> int:
               f"`splitspec train-target`, or pass --model-path.", file=sys.stderr)
     elif not (model / "config.json").is_file():
         raise SystemExit(f"--model-path {model}: no config.json there")
-    draft = _model_dir(args.draft_model_path, DEFAULT_DRAFT)
+    # The bundled draft was trained against the bundled target only: another target gets it
+    # only when asked for explicitly (the gateway would refuse a mismatched pair anyway).
+    default_target = args.model_path is None
+    draft = _model_dir(args.draft_model_path, DEFAULT_DRAFT) if (args.draft_model_path or default_target) else None
     if draft is not None and not (draft / "config.json").is_file():
         raise SystemExit(f"--draft-model-path {draft}: no config.json there")
     algorithm = args.speculative_algorithm or ("DFLASH" if draft is not None else "NGRAM")
     if draft is None:
-        print(f"note: no DFlash draft at {DEFAULT_DRAFT}: the draft service runs model-free ngram "
-              f"(prompt lookup); train one with `splitspec train-draft`", file=sys.stderr)
+        print(f"note: no DFlash draft for this target (pass --draft-model-path): the draft service runs "
+              f"model-free ngram (prompt lookup); train one with `splitspec train-draft`", file=sys.stderr)
         draft_args = ["--method", "ngram", "--target-model-path", str(model),
                       "--speculative-num-draft-tokens", str(args.speculative_num_draft_tokens)]
     else:

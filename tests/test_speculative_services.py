@@ -93,6 +93,7 @@ def test_greedy_speculation_equals_target_only(stub, references, method, width):
         assert ids == ref
         st = complete.stats
         assert st.method == method
+        assert st.draft_fallbacks == 0, "the draft failed: this run did not test speculation"
         accepted = sum(st.accepted_per_position)
         # Every step commits its accepted drafts plus one bonus; b0 comes from the prefill.
         assert st.verify_steps + accepted == len(ids) - 1

@@ -158,6 +158,9 @@ def completion_eval(model, tok, docs, *, n: int, max_new: int, context: int, eos
     return {"functions": k,
             "parse_rate": sum(r["parses"] for r in results) / max(k, 1),
             "stopped_rate": sum(r["stopped"] for r in results) / max(k, 1),
+            # A capped completion can still parse when its cut falls at a statement's end;
+            # this stricter count excludes those.
+            "stopped_parse_rate": sum(r["stopped"] and r["parses"] for r in results) / max(k, 1),
             "results": results}
 
 
@@ -178,7 +181,7 @@ def evaluate_folder(out: Path, data, args, run: dict) -> dict:
     comp = completion_eval(model, data.tok, data.heldout_docs, n=args.eval_functions,
                            max_new=args.eval_max_new, context=args.seq_len - args.eval_max_new,
                            eos_id=data.eos_id)
-    m.update({k: comp[k] for k in ("functions", "parse_rate", "stopped_rate")})
+    m.update({k: comp[k] for k in ("functions", "parse_rate", "stopped_rate", "stopped_parse_rate")})
     m["samples"] = comp["results"][:args.samples]
     m["model_bytes"] = (out / "model.safetensors").stat().st_size
     write_card(out, m, args)
@@ -244,8 +247,9 @@ seen** ({m['tokens_seen'] / m['train_corpus_tokens']:.1f} passes over the train 
 weight decay {args.weight_decay} on matrices), peak LR {args.lr}, {args.warmup} linear warm-up steps, constant, then linear
 decay to {args.min_lr_ratio} x peak over the last {args.decay:.0%} of the steps (WSD), gradient clipping at {args.clip}, bfloat16 autocast
 {'on' if args.bf16 else 'off'} with float32 master weights, seed {args.seed}.
-Wall time {m['train_seconds'] / 60:.1f} min of training ({m['total_seconds'] / 60:.1f} min end to end with
-tokenizer, evaluation and export) on a {machine()}.
+Wall time {m['train_seconds'] / 60:.1f} min of training, {m['tokens_seen'] / m['train_seconds']:.0f} tokens/s on
+average ({m['total_seconds'] / 60:.1f} min with tokenizer, data preparation and export; evaluation not
+included) on a {machine()}.
 
 ## Results
 
@@ -257,6 +261,7 @@ tokenizer, evaluation and export) on a {machine()}.
 | train loss (same measure, sampled train windows) | {m['train_loss']:.3f} nats/token |
 | function completions that parse (`ast.parse`) | **{m['parse_rate']:.0%}** of {m['functions']} held-out functions |
 | completions that ended by themselves | {m['stopped_rate']:.0%} (the rest hit the {args.eval_max_new}-token cap) |
+| completions that ended by themselves and parse | {m['stopped_parse_rate']:.0%} |
 
 Completion measure: each held-out function is cut after its signature and docstring; the model
 gets up to {args.seq_len - args.eval_max_new} tokens of the file before the cut and completes greedily
