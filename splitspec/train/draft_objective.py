@@ -1,0 +1,182 @@
+"""The DFlash training objective (DESIGN §3 "Training the drafter").
+
+For one sequence of tokens `x_0 … x_{S-1}` with the frozen target's features at every position,
+pick `num_anchors` anchor positions a. Each anchor makes one block `[x_a, MASK × (B-1)]` at
+positions a … a+B-1, exactly the block the drafter sees at inference when `x_a` is the last
+committed token: its queries see the fused context features of positions 0 … a-1 (strictly
+before the anchor) and the block itself bidirectionally, never another anchor's block. Slot k
+(k ≥ 1) predicts `x_{a+k}` through the target's frozen lm_head; its cross-entropy is weighted
+`exp(-(k-1)/γ)`, because a later slot only counts when every earlier one was accepted.
+
+All blocks of a batch run as one query set through the draft's own modules
+(`DFlashDraft.fuse`, `context_kv`, `block_forward`, i.e. the same `DraftAttention`/`DraftLayer`
+code inference runs), either with one dense block-sparse bool mask over
+`[S context keys + nA·B block keys]` (`attention="dense"`), or with the context part and the
+in-block part scored separately and soft-maxed jointly (`attention="factored"`), which skips
+the `nA·B × nA·B` block-to-block product of which only the B×B diagonal tiles are live.
+Both equal the cached inference forward (`DraftCache` + `draft_block`) position by position.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from draft_service.dflash import DFlashDraft
+from target_service.model import apply_rope, repeat_kv
+
+
+@dataclass
+class Anchors:
+    pos: torch.Tensor     # [N, nA] long: anchor positions (sorted; unused ones repeat a valid position)
+    valid: torch.Tensor   # [N, nA] bool: False for padding anchors (no loss)
+
+
+def sample_anchors(num_seqs: int, seq_len: int, num_anchors: int, generator: torch.Generator, *,
+                   min_anchor: int = 1, lengths: torch.Tensor | None = None) -> Anchors:
+    """Up to `num_anchors` distinct random anchors per sequence in [min_anchor, len-2] (an anchor
+    needs at least one token after it to predict and one before it as context). Sequences with
+    fewer candidates get masked padding anchors, so the count stays fixed."""
+    pos = torch.zeros(num_seqs, num_anchors, dtype=torch.long)
+    valid = torch.zeros(num_seqs, num_anchors, dtype=torch.bool)
+    for i in range(num_seqs):
+        n = int(lengths[i]) if lengths is not None else seq_len
+        lo, hi = max(min_anchor, 1), n - 2
+        cand = hi - lo + 1
+        if cand <= 0:
+            pos[i] = min(max(lo, 0), max(seq_len - 1, 0))
+            continue
+        k = min(num_anchors, cand)
+        chosen = (torch.randperm(cand, generator=generator)[:k] + lo).sort().values
+        pos[i, :k] = chosen
+        pos[i, k:] = chosen[0]
+        valid[i, :k] = True
+    return Anchors(pos, valid)
+
+
+def block_inputs(model: DFlashDraft, tokens: torch.Tensor, anchors: Anchors):
+    """Block ids, positions, labels and label weights/validity for every anchor.
+
+    tokens: [N, S]. Returns ids [N, nA*B] (`[x_a, MASK…]` per anchor), positions [N, nA*B],
+    labels [N, nA, B-1] (x_{a+k}, k = 1..B-1) and valid [N, nA, B-1] (label inside the sequence
+    and anchor used)."""
+    cfg = model.cfg
+    B = cfg.block_size
+    N, S = tokens.shape
+    nA = anchors.pos.shape[1]
+    ids = torch.full((N, nA, B), cfg.mask_token_id, dtype=torch.long, device=tokens.device)
+    ids[:, :, 0] = tokens.gather(1, anchors.pos)
+    offs = torch.arange(B, device=tokens.device)
+    positions = anchors.pos[:, :, None] + offs                      # [N, nA, B]
+    label_pos = positions[:, :, 1:]
+    valid = (label_pos < S) & anchors.valid[:, :, None]
+    labels = tokens.gather(1, label_pos.clamp(max=S - 1).flatten(1)).view(N, nA, B - 1)
+    return ids.flatten(1), positions.flatten(1), labels, valid
+
+
+def block_mask(anchors: Anchors, seq_len: int, block_size: int) -> torch.Tensor:
+    """Bool [N, 1, nA*B, S + nA*B] (True = may attend): block query of anchor a sees context
+    keys j < a and the keys of its own block, nothing else."""
+    pos = anchors.pos
+    N, nA = pos.shape
+    q_anchor = pos.repeat_interleave(block_size, dim=1)                        # [N, T]
+    ctx = torch.arange(seq_len, device=pos.device)[None, None, :] < q_anchor[..., None]
+    blk = torch.arange(nA, device=pos.device).repeat_interleave(block_size)
+    own = (blk[:, None] == blk[None, :]).expand(N, -1, -1)
+    return torch.cat([ctx, own], dim=-1)[:, None]
+
+
+def _factored_attention(attn, x, cos, sin, ctx_k, ctx_v, ctx_allowed, block_size: int):
+    """Same result as `DraftAttention.forward` with the dense block mask, computed as
+    [context scores | in-block scores] with one softmax. x: [N, nA*B, H]; ctx_allowed:
+    bool [N, nA*B, S]."""
+    N, T, _ = x.shape
+    nA, B = T // block_size, block_size
+    q = attn.q_norm(attn.q_proj(x).view(N, T, attn.n_heads, attn.head_dim)).transpose(1, 2)
+    q = apply_rope(q, cos, sin)                                    # [N, h, T, D]
+    k, v = attn.kv(x, cos, sin)                                    # [N, kv, T, D]
+    groups = attn.n_heads // attn.n_kv
+    scale = 1.0 / math.sqrt(attn.head_dim)
+    ck, cv = repeat_kv(ctx_k, groups), repeat_kv(ctx_v, groups)    # [N, h, S, D]
+    k, v = repeat_kv(k, groups), repeat_kv(v, groups)
+    s_ctx = torch.matmul(q, ck.transpose(-1, -2)) * scale          # [N, h, T, S]
+    s_ctx = s_ctx.masked_fill(~ctx_allowed[:, None], float("-inf"))
+    qb = q.view(N, attn.n_heads, nA, B, attn.head_dim)
+    kb = k.view(N, attn.n_heads, nA, B, attn.head_dim)
+    vb = v.view(N, attn.n_heads, nA, B, attn.head_dim)
+    s_blk = torch.matmul(qb, kb.transpose(-1, -2)) * scale         # [N, h, nA, B, B]
+    S = s_ctx.shape[-1]
+    scores = torch.cat([s_ctx, s_blk.reshape(N, attn.n_heads, T, B)], dim=-1)
+    p = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    out = torch.matmul(p[..., :S], cv)
+    out = out + torch.matmul(p[..., S:].reshape(N, attn.n_heads, nA, B, B), vb).reshape(N, attn.n_heads, T, -1)
+    return attn.o_proj(out.transpose(1, 2).reshape(N, T, -1))
+
+
+def draft_hidden(model: DFlashDraft, features: torch.Tensor, tokens: torch.Tensor, anchors: Anchors,
+                 *, attention: str = "factored"):
+    """Final normed draft hidden states [N, nA, B, H] of every anchored block.
+
+    features: [N, C, len(target_layer_ids) * H_t] target features of the first C tokens of
+    `tokens` [N, S] (C = S, or S - 1 when the last token was never run); anchors must be <= C."""
+    cfg = model.cfg
+    N = tokens.shape[0]
+    C = features.shape[1]          # context length: features may stop before the last token
+    B = cfg.block_size
+    if int(anchors.pos.max()) > C:
+        raise ValueError(f"an anchor at {int(anchors.pos.max())} needs context features up to it; "
+                         f"only {C} positions have features")
+    ids, positions, labels, valid = block_inputs(model, tokens, anchors)
+    fused = model.fuse(features)
+    ctx_kv = model.context_kv(fused, torch.arange(C, device=tokens.device))
+    if attention == "dense":
+        mask = block_mask(anchors, C, B)
+        h = model.block_forward(ids, positions, ctx_kv, mask)
+    elif attention == "factored":
+        q_anchor = anchors.pos.repeat_interleave(B, dim=1)
+        allowed = torch.arange(C, device=tokens.device)[None, None, :] < q_anchor[..., None]
+        x = model.embed(ids)
+        cos, sin = model.rope(positions, x.dtype)
+        for layer, (ck, cv) in zip(model.layers, ctx_kv):
+            a = _factored_attention(layer.self_attn, layer.input_layernorm(x), cos, sin, ck, cv, allowed, B)
+            x = x + a
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        h = model.norm(x)
+    else:
+        raise ValueError(f"attention={attention!r}; expected 'dense' or 'factored'")
+    return h.view(N, -1, B, h.shape[-1]), labels, valid
+
+
+def position_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
+    """exp(-(k-1)/γ) for slots k = 1..B-1."""
+    k = torch.arange(1, block_size, device=device, dtype=torch.float32)
+    return torch.exp(-(k - 1) / gamma)
+
+
+@dataclass
+class LossOut:
+    loss: torch.Tensor            # weighted mean cross-entropy (scalar, differentiable)
+    correct: torch.Tensor         # [B-1] argmax == label counts per slot
+    count: torch.Tensor           # [B-1] valid labels per slot
+    accept_sum: float             # sum over valid anchors of accepted-prefix length (teacher forced)
+    anchors: int                  # anchors with a full block of labels
+
+
+def objective(model: DFlashDraft, features: torch.Tensor, tokens: torch.Tensor, anchors: Anchors, *,
+              gamma: float = 4.0, attention: str = "factored") -> LossOut:
+    h, labels, valid = draft_hidden(model, features, tokens, anchors, attention=attention)
+    logits = model.logits(h[:, :, 1:]).float()                         # [N, nA, B-1, V]
+    ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none").view(labels.shape)
+    w = position_weights(model.cfg.block_size, gamma, logits.device) * valid.float()
+    loss = (ce * w).sum() / w.sum().clamp(min=1e-6)
+    with torch.no_grad():
+        hit = (logits.argmax(-1) == labels) & valid
+        correct = hit.sum((0, 1)).float()
+        count = valid.sum((0, 1)).float()
+        full = valid.all(-1)
+        # accepted prefix length under teacher forcing: leading run of correct slots
+        run = hit.int().cumprod(-1).sum(-1).float()
+        accept_sum = float(run[full].sum())
+    return LossOut(loss, correct, count, accept_sum, int(full.sum()))

@@ -1,0 +1,223 @@
+"""Online DFlash draft training (splitspec.train.draft, splitspec.train.draft_objective).
+
+* the training forward (all anchored blocks of a sequence in one query set, dense block mask or
+  factored attention) equals, position by position, the cached inference forward
+  (`DraftCache` + `draft_block`) in float32;
+* batched regeneration with a batched KV cache equals target-only decoding row by row, and its
+  features equal a plain forward's;
+* the trainer runs end to end on a tiny random target and writes a draft that `load_draft` loads
+  and `DFlashProposer` proposes with; re-running resumes from the checkpoint.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from draft_service.dflash import DraftCache, draft_block, load_draft, new_draft
+from draft_service.proposer import DFlashProposer
+from splitspec.train import draft as trainer
+from splitspec.train.draft_objective import (Anchors, block_mask, draft_hidden, objective,
+                                             position_weights, sample_anchors)
+from target_service.engine import TargetSequence, generate
+from target_service.loader import load_model
+from target_service.sample import SamplingParams
+from tiny_models import save_tiny_model
+
+BLOCK = 8
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-target")
+    return save_tiny_model(path, "qwen3", vocab_size=384, head_dim=32, num_layers=3, seed=5,
+                           max_position_embeddings=1024, tokenizer=True)
+
+
+@pytest.fixture(scope="module")
+def target(target_dir):
+    return load_model(target_dir)
+
+
+def make_draft(target, num_layers=2, seed=0):
+    d = new_draft(target.cfg, num_layers=num_layers, block_size=BLOCK, mask_token_id=1, seed=seed,
+                  target_layer_ids=[0, 1, 2])
+    g = torch.Generator().manual_seed(seed + 3)
+    with torch.no_grad():   # non-trivial norms and larger weights: a forgotten term cannot match by luck
+        for name, p in d.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
+            elif p.dim() == 2:
+                p.normal_(0, 0.1, generator=g)
+    d.attach_target(target.model.embed_tokens.weight, target.lm_head.weight)
+    return d
+
+
+def sequence(target, n_seqs, S, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, target.cfg.vocab_size, (n_seqs, S), generator=g)
+    with torch.no_grad():
+        feats = target(tokens, hidden_layers=(0, 1, 2)).hidden
+    return tokens, feats
+
+
+def inference_logits(d, feats_row, tokens_row, anchor):
+    cache = DraftCache(d, 256)
+    cache.append(d, feats_row[:anchor])
+    with torch.no_grad():
+        return draft_block(d, cache, int(tokens_row[anchor]), anchor)
+
+
+@pytest.mark.parametrize("attention", ["dense", "factored"])
+def test_training_forward_equals_inference_one_anchor(target, attention):
+    d = make_draft(target)
+    tokens, feats = sequence(target, 1, 48)
+    for a in (1, 17, 40):
+        an = Anchors(torch.tensor([[a]]), torch.tensor([[True]]))
+        with torch.no_grad():
+            h, labels, valid = draft_hidden(d, feats, tokens, an, attention=attention)
+            train_logits = d.logits(h[0, 0, 1:])
+        ref = inference_logits(d, feats[0], tokens[0], a)
+        torch.testing.assert_close(train_logits, ref, atol=1e-5, rtol=1e-5)
+        assert labels[0, 0].tolist() == tokens[0, a + 1:a + BLOCK].tolist()
+        assert valid.all()
+
+
+@pytest.mark.parametrize("attention", ["dense", "factored"])
+def test_training_forward_equals_inference_many_anchors(target, attention):
+    """Several anchors in each of two sequences, neighbouring and overlapping blocks, one padding
+    anchor, an anchor whose block runs past the end, and features that stop before the last token."""
+    d = make_draft(target, seed=1)
+    S = 40
+    tokens, feats = sequence(target, 2, S, seed=1)
+    feats = feats[:, :S - 1]
+    pos = torch.tensor([[1, 5, 6, 9, 20, 33, 38, 38], [2, 3, 4, 12, 13, 25, 30, 39]])
+    valid = torch.ones_like(pos, dtype=torch.bool)
+    valid[0, -1] = False
+    an = Anchors(pos, valid)
+    with torch.no_grad():
+        h, labels, lvalid = draft_hidden(d, feats, tokens, an, attention=attention)
+        train_logits = d.logits(h[:, :, 1:])
+    for i in range(2):
+        for j in range(pos.shape[1]):
+            a = int(pos[i, j])
+            ref = inference_logits(d, feats[i], tokens[i], a)
+            torch.testing.assert_close(train_logits[i, j], ref, atol=1e-5, rtol=1e-5)
+            expect = [p < S and bool(valid[i, j]) for p in range(a + 1, a + BLOCK)]
+            assert lvalid[i, j].tolist() == expect
+
+
+def test_block_mask_structure():
+    an = Anchors(torch.tensor([[3, 6]]), torch.tensor([[True, True]]))
+    m = block_mask(an, 10, 4)[0, 0]
+    assert m.shape == (8, 10 + 8)
+    for q in range(8):
+        blk, a = q // 4, [3, 6][q // 4]
+        assert m[q, :10].tolist() == [j < a for j in range(10)]          # context strictly before
+        assert m[q, 10:].tolist() == [j // 4 == blk for j in range(8)]   # own block, both ways
+
+
+def test_dense_and_factored_gradients_agree(target):
+    d = make_draft(target, seed=2)
+    tokens, feats = sequence(target, 2, 64, seed=2)
+    an = sample_anchors(2, 64, 6, torch.Generator().manual_seed(0))
+    grads = {}
+    for mode in ("dense", "factored"):
+        d.zero_grad()
+        out = objective(d, feats, tokens, an, attention=mode)
+        out.loss.backward()
+        grads[mode] = [p.grad.clone() for p in d.parameters()]
+    for a, b in zip(grads["dense"], grads["factored"]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_anchor_sampling_and_weights():
+    g = torch.Generator().manual_seed(0)
+    an = sample_anchors(3, 20, 30, g, min_anchor=4)
+    assert an.pos.shape == (3, 30)
+    assert int(an.valid.sum(1)[0]) == 15          # candidates 4..18
+    assert (an.pos[an.valid] >= 4).all() and (an.pos[an.valid] <= 18).all()
+    for row, v in zip(an.pos, an.valid):
+        assert len(set(row[v].tolist())) == int(v.sum())
+    w = position_weights(8, 4.0)
+    assert w[0] == 1 and torch.allclose(w[3], torch.exp(torch.tensor(-0.75)))
+
+
+def test_batched_regeneration_equals_target_only_decoding(target):
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, target.cfg.vocab_size, (4, 12), generator=g)
+    temps = torch.tensor([0.0, 1.0, 0.0, 1.0])
+    tokens, feats = trainer.regenerate(target, prompts, 30, temps, 1.0, torch.Generator().manual_seed(1),
+                                       (0, 2))
+    assert tokens.shape == (4, 30) and feats.shape == (4, 29, 2 * target.cfg.hidden_size)
+    for r in (0, 2):    # greedy rows equal the engine's target-only greedy decoding
+        ref = generate(target, prompts[r].tolist(), 18)
+        assert tokens[r, 12:].tolist() == ref
+    torch.testing.assert_close(feats, trainer.features_of(target, tokens, (0, 2)), atol=1e-4, rtol=1e-4)
+
+
+def run_args(target_dir, tmp_path, steps, producer="process"):
+    return ["--target-model-path", str(target_dir), "--out", str(tmp_path / "draft"),
+            "--run-dir", str(tmp_path / "run"), "--mask-token-id", "1", "--max-files", "3",
+            "--layers", "1", "--num-taps", "2", "--steps", str(steps), "--num-seqs", "16",
+            "--gen-batch", "8", "--replay-batch", "8", "--seq-len", "64", "--prompt-len", "16",
+            "--anchors", "8", "--batch-seqs", "2", "--warmup", "2", "--ckpt-every", "5",
+            "--eval-every", "6", "--eval-prompts", "2", "--final-eval-prompts", "2",
+            "--eval-prompt-len", "16", "--eval-new-tokens", "12", "--producer", producer]
+
+
+def test_trainer_end_to_end(target_dir, target, tmp_path):
+    assert trainer.main(run_args(target_dir, tmp_path, 12)) == 0
+    out = tmp_path / "draft"
+    for f in ("config.json", "model.safetensors", "README.md", "training_metrics.json"):
+        assert (out / f).is_file(), f
+    assert (tmp_path / "run" / "ckpt.pt").is_file()
+    assert sorted(p.name for p in (tmp_path / "run" / "data").iterdir()) == ["chunk_00000.pt", "chunk_00001.pt"]
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["block_size"] == 8
+    assert cfg["dflash_config"]["mask_token_id"] == 1
+    m = json.loads((out / "training_metrics.json").read_text())
+    assert m["step"] == 12
+    assert m["data"]["consumed_seqs"] + m["data"]["reused_seqs"] == 24
+    consumed = m["data"]["consumed_seqs"]
+    for key in ("T0", "T1_greedy_draft", "T1_sampled_draft"):
+        assert 1.0 <= m["eval"][key]["tau"] <= 8.0
+    assert m["rates"]["producer_seq_s"] > 0 and m["rates"]["consumer_seq_s"] > 0
+    assert "τ" in (out / "README.md").read_text()
+
+    d = load_draft(out, target_dir)
+    ids = tuple(d.cfg.target_layer_ids)
+    seq = TargetSequence(target, [5, 6, 7, 8, 9], SamplingParams(), max_len=64, hidden_layers=ids)
+    first = seq.prefill()
+    prop = DFlashProposer(d, max_len=64)
+    prop.open(list(seq.prompt), first.hidden)
+    proposal = prop.propose(seq.length, first.committed, None)
+    assert len(proposal.tree) == 7
+
+    # Re-running with more steps resumes from the checkpoint (thread producer this time, always
+    # waiting for fresh data).
+    assert trainer.main(run_args(target_dir, tmp_path, 16, producer="thread") + ["--max-reuse", "1"]) == 0
+    m = json.loads((out / "training_metrics.json").read_text())
+    assert m["step"] == 16 and m["data"]["consumed_seqs"] == consumed + 8
+
+
+def test_decode_step_equals_model_forward(target_variant):
+    """The producer's fast decode step (GQA on the cache without repeat_kv) equals the engine's
+    forward on every architecture the engine loads."""
+    from target_service.kv_cache import KVCache
+    _, path = target_variant
+    m = load_model(path)
+    layers = (0, m.cfg.num_hidden_layers - 1)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, m.cfg.vocab_size, (3, 10), generator=g)
+    with torch.no_grad():
+        c1, c2 = (KVCache(m.cfg, 16, batch=3) for _ in range(2))
+        m(x, cache=c1)
+        m(x, cache=c2)
+        for t in range(3):
+            y = torch.randint(0, m.cfg.vocab_size, (3,), generator=g)
+            ref = m(y[:, None], cache=c1, hidden_layers=layers)
+            logits, hidden = trainer.decode_step(m, y, c2, layers)
+            torch.testing.assert_close(logits, ref.logits[:, 0], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(hidden, ref.hidden[:, 0], atol=1e-5, rtol=1e-5)
