@@ -13,6 +13,7 @@ from splitspec.flags import apply_env
 from splitspec.launch import free_port
 from target_service import server as target_server
 from gateway import server as gateway_server
+from draft_service import server as draft_server
 
 
 def test_up_with_prompt_streams_the_target_only_generation(tmp_path):
@@ -73,7 +74,7 @@ def test_configuration_doc_lists_every_flag_and_variable():
     from splitspec.flags import env_name
     doc = (ROOT / "docs" / "configuration.md").read_text()
     sub = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    for parser in (target_server.build_parser(), gateway_server.build_parser(),
+    for parser in (target_server.build_parser(), gateway_server.build_parser(), draft_server.build_parser(),
                    sub.choices["up"], sub.choices["generate"]):
         for action in parser._actions:
             if action.option_strings and action.dest != "help":
