@@ -21,17 +21,17 @@ import torch
 
 from splitspec import logs
 from splitspec.flags import apply_env
-from splitspec.serving import Server
+from splitspec.serving import ProtocolError, Server, end_session_with, read_message
 from splitspec.v1 import draft_pb2, draft_pb2_grpc
 from splitspec.wire import (WireError, check_token_ids, sampling_from_pb, tensor_from_pb, tensor_to_pb,
                             tree_to_pb)
 from target_service.config import ConfigError, ModelConfig
 from target_service.loader import CheckpointError, parse_dtype, resolve_device, tokenizer_hash
 from target_service.scheduler import AdmissionError, DrainingError, EngineLoop
-from target_service.server import IdleError, ProtocolError, status_for
+from target_service.server import status_for
 
 from .dflash import BLOCK_SIZE_MEANINGS, load_draft
-from .proposer import DFlashProposer, NgramProposer, ProposerError, StaleProposeError
+from .proposer import DFlashProposer, NgramProposer, StaleProposeError
 
 SERVICE = "splitspec.v1.Draft"
 METHODS = ("dflash", "ngram")
@@ -139,17 +139,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
             log.info("session_cancelled")
             raise
         except Exception as exc:  # every failure ends this stream only, never the service
-            # A write to a stream the client just cancelled (gRPC raises ExecuteBatchError before
-            # it marks the call cancelled): nothing failed here.
-            if context.cancelled() or context.done() or type(exc).__name__ == "ExecuteBatchError":
-                log.info("session_cancelled")
-                return
-            code = draft_status(exc)
-            if code == grpc.StatusCode.INTERNAL:
-                log.exception("session_failed")
-            else:
-                log.info("session_refused", code=code.name, message=str(exc))
-            await context.abort(code, str(exc))
+            await end_session_with(context, exc, draft_status(exc), log)
         finally:
             if counted:
                 st.active -= 1
@@ -157,10 +147,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
 
     async def _read(self, context, idle: bool):
         timeout = self.state.args.idle_timeout_s if idle and self.state.args.idle_timeout_s > 0 else None
-        try:
-            return await asyncio.wait_for(context.read(), timeout)
-        except asyncio.TimeoutError:
-            raise IdleError(f"session idle for more than {timeout:g} s (--idle-timeout-s)") from None
+        return await read_message(context, timeout, "its draft cache was freed")
 
     async def _open(self, st: DraftState, msg: draft_pb2.DraftOpen):
         if st.target_tok_hash and msg.target_tokenizer_hash and msg.target_tokenizer_hash != st.target_tok_hash:

@@ -176,8 +176,8 @@ def cmd_up(args) -> int:
         raise SystemExit(f"--draft-model-path {draft}: no config.json there")
     algorithm = args.speculative_algorithm or ("DFLASH" if draft is not None else "NGRAM")
     if draft is None:
-        print(f"note: no DFlash draft for this target (pass --draft-model-path): the draft service runs "
-              f"model-free ngram (prompt lookup); train one with `splitspec train-draft`", file=sys.stderr)
+        print("note: no DFlash draft for this target (pass --draft-model-path): the draft service runs "
+              "model-free ngram (prompt lookup); train one with `splitspec train-draft`", file=sys.stderr)
         draft_args = ["--method", "ngram", "--target-model-path", str(model),
                       "--speculative-num-draft-tokens", str(args.speculative_num_draft_tokens)]
     else:

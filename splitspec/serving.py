@@ -19,6 +19,37 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
+class ProtocolError(Exception):
+    """Messages in the wrong order on a session stream: FAILED_PRECONDITION."""
+
+
+class IdleError(Exception):
+    """No message for --idle-timeout-s while a session was waiting: DEADLINE_EXCEEDED."""
+
+
+async def read_message(context, idle_timeout_s: float | None, what: str = "its state was freed"):
+    """The next message of a session stream (or grpc.aio.EOF); IdleError after
+    `idle_timeout_s` of silence, so a client that vanished without closing cannot pin memory."""
+    try:
+        return await asyncio.wait_for(context.read(), idle_timeout_s)
+    except asyncio.TimeoutError:
+        raise IdleError(f"session idle for more than {idle_timeout_s:g} s (--idle-timeout-s); {what}") from None
+
+
+async def end_session_with(context, exc: Exception, code: grpc.StatusCode, log) -> None:
+    """End one session stream because of `exc`, with `code`; the service itself goes on."""
+    # A write to a stream the client just cancelled (gRPC raises ExecuteBatchError before it
+    # marks the call cancelled): nothing failed here.
+    if context.cancelled() or context.done() or type(exc).__name__ == "ExecuteBatchError":
+        log.info("session_cancelled")
+        return
+    if code == grpc.StatusCode.INTERNAL:
+        log.exception("session_failed")
+    else:
+        log.info("session_refused", code=code.name, message=str(exc))
+    await context.abort(code, str(exc))
+
+
 def channel_options(max_message_mb: int, *, round_robin: bool = False) -> list[tuple]:
     """Options for servers and clients. round_robin spreads RPCs (for us: whole sessions)
     over every address a name resolves to, e.g. the replicas behind `dns:///target:50051`."""

@@ -38,7 +38,6 @@ class FlashInferVerifier:
         is_chain = list(tree.parents) == list(range(-1, len(tree) - 1))
         if params.greedy or not is_chain or len(tree) == 0:
             return verify_tree(logits, tree, params, generator, draft_probs)
-        n = len(tree)
         ids = torch.tensor([tree.token_ids], device=logits.device, dtype=torch.int32)
         target_probs = probs_from_logits(logits, params)[None]            # [1, n+1, V]
         if draft_probs is None:

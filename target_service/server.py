@@ -17,7 +17,7 @@ import grpc
 
 from splitspec import logs
 from splitspec.flags import apply_env
-from splitspec.serving import Server
+from splitspec.serving import IdleError, ProtocolError, Server, end_session_with, read_message
 from splitspec.v1 import target_pb2, target_pb2_grpc
 from splitspec.wire import (WireError, check_token_ids, dtype_from_pb, sampling_from_pb,
                             tensor_from_pb, tensor_to_pb, tree_from_pb)
@@ -42,14 +42,6 @@ _STATUS = [
     (TreeError, grpc.StatusCode.INVALID_ARGUMENT),
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
 ]
-
-
-class ProtocolError(Exception):
-    """Messages in the wrong order: FAILED_PRECONDITION."""
-
-
-class IdleError(Exception):
-    """No message for --idle-timeout-s while the session was waiting: DEADLINE_EXCEEDED."""
 
 
 def status_for(exc: BaseException) -> grpc.StatusCode:
@@ -138,17 +130,7 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
             log.info("session_cancelled")
             raise
         except Exception as exc:  # every failure ends this stream only, never the service
-            # A write to a stream the client just cancelled (gRPC raises ExecuteBatchError before
-            # it marks the call cancelled): nothing failed here.
-            if context.cancelled() or context.done() or type(exc).__name__ == "ExecuteBatchError":
-                log.info("session_cancelled")
-                return
-            code = status_for(exc)
-            if code == grpc.StatusCode.INTERNAL:
-                log.exception("session_failed")
-            else:
-                log.info("session_refused", code=code.name, message=str(exc))
-            await context.abort(code, str(exc))
+            await end_session_with(context, exc, status_for(exc), log)
         finally:
             if session is not None:
                 sched.close(session)
@@ -157,11 +139,7 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
 
     async def _read(self, context, idle: bool):
         timeout = self.state.args.idle_timeout_s if idle and self.state.args.idle_timeout_s > 0 else None
-        try:
-            return await asyncio.wait_for(context.read(), timeout)
-        except asyncio.TimeoutError:
-            raise IdleError(f"session idle for more than {timeout:g} s (--idle-timeout-s); "
-                            "its KV cache was freed") from None
+        return await read_message(context, timeout, "its KV cache was freed")
 
     async def _open(self, sched: Scheduler, msg: target_pb2.TargetOpen):
         prompt = check_token_ids(msg.prompt_token_ids, sched.cfg.vocab_size, "open.prompt_token_ids")
