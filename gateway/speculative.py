@@ -5,6 +5,7 @@ the bonus. The loop itself is `failover.ResilientSource._attempt`, which also su
 draft or target."""
 from __future__ import annotations
 
+from splitspec.acceptance import count_accepted
 from splitspec.v1 import common_pb2
 
 from .generation import Stats
@@ -26,7 +27,4 @@ def record_step(stats: Stats, drafted: int, accepted: int, committed: int) -> No
     stats.verify_steps += 1
     stats.draft_tokens += drafted
     stats.committed += committed
-    if len(stats.accepted_per_position) < drafted:
-        stats.accepted_per_position.extend([0] * (drafted - len(stats.accepted_per_position)))
-    for k in range(accepted):
-        stats.accepted_per_position[k] += 1
+    count_accepted(stats.accepted_per_position, drafted, accepted)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from splitspec.acceptance import count_accepted
 from target_service.engine import TargetSequence
 
 
@@ -21,10 +22,7 @@ class SpecStats:
         self.verify_steps += 1
         self.draft_tokens += drafted
         self.committed += committed
-        if len(self.accepted_per_position) < drafted:
-            self.accepted_per_position.extend([0] * (drafted - len(self.accepted_per_position)))
-        for k in range(accepted):
-            self.accepted_per_position[k] += 1
+        count_accepted(self.accepted_per_position, drafted, accepted)
 
     @property
     def accept_length(self) -> float:
