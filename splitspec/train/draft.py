@@ -666,6 +666,7 @@ def export(draft, out: Path, card: str | None, metrics: dict | None = None) -> N
         (tmp / "training_metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     out.mkdir(parents=True, exist_ok=True)
     for f in tmp.iterdir():
+        os.chmod(f, 0o644)          # safetensors writes 0600
         os.replace(f, out / f.name)
     tmp.rmdir()
 
