@@ -21,7 +21,7 @@ import torch
 
 from splitspec import logs
 from splitspec.flags import apply_env
-from splitspec.serving import ProtocolError, Server, end_session_with, read_message
+from splitspec.serving import run_main, ProtocolError, Server, end_session_with, read_message
 from splitspec.v1 import draft_pb2, draft_pb2_grpc
 from splitspec.wire import (WireError, check_token_ids, sampling_from_pb, tensor_from_pb, tensor_to_pb,
                             tree_to_pb)
@@ -316,13 +316,7 @@ def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
     check_args(args)
     logs.configure("draft", args.log_level)
-    try:
-        asyncio.run(serve(args))
-    except (ConfigError, CheckpointError, ValueError, json.JSONDecodeError) as exc:
-        logs.get_logger().error("startup_failed", error=str(exc))
-        raise SystemExit(f"splitspec-draft: {exc}") from None
-    except KeyboardInterrupt:
-        pass
+    run_main("splitspec-draft", serve(args), (ConfigError, CheckpointError, ValueError, json.JSONDecodeError))
 
 
 if __name__ == "__main__":

@@ -50,6 +50,18 @@ async def end_session_with(context, exc: Exception, code: grpc.StatusCode, log) 
     await context.abort(code, str(exc))
 
 
+def run_main(program: str, serve, errors: tuple[type[BaseException], ...]) -> None:
+    """Run a service's `serve` coroutine; a start-up error in `errors` exits with a one-line
+    message (and a JSON log event) instead of a traceback; Ctrl-C exits quietly."""
+    try:
+        asyncio.run(serve)
+    except errors as exc:
+        get_logger().error("startup_failed", error=str(exc))
+        raise SystemExit(f"{program}: {exc}") from None
+    except KeyboardInterrupt:
+        pass
+
+
 def channel_options(max_message_mb: int, *, round_robin: bool = False) -> list[tuple]:
     """Options for servers and clients. round_robin spreads RPCs (for us: whole sessions)
     over every address a name resolves to, e.g. the replicas behind `dns:///target:50051`."""

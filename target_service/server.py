@@ -17,7 +17,7 @@ import grpc
 
 from splitspec import logs
 from splitspec.flags import apply_env
-from splitspec.serving import IdleError, ProtocolError, Server, end_session_with, read_message
+from splitspec.serving import run_main, IdleError, ProtocolError, Server, end_session_with, read_message
 from splitspec.v1 import target_pb2, target_pb2_grpc
 from splitspec.wire import (WireError, check_token_ids, dtype_from_pb, sampling_from_pb,
                             tensor_from_pb, tensor_to_pb, tree_from_pb)
@@ -266,13 +266,7 @@ def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
     check_args(args)
     logs.configure("target", args.log_level)
-    try:
-        asyncio.run(serve(args))
-    except (BackendError, ConfigError, CheckpointError, ValueError) as exc:
-        logs.get_logger().error("startup_failed", error=str(exc))
-        raise SystemExit(f"splitspec-target: {exc}") from None
-    except KeyboardInterrupt:
-        pass
+    run_main("splitspec-target", serve(args), (BackendError, ConfigError, CheckpointError, ValueError))
 
 
 if __name__ == "__main__":
