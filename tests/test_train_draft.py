@@ -18,8 +18,8 @@ import torch
 from draft_service.dflash import DraftCache, draft_block, load_draft, new_draft
 from draft_service.proposer import DFlashProposer
 from splitspec.train import draft as trainer
-from splitspec.train.draft_objective import (Anchors, block_mask, draft_hidden, objective,
-                                             position_weights, sample_anchors)
+from splitspec.train.draft_objective import (Anchors, Teacher, block_mask, draft_hidden, objective,
+                                             position_weights, sample_anchors, soft_labels)
 from target_service.engine import TargetSequence, generate
 from target_service.loader import load_model
 from target_service.sample import SamplingParams
@@ -155,6 +155,79 @@ def test_batched_regeneration_equals_target_only_decoding(target):
         ref = generate(target, prompts[r].tolist(), 18)
         assert tokens[r, 12:].tolist() == ref
     torch.testing.assert_close(feats, trainer.features_of(target, tokens, (0, 2)), atol=1e-4, rtol=1e-4)
+
+
+def test_soft_labels_are_the_targets_next_token_distribution(target):
+    tokens, _ = sequence(target, 2, 40, seed=3)
+    with torch.no_grad():
+        out = target(tokens, hidden_layers=(2,))
+    teacher = Teacher(target.model.norm, target.lm_head.weight)
+    an = Anchors(torch.tensor([[4, 17, 30], [9, 10, 31]]), torch.ones(2, 3, dtype=torch.bool))
+    p = soft_labels(teacher, out.hidden, an, BLOCK)
+    assert p.shape == (2, 3, BLOCK - 1, target.cfg.vocab_size)
+    ref = torch.softmax(out.logits.float(), -1)
+    for i in range(2):
+        for j in range(3):
+            for k in range(1, BLOCK):   # slot k predicts x_{a+k}: the target's row a+k-1
+                torch.testing.assert_close(p[i, j, k - 1], ref[i, int(an.pos[i, j]) + k - 1],
+                                           atol=1e-5, rtol=1e-4)
+
+
+def test_distill_weight_mixes_soft_and_hard_cross_entropy(target):
+    tokens, feats = sequence(target, 2, 48, seed=4)
+    d = make_draft(target)
+    an = sample_anchors(2, 48, 6, torch.Generator().manual_seed(2), min_anchor=4)
+    teacher = Teacher(target.model.norm, target.lm_head.weight)
+    final = feats[..., -target.cfg.hidden_size:]          # taps (0, 1, 2): the last is the last layer
+    hard = objective(d, feats, tokens, an).loss
+    soft = objective(d, feats, tokens, an, teacher=teacher, final_hidden=final, distill=1.0).loss
+    half = objective(d, feats, tokens, an, teacher=teacher, final_hidden=final, distill=0.5).loss
+    none = objective(d, feats, tokens, an, teacher=teacher, final_hidden=final, distill=0.0).loss
+    torch.testing.assert_close(none, hard)
+    torch.testing.assert_close(half, 0.5 * soft + 0.5 * hard)
+    assert abs(soft.item() - hard.item()) > 1e-3
+    # soft cross-entropy >= the teacher's entropy (Gibbs), with the weights of the hard loss
+    h, _, valid = draft_hidden(d, feats, tokens, an)
+    p = soft_labels(teacher, final, an, BLOCK)
+    ent = -(p * p.clamp(min=1e-30).log()).sum(-1)
+    w = position_weights(BLOCK, 4.0) * valid.float()
+    assert soft.item() >= float((ent * w).sum() / w.sum()) - 1e-4
+
+
+def test_producer_adds_the_last_layer_for_soft_labels():
+    H = 4
+    assert trainer.produced_layers((0, 1), 3, 1.0) == (0, 1, 2)
+    assert trainer.produced_layers((0, 2), 3, 1.0) == (0, 2)
+    assert trainer.produced_layers((0, 1), 3, 0.0) == (0, 1)
+    feats = torch.arange(3 * H, dtype=torch.float32).expand(5, -1)     # layer i's slice = i*H …
+    ctx, final = trainer.split_features(feats, (0, 1), (0, 1, 2), H, 1.0)
+    assert ctx.shape == (5, 2 * H) and final[0].tolist() == list(range(2 * H, 3 * H))
+    ctx, final = trainer.split_features(feats[:, :2 * H], (0, 2), (0, 2), H, 1.0)
+    assert ctx.shape == (5, 2 * H) and final[0].tolist() == list(range(H, 2 * H))
+    assert trainer.split_features(feats[:, :2 * H], (0, 1), (0, 1), H, 0.0)[1] is None
+
+
+def test_init_target_last_reproduces_the_targets_context_kv(target):
+    """--init target-last: the first draft layer is the target's layer L-n, and its injected
+    context K/V are exactly what that target layer computes at those positions."""
+    from argparse import Namespace
+    from target_service.model import apply_rope, rope_cos_sin
+    args = Namespace(layers=1, block_size=BLOCK, intermediate_size=None, seed=0, init="target-last")
+    d = trainer.build_draft(args, target, (0, 1), 1)
+    tokens, _ = sequence(target, 1, 20, seed=6)
+    with torch.no_grad():
+        feats = target(tokens, hidden_layers=(0, 1)).hidden
+        (k, v), = d.context_kv(d.fuse(feats), torch.arange(20))
+        at = target.model.layers[2].self_attn
+        h = target.model.layers[2].input_layernorm(feats[..., target.cfg.hidden_size:])
+        ref_k = at.k_norm(at.k_proj(h).view(1, 20, at.n_kv, at.head_dim)).transpose(1, 2)
+        cos, sin = rope_cos_sin(target.inv_freq(ref_k.device), torch.arange(20), ref_k.dtype)
+        ref_v = at.v_proj(h).view(1, 20, at.n_kv, at.head_dim).transpose(1, 2)
+    torch.testing.assert_close(k, apply_rope(ref_k, cos, sin), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(v, ref_v, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(d.layers[0].mlp.up_proj.weight, target.model.layers[2].mlp.up_proj.weight)
+    with pytest.raises(SystemExit, match="layer 1"):
+        trainer.build_draft(args, target, (0, 2), 1)
 
 
 def run_args(target_dir, tmp_path, steps, producer="process"):

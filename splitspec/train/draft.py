@@ -41,7 +41,7 @@ from target_service.kv_cache import KVCache
 from target_service.model import apply_rope, rope_cos_sin
 from target_service.sample import SamplingParams, probs_from_logits
 
-from .draft_objective import objective, sample_anchors
+from .draft_objective import Teacher, objective, sample_anchors
 
 DEFAULT_TARGET = "models/splitspec-code-target"
 DEFAULT_OUT = "models/splitspec-code-draft"
@@ -64,9 +64,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--num-taps", type=int, default=None, help="number of target layers to tap (default: --layers)")
     a("--intermediate-size", type=int, default=None, help="draft MLP width (default: the target's)")
     a("--mask-token-id", type=int, default=None, help=f"default: the tokenizer's {MASK_TOKEN}")
-    a("--init", choices=("random", "target"), default="random",
-      help="draft layers from N(0, 0.02), or copied from the target's first layers (which, like the "
-           "draft's, read token embeddings)")
+    a("--init", choices=("random", "target", "target-last"), default="random",
+      help="draft layers from N(0, 0.02); copied from the target's first layers (which, like the "
+           "draft's, read token embeddings); or copied from its last layers, with fc and hidden_norm set "
+           "so that the first draft layer's context K/V are exactly the target's there (needs the layer "
+           "below them among the taps)")
     # data
     a("--prompt-len", type=int, default=128, help="tokens of training-corpus prompt per sequence")
     a("--seq-len", type=int, default=512, help="prompt + target continuation, tokens per sequence")
@@ -94,6 +96,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--anchors", type=int, default=64, help="anchored blocks per sequence (fixed; masked when unused)")
     a("--min-anchor", type=int, default=8, help="smallest anchor position (context length)")
     a("--gamma", type=float, default=None, help="loss decay exp(-(k-1)/gamma); default 4 for B<=8, else 7")
+    a("--distill", type=float, default=0.0,
+      help="weight of the soft label (the target's next-token distribution, from its last layer) against "
+           "the data token (1: soft only, 0: data tokens only, as the plain DFlash objective)")
     a("--attention", choices=("factored", "dense"), default="factored")
     a("--lr", type=float, default=1e-3)
     a("--min-lr-ratio", type=float, default=0.05)
@@ -491,6 +496,23 @@ def resolve_layer_ids(args, target_cfg: ModelConfig) -> tuple[int, ...]:
     return ids
 
 
+def produced_layers(layer_ids, num_layers: int, distill: float) -> tuple[int, ...]:
+    """The layers the producer sends: the taps, plus the target's last layer when soft labels need
+    it and it is not already tapped."""
+    ids = tuple(layer_ids)
+    return ids + (num_layers - 1,) if distill > 0 and num_layers - 1 not in ids else ids
+
+
+def split_features(feats: torch.Tensor, layer_ids, produced, hidden: int, distill: float):
+    """(draft features [.., len(layer_ids) * H], last-layer hidden [.., H] or None) of producer
+    features laid out as `produced`."""
+    ctx = feats[..., :len(layer_ids) * hidden]
+    if distill <= 0:
+        return ctx, None
+    j = list(produced).index(max(produced))      # the last layer (produced_layers added it)
+    return ctx, feats[..., j * hidden:(j + 1) * hidden]
+
+
 def resolve_mask_id(args, target_path) -> int:
     if args.mask_token_id is not None:
         return args.mask_token_id
@@ -506,13 +528,26 @@ def build_draft(args, target, layer_ids, mask_id) -> DFlashDraft:
     tcfg = target.cfg
     draft = new_draft(tcfg, num_layers=args.layers, block_size=args.block_size, mask_token_id=mask_id,
                       target_layer_ids=layer_ids, intermediate_size=args.intermediate_size, seed=args.seed)
-    if args.init == "target":
+    if args.init in ("target", "target-last"):
         if draft.cfg.intermediate_size != tcfg.intermediate_size:
-            raise SystemExit("--init target needs the target's intermediate size")
-        src = target.model.layers[:args.layers]
+            raise SystemExit(f"--init {args.init} needs the target's intermediate size")
+        L = tcfg.num_hidden_layers
+        src = target.model.layers[:args.layers] if args.init == "target" else target.model.layers[L - args.layers:]
         with torch.no_grad():
             for dst, s in zip(draft.layers, src):
                 dst.load_state_dict(s.state_dict(), strict=True)
+            if args.init == "target-last":
+                # The first copied layer reads the output of layer `below`; when that layer is tapped,
+                # fc picks its slice and hidden_norm takes that layer's input norm, so
+                # k_proj(hidden_norm(fc(features))) is the target's own context K there.
+                below = L - args.layers - 1
+                if below not in layer_ids:
+                    raise SystemExit(f"--init target-last needs target layer {below} among --target-layer-ids")
+                H, j = tcfg.hidden_size, list(layer_ids).index(below)
+                draft.fc.weight.zero_()
+                draft.fc.weight[:, j * H:(j + 1) * H] = torch.eye(H)
+                draft.hidden_norm.weight.copy_(src[0].input_layernorm.weight)
+                draft.norm.weight.copy_(target.model.norm.weight)
     draft.attach_target(target.model.embed_tokens.weight, target.lm_head.weight)
     return draft
 
@@ -630,7 +665,7 @@ def full_eval(draft, target, es: EvalSet, args, eos_ids) -> dict:
 
 RESUME_KEYS = ("layers", "block_size", "target_layer_ids", "num_taps", "intermediate_size", "init",
                "prompt_len", "seq_len", "num_seqs", "greedy_frac", "regen_temperature", "regen_top_p",
-               "raw_frac", "gen_batch", "replay_batch", "max_files", "batch_seqs", "seed")
+               "raw_frac", "gen_batch", "replay_batch", "max_files", "batch_seqs", "seed", "distill")
 
 
 def save_ckpt(path: Path, draft, opt, state: dict, args) -> None:
@@ -747,7 +782,7 @@ Features are computed online by the producer (target forward), never stored.
 ## Training
 
 {m['step']:,} steps of {args.batch_seqs} sequences x {args.anchors} random anchors x {B} block tokens
-(weighted cross-entropy through the target's lm_head, weight exp(-(k-1)/{args.gamma:g}) for slot k),
+(weighted cross-entropy through the target's lm_head against {_labels(args)}, weight exp(-(k-1)/{args.gamma:g}) for slot k),
 AdamW (betas 0.9/0.95, weight decay {args.weight_decay}), peak LR {args.lr}, {args.warmup} warm-up steps,
 cosine decay to {args.min_lr_ratio} x peak{f' over a {args.max_minutes:g}-minute budget' if args.max_minutes else ''},
 gradient clipping {args.clip}, bfloat16 autocast {'on' if args.bf16 else 'off'}, seed {args.seed}.
@@ -781,6 +816,15 @@ Resumable: re-running the command continues from `{args.run_dir}/ckpt.pt` and th
 under `{args.run_dir}/data/`. Same interpreter (the corpus is its standard library) and seed;
 the producer runs asynchronously, so results match up to floating-point differences.
 """
+
+
+def _labels(args) -> str:
+    d = getattr(args, "distill", 0.0) or 0.0
+    if d <= 0:
+        return "the data tokens"
+    if d >= 1:
+        return "the target's next-token distribution (soft labels)"
+    return f"{d:g} x the target's next-token distribution + {1 - d:g} x the data tokens"
 
 
 def taps_reason(ids, args, target_cfg) -> str:
@@ -841,7 +885,8 @@ def main(argv=None) -> int:
         print(f"resumed from {ckpt_path} at step {state['step']}", flush=True)
 
     num_chunks = max(1, math.ceil(args.num_seqs / args.gen_batch))
-    spec = ProducerSpec(target_path=str(args.target_model_path), run_dir=str(run_dir), layer_ids=layer_ids,
+    produced = produced_layers(layer_ids, tcfg.num_hidden_layers, args.distill)
+    spec = ProducerSpec(target_path=str(args.target_model_path), run_dir=str(run_dir), layer_ids=produced,
                         prompt_len=args.prompt_len, seq_len=args.seq_len, num_chunks=num_chunks,
                         gen_batch=args.gen_batch, replay_batch=args.replay_batch, greedy_frac=args.greedy_frac,
                         raw_frac=args.raw_frac, temperature=args.regen_temperature, top_p=args.regen_top_p,
@@ -851,7 +896,7 @@ def main(argv=None) -> int:
     periodic = eval_set(target, streams, args, args.eval_prompts) if args.eval_every else None
     try:
         info = train_loop(args, draft, opt, producer, state, ckpt_path, target, periodic, eos_ids,
-                          started, command, layer_ids, out)
+                          started, command, layer_ids, out, produced)
     finally:
         producer.close()
     save_ckpt(ckpt_path, draft, opt, state, args)
@@ -903,9 +948,11 @@ def eval_only(args, target, streams, eos_ids) -> int:
 
 
 def train_loop(args, draft, opt, producer, state, ckpt_path, target, periodic, eos_ids, started, command,
-               layer_ids, out) -> dict:
+               layer_ids, out, produced) -> dict:
     from tqdm import tqdm
     B = args.block_size
+    H = target.cfg.hidden_size
+    teacher = Teacher(target.model.norm, target.lm_head.weight.detach()) if args.distill > 0 else None
     draft.train()
     bar = tqdm(total=args.steps, initial=state["step"], unit="step", mininterval=10, ncols=150,
                file=sys.stderr, dynamic_ncols=False)
@@ -968,14 +1015,15 @@ def train_loop(args, draft, opt, producer, state, ckpt_path, target, periodic, e
         if fresh:
             last_meta = fresh[-1][2]
         tokens = torch.stack([it[0] for it in items])
-        feats = torch.stack([it[1] for it in items])
+        feats, final = split_features(torch.stack([it[1] for it in items]), layer_ids, produced, H, args.distill)
         g = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
         anchors = sample_anchors(len(items), tokens.shape[1], args.anchors, g, min_anchor=args.min_anchor)
         lr = lr_at(step, train_s, args)
         for group in opt.param_groups:
             group["lr"] = lr
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
-            res = objective(draft, feats, tokens, anchors, gamma=args.gamma, attention=args.attention)
+            res = objective(draft, feats, tokens, anchors, gamma=args.gamma, attention=args.attention,
+                            teacher=teacher, final_hidden=final, distill=args.distill)
         opt.zero_grad(set_to_none=True)
         res.loss.backward()
         gnorm = float(torch.nn.utils.clip_grad_norm_(draft.parameters(), args.clip))
@@ -1051,17 +1099,20 @@ def calibrate(args, target, draft, opt, streams, layer_ids) -> int:
     prompts = windows(streams["train"], b, args.prompt_len, g)
     temps = torch.tensor([0.0 if i % 2 == 0 else args.regen_temperature for i in range(b)])
     ptarget = load_target(args.target_model_path, dtype="bfloat16" if args.producer_bf16 else "float32")
+    produced = produced_layers(layer_ids, target.cfg.num_hidden_layers, args.distill)
     (toks, feats), w, c = timed(lambda: regenerate(ptarget, prompts, args.seq_len, temps, args.regen_top_p, g,
-                                                   layer_ids))
+                                                   produced))
     gen_tok = b * (args.seq_len - args.prompt_len)
     print(f"regeneration ({args.producer_threads} threads, bf16={args.producer_bf16}): {b} rows x "
           f"{args.seq_len} tokens: wall {w:.1f}s ({b / w:.2f} seq/s, {gen_tok / w:.0f} generated tok/s); "
           f"cpu {c:.1f}s ({b / c:.2f} seq/s, {gen_tok / c:.0f} tok/s)", flush=True)
     rb = toks[:args.replay_batch]
-    _, w, c = timed(lambda: features_of(ptarget, rb, layer_ids))
+    _, w, c = timed(lambda: features_of(ptarget, rb, produced))
     print(f"feature replay: {len(rb)} rows: wall {w:.2f}s ({len(rb) / w:.2f} seq/s); cpu {c:.2f}s "
           f"({len(rb) / c:.2f} seq/s, {rb.numel() / c:.0f} tok/s)", flush=True)
     torch.set_num_threads(saved)
+    feats, final = split_features(feats, layer_ids, produced, target.cfg.hidden_size, args.distill)
+    teacher = Teacher(target.model.norm, target.lm_head.weight.detach()) if args.distill > 0 else None
     draft.train()
     walls, cpus = [], []
     for step in range(args.calibrate + 1):
@@ -1070,7 +1121,9 @@ def calibrate(args, target, draft, opt, streams, layer_ids) -> int:
 
         def one():
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
-                res = objective(draft, feats[idx], toks[idx], anchors, gamma=args.gamma, attention=args.attention)
+                res = objective(draft, feats[idx], toks[idx], anchors, gamma=args.gamma, attention=args.attention,
+                                teacher=teacher, final_hidden=None if final is None else final[idx],
+                                distill=args.distill)
             opt.zero_grad(set_to_none=True)
             res.loss.backward()
             opt.step()

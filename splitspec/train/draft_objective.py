@@ -8,6 +8,14 @@ before the anchor) and the block itself bidirectionally, never another anchor's 
 (k ≥ 1) predicts `x_{a+k}` through the target's frozen lm_head; its cross-entropy is weighted
 `exp(-(k-1)/γ)`, because a later slot only counts when every earlier one was accepted.
 
+The label of slot k is either the data token `x_{a+k}` (hard) or, with a `teacher`, the frozen
+target's own next-token distribution at position a+k-1 (soft: cross-entropy against p_target,
+i.e. KL(p_target ‖ q_draft) up to a constant), or a mix of both (`distill` = weight of the soft
+part). Soft labels carry the whole distribution the draft is judged against — `min(1, p/q)` at
+temperature 1 and argmax agreement at temperature 0 — where one sampled token carries one bit of
+it, and they are right even on raw-text positions whose data token the target would not have
+produced.
+
 All blocks of a batch run as one query set through the draft's own modules
 (`DFlashDraft.fuse`, `context_kv`, `block_forward`, i.e. the same `DraftAttention`/`DraftLayer`
 code inference runs), either with one dense block-sparse bool mask over
@@ -156,6 +164,17 @@ def position_weights(block_size: int, gamma: float, device=None) -> torch.Tensor
 
 
 @dataclass
+class Teacher:
+    """The frozen target's head: final norm + lm_head over its last-layer hidden states."""
+    norm: torch.nn.Module
+    lm_head: torch.Tensor         # [V, H]
+
+    @torch.no_grad()
+    def log_probs(self, final_hidden: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax(F.linear(self.norm(final_hidden), self.lm_head).float(), -1)
+
+
+@dataclass
 class LossOut:
     loss: torch.Tensor            # weighted mean cross-entropy (scalar, differentiable)
     correct: torch.Tensor         # [B-1] argmax == label counts per slot
@@ -164,11 +183,33 @@ class LossOut:
     anchors: int                  # anchors with a full block of labels
 
 
+def soft_labels(teacher: Teacher, final_hidden: torch.Tensor, anchors: Anchors, block_size: int) -> torch.Tensor:
+    """p_target for every slot: [N, nA, B-1, V] from the target's last-layer hidden states
+    final_hidden [N, C, H] at positions a … a+B-2 (position j predicts token j+1). The head runs once
+    per distinct position, not once per slot."""
+    N, C, _ = final_hidden.shape
+    p = teacher.log_probs(final_hidden).exp_()                                    # [N, C, V]
+    pos = anchors.pos[:, :, None] + torch.arange(block_size - 1, device=anchors.pos.device)
+    idx = pos.clamp(max=C - 1).flatten(1)                                         # [N, nA*(B-1)]
+    got = p.gather(1, idx[..., None].expand(-1, -1, p.shape[-1]))
+    return got.view(N, *pos.shape[1:], -1)
+
+
 def objective(model: DFlashDraft, features: torch.Tensor, tokens: torch.Tensor, anchors: Anchors, *,
-              gamma: float = 4.0, attention: str = "factored") -> LossOut:
+              gamma: float = 4.0, attention: str = "factored", teacher: Teacher | None = None,
+              final_hidden: torch.Tensor | None = None, distill: float = 1.0) -> LossOut:
+    """Weighted block loss. With `teacher` and the target's last-layer `final_hidden` [N, C, H],
+    the label is `distill` x p_target + (1 - distill) x one-hot(x_{a+k})."""
     h, labels, valid = draft_hidden(model, features, tokens, anchors, attention=attention)
     logits = model.logits(h[:, :, 1:]).float()                         # [N, nA, B-1, V]
-    ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none").view(labels.shape)
+    if teacher is not None and distill > 0:
+        p = soft_labels(teacher, final_hidden, anchors, model.cfg.block_size)
+        ce = -(p * torch.log_softmax(logits, -1)).sum(-1)
+        if distill < 1:
+            hard = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none").view(labels.shape)
+            ce = distill * ce + (1 - distill) * hard
+    else:
+        ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none").view(labels.shape)
     w = position_weights(model.cfg.block_size, gamma, logits.device) * valid.float()
     loss = (ce * w).sum() / w.sum().clamp(min=1e-6)
     with torch.no_grad():
