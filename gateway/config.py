@@ -27,6 +27,7 @@ class GatewayConfig:
     max_sessions: int = 256
     max_message_mb: int = 64
     target_wait_s: float = 600.0
+    draft_wait_s: float = 30.0         # then serve target-only and keep probing the draft
     max_prompt_tokens: int = 0              # 0: up to the model's context
     draft_timeout_ms: float = 2000.0        # per draft step (Propose); Open gets 4x
     reconnect_max_s: float = 5.0      # backoff cap of the health probes of a failed backend

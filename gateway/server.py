@@ -134,9 +134,14 @@ class Backends:
                                   eos_token_ids=tuple(self.info.eos_token_ids))
         if self.draft is not None:
             try:
-                self.draft_info = await self.draft.get_info(wait_s=self.cfg.target_wait_s)
+                self.draft_info = await self.draft.get_info(wait_s=max(self.cfg.draft_wait_s, 0.1))
             except BackendError as exc:
-                raise StartupError(f"the draft at {self.cfg.draft} did not answer GetInfo: {exc}") from None
+                # A missing draft only costs speed: serve target-only now; the health probe
+                # re-checks the pair (_recheck_draft) and speculation starts when it answers.
+                log.warning("draft_unavailable_at_start", address=self.cfg.draft, code=exc.code.name,
+                            waited_s=self.cfg.draft_wait_s)
+                self.draft_health.mark_failed(f"no GetInfo answer at start-up: {exc}")
+                return
             check_pair(self.info, self.draft_info)
 
     async def close(self) -> None:
@@ -330,6 +335,9 @@ def build_parser() -> argparse.ArgumentParser:
       help="greedy drafts (target-only verification) or sampled drafts with min(1, p/q)")
     a("--max-message-mb", type=int, default=64, help="largest gRPC message, either direction")
     a("--target-wait-s", type=float, default=600.0, help="how long to wait for a target at start-up")
+    a("--draft-wait-s", type=float, default=30.0,
+      help="how long to wait for the draft at start-up; after that the gateway serves target-only and "
+           "starts speculating once the draft answers")
     a("--max-prompt-tokens", type=int, default=0,
       help="longest prompt in tokens; longer ones get OUT_OF_RANGE (0: up to the model's context)")
     a("--draft-timeout-ms", type=float, default=2000.0,
@@ -364,6 +372,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
                          default_max_new_tokens=min(args.default_max_new_tokens, args.max_new_tokens_cap),
                          max_sessions=args.max_sessions,
                          max_message_mb=args.max_message_mb, target_wait_s=args.target_wait_s,
+                         draft_wait_s=args.draft_wait_s,
                          max_prompt_tokens=args.max_prompt_tokens, draft_timeout_ms=args.draft_timeout_ms,
                          reconnect_max_s=args.reconnect_max_s,
                          target_failover_attempts=args.target_failover_attempts,

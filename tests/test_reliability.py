@@ -158,6 +158,33 @@ def test_draft_timeout_falls_back_without_losing_tokens(cluster, model):
     assert "draft_fallback" in gw.log_path.read_text()
 
 
+def test_gateway_starts_without_its_draft_and_speculates_once_it_comes(cluster, model, draft_dir):
+    """The draft is down when the gateway starts: after --draft-wait-s the gateway serves
+    target-only (same tokens), and once a draft answers on that address requests speculate."""
+    from splitspec.launch import free_port
+    port = free_port()
+    prompt = prompt_for(2)
+    ref = generate(model, prompt, 30)
+    with running_gateway(cluster.targets[0], cluster.log_dir, "--draft", f"127.0.0.1:{port}",
+                         "--speculative-algorithm", "DFLASH", "--draft-wait-s", "0.5",
+                         "--reconnect-max-s", "0.5") as gw:
+        ch, stub = gateway_stub(gw.address)
+        with ch:
+            ids, _, complete = collect(stub.Generate(long_request(prompt, n=30), timeout=120))
+            assert ids == ref and complete.stats.method == "none"
+            assert "draft_unavailable_at_start" in gw.log_path.read_text()
+            with running("draft", cluster._draft_args(), cluster.log_dir, port=port):
+                deadline = time.monotonic() + 30
+                while True:
+                    ids, _, complete = collect(stub.Generate(long_request(prompt, n=30), timeout=120))
+                    assert ids == ref
+                    if complete.stats.method == "dflash":
+                        break
+                    assert time.monotonic() < deadline, "speculation did not start after the draft came up"
+                    time.sleep(0.2)
+            assert complete.stats.draft_tokens > 0
+
+
 def test_draft_killed_mid_generation(cluster, stub, model):
     """SIGKILL the draft while 4 requests are streaming: all complete, identical to target-only
     greedy; new requests succeed target-only; a restarted draft brings speculation back."""
