@@ -21,8 +21,8 @@ import torch
 
 from splitspec import logs
 from splitspec.flags import apply_env
-from splitspec.serving import run_main, ProtocolError, Server, end_session_with, read_message
-from splitspec.v1 import draft_pb2, draft_pb2_grpc
+from splitspec.serving import ProtocolError, Server, add_lenient_servicer, end_session_with, read_message, run_main
+from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from splitspec.wire import (WireError, check_token_ids, sampling_from_pb, tensor_from_pb, tensor_to_pb,
                             tree_to_pb)
 from target_service.config import ConfigError, ModelConfig
@@ -285,7 +285,9 @@ async def serve(args: argparse.Namespace, *, started=None) -> None:
     target_cfg = ModelConfig.from_dir(target_path) if target_path else None
     state = DraftState(args, args.method, target_cfg, tokenizer_hash(target_path) if target_path else "")
     server = Server([SERVICE], max_message_mb=args.max_message_mb)
-    draft_pb2_grpc.add_DraftServicer_to_server(DraftServicer(state, server), server.grpc)
+    add_lenient_servicer(server.grpc, SERVICE, DraftServicer(state, server), {
+        "Session": ("stream_stream", draft_pb2.DraftRequest, draft_pb2.DraftResponse),
+        "GetInfo": ("unary_unary", common_pb2.GetInfoRequest, draft_pb2.DraftInfo)})
     port = await server.start(args.host, args.port)
     log.info("listening", host=args.host, port=port, method=args.method, model_path=args.model_path)
     if started is not None:

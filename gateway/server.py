@@ -13,12 +13,11 @@ import itertools
 from pathlib import Path
 
 import grpc
-from google.protobuf.message import DecodeError
 from tokenizers import Tokenizer
 
 from splitspec import logs
 from splitspec.flags import ListFlag, apply_env
-from splitspec.serving import Server
+from splitspec.serving import Server, Unparsable, add_lenient_servicer
 from splitspec.v1 import common_pb2, draft_pb2, gateway_pb2, gateway_pb2_grpc, target_pb2
 
 from .backends import BackendError, DraftClient, TargetClient
@@ -167,36 +166,12 @@ def load_tokenizer(path: str | None, info: target_pb2.TargetInfo) -> Tokenizer:
     return Tokenizer.from_str(info.tokenizer_json.decode("utf-8"))
 
 
-class Unparsable:
-    """A request protobuf could not parse (garbage on the wire): INVALID_ARGUMENT, not gRPC's
-    default UNKNOWN."""
-
-    def __init__(self, error: str):
-        self.error = error
-        self.request_id = ""
-
-
-def _lenient(cls):
-    def parse(data: bytes):
-        try:
-            return cls.FromString(data)
-        except DecodeError as exc:
-            return Unparsable(f"the request is not a valid {cls.DESCRIPTOR.full_name}: {exc}")
-    return parse
-
-
 def add_servicer(servicer: "GenerationServicer", server: grpc.aio.Server) -> None:
     """gateway_pb2_grpc.add_GenerationServicer_to_server, with a Generate request parser that
     turns garbage bytes into INVALID_ARGUMENT."""
-    handlers = {
-        "Generate": grpc.unary_stream_rpc_method_handler(
-            servicer.Generate, request_deserializer=_lenient(gateway_pb2.GenerateRequest),
-            response_serializer=gateway_pb2.GenerateResponse.SerializeToString),
-        "GetModelInfo": grpc.unary_unary_rpc_method_handler(
-            servicer.GetModelInfo, request_deserializer=gateway_pb2.GetModelInfoRequest.FromString,
-            response_serializer=gateway_pb2.ModelInfo.SerializeToString),
-    }
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    add_lenient_servicer(server, SERVICE, servicer, {
+        "Generate": ("unary_stream", gateway_pb2.GenerateRequest, gateway_pb2.GenerateResponse),
+        "GetModelInfo": ("unary_unary", gateway_pb2.GetModelInfoRequest, gateway_pb2.ModelInfo)})
 
 
 class GenerationServicer(gateway_pb2_grpc.GenerationServicer):

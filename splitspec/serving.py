@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Awaitable
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -27,13 +28,63 @@ class IdleError(Exception):
     """No message for --idle-timeout-s while a session was waiting: DEADLINE_EXCEEDED."""
 
 
+class UnparsableError(ValueError):
+    """A session message protobuf could not parse (garbage on the wire): INVALID_ARGUMENT."""
+
+
+class Unparsable:
+    """What a lenient deserializer returns for bytes protobuf cannot parse, so that the handler
+    answers INVALID_ARGUMENT with the parser's message instead of gRPC's bare INTERNAL."""
+
+    def __init__(self, error: str):
+        self.error = error
+        self.request_id = ""
+
+
+def lenient(cls):
+    """A request deserializer for `cls` that returns `Unparsable` instead of raising."""
+    def parse(data: bytes):
+        try:
+            return cls.FromString(data)
+        except DecodeError as exc:
+            return Unparsable(f"the message is not a valid {cls.DESCRIPTOR.full_name}: {exc}")
+    return parse
+
+
+def _guarded(fn):
+    async def call(request, context):
+        if isinstance(request, Unparsable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
+        return await fn(request, context)
+    return call
+
+
+def add_lenient_servicer(server: grpc.aio.Server, service: str, servicer, methods: dict) -> None:
+    """Register `servicer` for `service` like the generated add_*Servicer_to_server, but with
+    lenient request parsing. methods: name -> (kind, request class, response class), kind one of
+    unary_unary / unary_stream / stream_stream. Unary-unary methods are guarded here; a
+    unary_stream method checks `isinstance(request, Unparsable)` itself, and stream readers get
+    UnparsableError from `read_message`."""
+    handlers = {}
+    for name, (kind, req, resp) in methods.items():
+        fn = getattr(servicer, name)
+        if kind == "unary_unary":
+            fn = _guarded(fn)
+        make = getattr(grpc, f"{kind}_rpc_method_handler")
+        handlers[name] = make(fn, request_deserializer=lenient(req), response_serializer=resp.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+
+
 async def read_message(context, idle_timeout_s: float | None, what: str = "its state was freed"):
     """The next message of a session stream (or grpc.aio.EOF); IdleError after
     `idle_timeout_s` of silence, so a client that vanished without closing cannot pin memory."""
     try:
-        return await asyncio.wait_for(context.read(), idle_timeout_s)
+        msg = await asyncio.wait_for(context.read(), idle_timeout_s)
     except asyncio.TimeoutError:
         raise IdleError(f"session idle for more than {idle_timeout_s:g} s (--idle-timeout-s); {what}") from None
+    if isinstance(msg, Unparsable):
+        raise UnparsableError(msg.error)
+    return msg
 
 
 async def end_session_with(context, exc: Exception, code: grpc.StatusCode, log) -> None:

@@ -17,8 +17,9 @@ import grpc
 
 from splitspec import logs
 from splitspec.flags import apply_env
-from splitspec.serving import run_main, IdleError, ProtocolError, Server, end_session_with, read_message
-from splitspec.v1 import target_pb2, target_pb2_grpc
+from splitspec.serving import (IdleError, ProtocolError, Server, UnparsableError, add_lenient_servicer,
+                               end_session_with, read_message, run_main)
+from splitspec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from splitspec.wire import (WireError, check_token_ids, dtype_from_pb, sampling_from_pb,
                             tensor_from_pb, tensor_to_pb, tree_from_pb)
 
@@ -39,6 +40,7 @@ _STATUS = [
     (ContextError, grpc.StatusCode.OUT_OF_RANGE),
     (StaleError, grpc.StatusCode.ABORTED),
     (WireError, grpc.StatusCode.INVALID_ARGUMENT),
+    (UnparsableError, grpc.StatusCode.INVALID_ARGUMENT),
     (TreeError, grpc.StatusCode.INVALID_ARGUMENT),
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
 ]
@@ -228,7 +230,9 @@ async def serve(args: argparse.Namespace, *, load=_load, started=None) -> None:
     log = logs.get_logger()
     server = Server([SERVICE], max_message_mb=args.max_message_mb)
     state = TargetState(args)
-    target_pb2_grpc.add_TargetServicer_to_server(TargetServicer(state, server), server.grpc)
+    add_lenient_servicer(server.grpc, SERVICE, TargetServicer(state, server), {
+        "Session": ("stream_stream", target_pb2.TargetRequest, target_pb2.TargetResponse),
+        "GetInfo": ("unary_unary", common_pb2.GetInfoRequest, target_pb2.TargetInfo)})
     port = await server.start(args.host, args.port)
     log.info("listening", host=args.host, port=port, model_path=str(args.model_path))
     if started is not None:

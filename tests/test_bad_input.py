@@ -178,9 +178,14 @@ def test_target_refuses_garbage_bytes(services):
                                response_deserializer=lambda b: b)
         with pytest.raises(grpc.RpcError) as err:
             list(raw(iter([b"\xff\xfe garbage \x00\x01"]), timeout=10))
-    # gRPC itself refuses a message protobuf cannot parse, before the handler sees it.
-    assert err.value.code() == grpc.StatusCode.INTERNAL
-    assert "Error parsing message with type 'splitspec.v1.TargetRequest'" in err.value.details()
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "not a valid splitspec.v1.TargetRequest" in err.value.details()
+        info = ch.unary_unary("/splitspec.v1.Target/GetInfo", request_serializer=lambda b: b,
+                              response_deserializer=lambda b: b)
+        with pytest.raises(grpc.RpcError) as err:
+            info(b"\xff\xfe garbage", timeout=10)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "not a valid splitspec.v1.GetInfoRequest" in err.value.details()
 
 
 def test_target_max_sessions(services):

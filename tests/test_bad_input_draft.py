@@ -160,9 +160,8 @@ def test_garbage_bytes_on_the_wire(draft):
                                response_deserializer=lambda b: b)
         with pytest.raises(grpc.RpcError) as err:
             list(raw(iter([b"\xff\xfe garbage \x00\x01"]), timeout=10))
-        # gRPC itself refuses a message protobuf cannot parse, before any handler runs.
-        assert err.value.code() == grpc.StatusCode.INTERNAL
-        assert "Error parsing message with type 'splitspec.v1.DraftRequest'" in err.value.details()
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "not a valid splitspec.v1.DraftRequest" in err.value.details()
     assert health_status(draft.address) == 1
 
 
