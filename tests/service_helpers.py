@@ -88,3 +88,19 @@ def collect(responses) -> tuple[list[int], list[str], gateway_pb2.Complete]:
             complete = r.complete
     assert complete is not None, "stream ended without Complete"
     return ids, texts, complete
+
+
+GARBAGE = b"\xff\xfe garbage \x00\x01"
+
+
+def garbage_error(address: str, method: str, streaming: bool) -> grpc.RpcError:
+    """Send bytes protobuf cannot parse to `method` (e.g. "/splitspec.v1.Target/Session") and
+    return the error the service answered with."""
+    with grpc.insecure_channel(address) as ch:
+        kind = ch.stream_stream if streaming else ch.unary_unary
+        call = kind(method, request_serializer=lambda b: b, response_deserializer=lambda b: b)
+        try:
+            list(call(iter([GARBAGE]), timeout=10)) if streaming else call(GARBAGE, timeout=10)
+        except grpc.RpcError as err:
+            return err
+    raise AssertionError(f"{method} accepted garbage bytes")

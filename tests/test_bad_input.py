@@ -10,7 +10,7 @@ import time
 import grpc
 import pytest
 
-from service_helpers import (collect, gateway_stub, running_gateway, running_target, target_info,
+from service_helpers import (collect, garbage_error, gateway_stub, running_gateway, running_target, target_info,
                              target_stub, tiny_target_dir)
 from splitspec.client import build_request
 from splitspec.launch import health_status
@@ -173,19 +173,12 @@ def test_target_refuses_bad_messages(services, messages, code, text):
 
 
 def test_target_refuses_garbage_bytes(services):
-    with grpc.insecure_channel(services[0].address) as ch:
-        raw = ch.stream_stream("/splitspec.v1.Target/Session", request_serializer=lambda b: b,
-                               response_deserializer=lambda b: b)
-        with pytest.raises(grpc.RpcError) as err:
-            list(raw(iter([b"\xff\xfe garbage \x00\x01"]), timeout=10))
-        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "not a valid splitspec.v1.TargetRequest" in err.value.details()
-        info = ch.unary_unary("/splitspec.v1.Target/GetInfo", request_serializer=lambda b: b,
-                              response_deserializer=lambda b: b)
-        with pytest.raises(grpc.RpcError) as err:
-            info(b"\xff\xfe garbage", timeout=10)
-        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "not a valid splitspec.v1.GetInfoRequest" in err.value.details()
+    err = garbage_error(services[0].address, "/splitspec.v1.Target/Session", streaming=True)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "not a valid splitspec.v1.TargetRequest" in err.details()
+    err = garbage_error(services[0].address, "/splitspec.v1.Target/GetInfo", streaming=False)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "not a valid splitspec.v1.GetInfoRequest" in err.details()
 
 
 def test_target_max_sessions(services):

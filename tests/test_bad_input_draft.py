@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from draft_service.dflash import load_draft, new_draft, save_draft
-from service_helpers import running_draft, tiny_target_dir
+from service_helpers import garbage_error, running_draft, tiny_target_dir
 from splitspec.launch import health_status
 from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from splitspec.wire import tensor_to_pb
@@ -155,13 +155,9 @@ def _info(address):
 
 
 def test_garbage_bytes_on_the_wire(draft):
-    with grpc.insecure_channel(draft.address) as ch:
-        raw = ch.stream_stream("/splitspec.v1.Draft/Session", request_serializer=lambda b: b,
-                               response_deserializer=lambda b: b)
-        with pytest.raises(grpc.RpcError) as err:
-            list(raw(iter([b"\xff\xfe garbage \x00\x01"]), timeout=10))
-        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "not a valid splitspec.v1.DraftRequest" in err.value.details()
+    err = garbage_error(draft.address, "/splitspec.v1.Draft/Session", streaming=True)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "not a valid splitspec.v1.DraftRequest" in err.details()
     assert health_status(draft.address) == 1
 
 

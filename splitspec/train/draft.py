@@ -960,7 +960,7 @@ def train_loop(args, draft, opt, producer, state, ckpt_path, target, periodic, e
     from tqdm import tqdm
     B = args.block_size
     H = target.cfg.hidden_size
-    teacher = Teacher(target.model.norm, target.lm_head.weight.detach()) if args.distill > 0 else None
+    teacher = Teacher.of(target) if args.distill > 0 else None
     draft.train()
     bar = tqdm(total=args.steps, initial=state["step"], unit="step", mininterval=10, ncols=150,
                file=sys.stderr, dynamic_ncols=False)
@@ -1120,7 +1120,7 @@ def calibrate(args, target, draft, opt, streams, layer_ids) -> int:
           f"({len(rb) / c:.2f} seq/s, {rb.numel() / c:.0f} tok/s)", flush=True)
     torch.set_num_threads(saved)
     feats, final = split_features(feats, layer_ids, produced, target.cfg.hidden_size, args.distill)
-    teacher = Teacher(target.model.norm, target.lm_head.weight.detach()) if args.distill > 0 else None
+    teacher = Teacher.of(target) if args.distill > 0 else None
     draft.train()
     walls, cpus = [], []
     for step in range(args.calibrate + 1):

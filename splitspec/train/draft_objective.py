@@ -169,9 +169,14 @@ class Teacher:
     norm: torch.nn.Module
     lm_head: torch.Tensor         # [V, H]
 
+    @classmethod
+    def of(cls, target) -> "Teacher":
+        """The head of a loaded target (`target_service.model.CausalLM`)."""
+        return cls(target.model.norm, target.lm_head.weight.detach())
+
     @torch.no_grad()
-    def log_probs(self, final_hidden: torch.Tensor) -> torch.Tensor:
-        return torch.log_softmax(F.linear(self.norm(final_hidden), self.lm_head).float(), -1)
+    def probs(self, final_hidden: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(F.linear(self.norm(final_hidden), self.lm_head).float(), -1)
 
 
 @dataclass
@@ -188,7 +193,7 @@ def soft_labels(teacher: Teacher, final_hidden: torch.Tensor, anchors: Anchors, 
     final_hidden [N, C, H] at positions a … a+B-2 (position j predicts token j+1). The head runs once
     per distinct position, not once per slot."""
     N, C, _ = final_hidden.shape
-    p = teacher.log_probs(final_hidden).exp_()                                    # [N, C, V]
+    p = teacher.probs(final_hidden)                                               # [N, C, V]
     pos = anchors.pos[:, :, None] + torch.arange(block_size - 1, device=anchors.pos.device)
     idx = pos.clamp(max=C - 1).flatten(1)                                         # [N, nA*(B-1)]
     got = p.gather(1, idx[..., None].expand(-1, -1, p.shape[-1]))
