@@ -7,6 +7,7 @@
     splitspec train-target ...                train the default target model (splitspec.train.target)
     splitspec train-draft ...                 train a DFlash draft for a target (splitspec.train.draft)
     splitspec bench ...                       benchmark harness (splitspec.bench; docs/benchmarks.md)
+    splitspec ceiling ...                     the accept length the target allows any drafter (splitspec.bench.ceiling)
 """
 from __future__ import annotations
 
@@ -98,6 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("train-target", add_help=False, help="train the default target model (see its --help)")
     sub.add_parser("train-draft", add_help=False, help="train a DFlash draft for a target (see its --help)")
     sub.add_parser("bench", add_help=False, help="benchmark the configurations side by side (see its --help)")
+    sub.add_parser("ceiling", add_help=False, help="the accept length the target allows a perfect drafter "
+                                                   "(see its --help)")
     return p
 
 
@@ -243,6 +246,9 @@ def main(argv=None) -> None:
     if argv and argv[0] == "bench":
         from splitspec.bench.run import cli_main as bench_main
         sys.exit(bench_main(argv[1:]))
+    if argv and argv[0] == "ceiling":
+        from splitspec.bench.ceiling import main as ceiling_main
+        sys.exit(ceiling_main(argv[1:]))
     args = build_parser().parse_args(argv)
     sys.exit({"up": cmd_up, "generate": cmd_generate, "health": cmd_health,
               "loadtest": cmd_loadtest}[args.command](args))

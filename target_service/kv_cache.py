@@ -37,6 +37,16 @@ class KVCache:
     def used_bytes(self) -> int:
         return self.nbytes * self.length // self.max_len
 
+    def fork(self, batch: int) -> "KVCache":
+        """A batch-`batch` cache whose every row holds this batch-1 cache's prefix (to branch one
+        context into several continuations)."""
+        if self.k.shape[1] != 1:
+            raise ValueError(f"fork needs a batch-1 cache, this one holds {self.k.shape[1]} rows")
+        out = KVCache.__new__(KVCache)
+        out.max_len, out.length = self.max_len, self.length
+        out.k, out.v = (t.expand(-1, batch, -1, -1, -1).clone() for t in (self.k, self.v))
+        return out
+
     def reserve(self, n: int) -> None:
         if self.length + n > self.max_len:
             raise CacheFullError(
