@@ -294,3 +294,13 @@ def test_decode_step_equals_model_forward(target_variant):
             logits, hidden = trainer.decode_step(m, y, c2, layers)
             torch.testing.assert_close(logits, ref.logits[:, 0], atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(hidden, ref.hidden[:, 0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_trainer_end_to_end_on_cuda(target_dir, tmp_path):
+    """--device cuda: producer and trainer on the card; the export loads and drafts on the CPU."""
+    assert trainer.main(run_args(target_dir, tmp_path, 8) + ["--device", "cuda"]) == 0
+    m = json.loads((tmp_path / "draft" / "training_metrics.json").read_text())
+    assert m["step"] == 8 and 1.0 <= m["eval"]["T0"]["tau"] <= 8.0
+    d = load_draft(tmp_path / "draft", target_dir)
+    assert next(d.parameters()).device.type == "cpu"

@@ -41,7 +41,7 @@ from target_service.kv_cache import KVCache
 from target_service.model import apply_rope, rope_cos_sin
 from target_service.sample import SamplingParams, probs_from_logits
 
-from .draft_objective import Teacher, objective, sample_anchors
+from .draft_objective import Anchors, Teacher, objective, sample_anchors
 
 DEFAULT_TARGET = "models/splitspec-code-target"
 DEFAULT_OUT = "models/splitspec-code-draft"
@@ -108,6 +108,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--seed", type=int, default=0)
     a("--bf16", action=argparse.BooleanOptionalAction, default=True, help="bfloat16 autocast in training")
     a("--threads", type=int, default=None, help="torch threads of the trainer (default: cores - producer)")
+    a("--device", default="cpu",
+      help="where the target, the producer and the draft run: cpu, cuda or cuda:N (on a GPU the producer "
+           "shares the card with the trainer; --threads and --producer-threads then only size CPU work)")
     a("--max-minutes", type=float, default=None,
       help="training time budget: the LR schedule follows max(step/steps, time/budget) and stops at it")
     a("--ckpt-every", type=int, default=100)
@@ -133,11 +136,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 # ---------------------------------------------------------------- target, tokenizer, corpus
 
-def load_target(path, threads: int | None = None, dtype: str = "float32"):
+def load_target(path, threads: int | None = None, dtype: str = "float32", device: str = "cpu"):
     from target_service.loader import load_model
     if threads:
         torch.set_num_threads(threads)
-    return load_model(path, dtype=dtype)
+    return load_model(path, dtype=dtype, device=device)
 
 
 def target_tokenizer(path):
@@ -213,6 +216,7 @@ class ProducerSpec:
     bf16: bool
     start_item: int = 0              # items already consumed (resume): skipped without compute
     max_files: int | None = None
+    device: str = "cpu"
 
 
 def chunk_path(run_dir, k: int) -> Path:
@@ -235,7 +239,8 @@ def sample_rows(logits: torch.Tensor, temps: torch.Tensor, top_p: float, generat
     for t in temps[temps > 0].unique().tolist():
         rows = (temps == t).nonzero().flatten()
         probs = probs_from_logits(logits[rows].float(), SamplingParams(temperature=t, top_p=top_p))
-        out[rows] = torch.multinomial(probs, 1, generator=generator).flatten()
+        # drawn on the CPU with a CPU generator: the same seed gives the same data on any device
+        out[rows] = torch.multinomial(probs.cpu(), 1, generator=generator).flatten().to(out.device)
     return out
 
 
@@ -283,7 +288,7 @@ def regenerate(model, prompts: torch.Tensor, total_len: int, temps: torch.Tensor
     cache = KVCache(model.cfg, total_len, batch=b, dtype=next(model.parameters()).dtype,
                     device=prompts.device)
     toks, feats = [prompts], []
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+    with torch.autocast(prompts.device.type, dtype=torch.bfloat16, enabled=bf16):
         out = model(prompts, cache=cache, hidden_layers=layer_ids, logits_rows=slice(-1, None))
         feats.append(out.hidden.float())
         nxt = sample_rows(out.logits[:, -1].float(), temps, top_p, generator)
@@ -299,7 +304,7 @@ def regenerate(model, prompts: torch.Tensor, total_len: int, temps: torch.Tensor
 @torch.inference_mode()
 def features_of(model, tokens: torch.Tensor, layer_ids, bf16: bool = False) -> torch.Tensor:
     """Features [b, S - 1, F] of tokens [b, S] by one causal forward (the last token is not needed)."""
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+    with torch.autocast(tokens.device.type, dtype=torch.bfloat16, enabled=bf16):
         out = model(tokens[:, :-1], hidden_layers=layer_ids, logits_rows=slice(0, 0))
     return out.hidden.float()
 
@@ -319,7 +324,8 @@ class Producer:
         torch.set_num_threads(spec.threads)
         # bf16: the weights themselves in bfloat16 (autocast would re-cast the frozen weights on
         # every call of every decode step)
-        self.model = load_target(spec.target_path, dtype="bfloat16" if spec.bf16 else "float32")
+        self.model = load_target(spec.target_path, dtype="bfloat16" if spec.bf16 else "float32",
+                                 device=spec.device)
         streams = corpus_streams(spec.target_path, Path(spec.run_dir), spec.max_files)
         self.train_stream = streams["train"]
         (Path(spec.run_dir) / "data").mkdir(parents=True, exist_ok=True)
@@ -352,7 +358,7 @@ class Producer:
             if self._skip(len(tokens)):
                 return
             t0 = time.perf_counter()
-            feats = features_of(self.model, tokens, spec.layer_ids)
+            feats = features_of(self.model, tokens.to(spec.device), spec.layer_ids).cpu()
             self.busy += time.perf_counter() - t0
             self._emit(tokens, feats, {"chunk": k, "kind": "cached"})
             return
@@ -366,12 +372,13 @@ class Producer:
         feats = torch.zeros(spec.gen_batch, spec.seq_len - 1, F)
         if len(raw_rows):
             tokens[raw_rows] = windows(self.train_stream, len(raw_rows), spec.seq_len, g)
-            feats[raw_rows] = features_of(self.model, tokens[raw_rows], spec.layer_ids)
+            feats[raw_rows] = features_of(self.model, tokens[raw_rows].to(spec.device), spec.layer_ids).cpu()
         if len(gen_rows):
             prompts = windows(self.train_stream, len(gen_rows), spec.prompt_len, g)
-            t, f = regenerate(self.model, prompts, spec.seq_len, kinds[gen_rows], spec.top_p, g,
-                              spec.layer_ids)
-            tokens[gen_rows], feats[gen_rows] = t, f
+            t, f = regenerate(self.model, prompts.to(spec.device), spec.seq_len, kinds[gen_rows].to(spec.device),
+                              spec.top_p, g, spec.layer_ids)
+            # items cross the process boundary as CPU tensors (no CUDA IPC); the trainer moves them
+            tokens[gen_rows], feats[gen_rows] = t.cpu(), f.cpu()
         tmp = path.with_suffix(".tmp")
         torch.save({"tokens": tokens.to(torch.int32), "temperature": kinds,
                     "prompt_len": spec.prompt_len, "top_p": spec.top_p}, tmp)
@@ -390,7 +397,7 @@ class Producer:
             by_chunk.setdefault(k, []).append(r)
         loaded = {k: torch.load(chunk_path(self.spec.run_dir, k))["tokens"] for k in by_chunk}
         tokens = torch.stack([loaded[k][r] for k, r in pairs]).long()
-        feats = features_of(self.model, tokens, self.spec.layer_ids)
+        feats = features_of(self.model, tokens.to(self.spec.device), self.spec.layer_ids).cpu()
         self.busy += time.perf_counter() - t0
         self._emit(tokens, feats, {"chunk": -1, "kind": f"replay{epoch}"})
 
@@ -548,6 +555,7 @@ def build_draft(args, target, layer_ids, mask_id) -> DFlashDraft:
                 draft.fc.weight[:, j * H:(j + 1) * H] = torch.eye(H)
                 draft.hidden_norm.weight.copy_(src[0].input_layernorm.weight)
                 draft.norm.weight.copy_(target.model.norm.weight)
+    draft = draft.to(target.lm_head.weight.device)
     draft.attach_target(target.model.embed_tokens.weight, target.lm_head.weight)
     return draft
 
@@ -590,7 +598,7 @@ class EvalSet:
 
 def eval_set(target, streams, args, n: int, seed_offset: int = 0) -> EvalSet:
     g = torch.Generator().manual_seed(args.seed * 31 + 17 + seed_offset)
-    prompts = windows(streams["heldout"], n, args.eval_prompt_len, g)
+    prompts = windows(streams["heldout"], n, args.eval_prompt_len, g).to(target.lm_head.weight.device)
     g2 = torch.Generator().manual_seed(0)
     tf, _ = regenerate(target, prompts, args.eval_prompt_len + args.eval_new_tokens,
                        torch.zeros(n), 1.0, g2, (0,), bf16=False)
@@ -605,11 +613,10 @@ def teacher_forced(draft, target, es: EvalSet, args) -> dict:
     feats = features_of(target, tokens, draft.cfg.target_layer_ids)
     S = tokens.shape[1]
     pos = torch.arange(es.tf_prompt_len, S - 1)   # b0 … : the roots inference drafts from
-    from .draft_objective import Anchors
     correct = count = 0
     accept, full = 0.0, 0
     for i in range(len(tokens)):
-        an = Anchors(pos[None], torch.ones(1, len(pos), dtype=torch.bool))
+        an = Anchors(pos[None].to(tokens.device), torch.ones(1, len(pos), dtype=torch.bool, device=tokens.device))
         out = objective(draft, feats[i:i + 1], tokens[i:i + 1], an, gamma=args.gamma, attention=args.attention)
         correct = correct + out.correct
         count = count + out.count
@@ -677,7 +684,7 @@ def save_ckpt(path: Path, draft, opt, state: dict, args) -> None:
 
 
 def load_ckpt(path: Path, draft, opt, args) -> dict:
-    blob = torch.load(path, weights_only=False)
+    blob = torch.load(path, weights_only=False, map_location="cpu")
     diff = [k for k in RESUME_KEYS if blob["args"].get(k) != getattr(args, k)]
     if diff:
         raise SystemExit(f"{path}: checkpoint was made with different {', '.join(diff)}; "
@@ -868,7 +875,7 @@ def main(argv=None) -> int:
     threads = args.threads or (1 if cores <= 2 else cores - args.producer_threads)
     torch.set_num_threads(threads)
 
-    target = load_target(args.target_model_path)
+    target = load_target(args.target_model_path, device=args.device)
     tcfg = target.cfg
     tok = target_tokenizer(args.target_model_path) if (Path(args.target_model_path) / "tokenizer.json").is_file() else None
     eos_ids = eos_ids_of(tcfg, tok)
@@ -899,7 +906,7 @@ def main(argv=None) -> int:
                         gen_batch=args.gen_batch, replay_batch=args.replay_batch, greedy_frac=args.greedy_frac,
                         raw_frac=args.raw_frac, temperature=args.regen_temperature, top_p=args.regen_top_p,
                         seed=args.seed, threads=args.producer_threads, bf16=args.producer_bf16,
-                        start_item=state["consumed"], max_files=args.max_files)
+                        start_item=state["consumed"], max_files=args.max_files, device=args.device)
     producer = ProducerHandle(spec, args.producer, args.queue_size)
     periodic = eval_set(target, streams, args, args.eval_prompts) if args.eval_every else None
     try:
@@ -1022,14 +1029,17 @@ def train_loop(args, draft, opt, producer, state, ckpt_path, target, periodic, e
         t0 = time.perf_counter()
         if fresh:
             last_meta = fresh[-1][2]
-        tokens = torch.stack([it[0] for it in items])
-        feats, final = split_features(torch.stack([it[1] for it in items]), layer_ids, produced, H, args.distill)
+        dev = target.lm_head.weight.device
+        tokens = torch.stack([it[0] for it in items]).to(dev)
+        feats, final = split_features(torch.stack([it[1] for it in items]).to(dev), layer_ids, produced, H,
+                                      args.distill)
         g = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
-        anchors = sample_anchors(len(items), tokens.shape[1], args.anchors, g, min_anchor=args.min_anchor)
+        an = sample_anchors(len(items), tokens.shape[1], args.anchors, g, min_anchor=args.min_anchor)
+        anchors = Anchors(an.pos.to(dev), an.valid.to(dev))
         lr = lr_at(step, train_s, args)
         for group in opt.param_groups:
             group["lr"] = lr
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=args.bf16):
             res = objective(draft, feats, tokens, anchors, gamma=args.gamma, attention=args.attention,
                             teacher=teacher, final_hidden=final, distill=args.distill)
         opt.zero_grad(set_to_none=True)
@@ -1099,14 +1109,19 @@ def calibrate(args, target, draft, opt, streams, layer_ids) -> int:
     saved = torch.get_num_threads()
     torch.set_num_threads(args.producer_threads)
 
+    dev = target.lm_head.weight.device
+
     def timed(fn):
         w, c = time.perf_counter(), time.process_time()
         r = fn()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
         return r, time.perf_counter() - w, time.process_time() - c
 
-    prompts = windows(streams["train"], b, args.prompt_len, g)
-    temps = torch.tensor([0.0 if i % 2 == 0 else args.regen_temperature for i in range(b)])
-    ptarget = load_target(args.target_model_path, dtype="bfloat16" if args.producer_bf16 else "float32")
+    prompts = windows(streams["train"], b, args.prompt_len, g).to(dev)
+    temps = torch.tensor([0.0 if i % 2 == 0 else args.regen_temperature for i in range(b)], device=dev)
+    ptarget = load_target(args.target_model_path, dtype="bfloat16" if args.producer_bf16 else "float32",
+                          device=args.device)
     produced = produced_layers(layer_ids, target.cfg.num_hidden_layers, args.distill)
     (toks, feats), w, c = timed(lambda: regenerate(ptarget, prompts, args.seq_len, temps, args.regen_top_p, g,
                                                    produced))
@@ -1125,10 +1140,12 @@ def calibrate(args, target, draft, opt, streams, layer_ids) -> int:
     walls, cpus = [], []
     for step in range(args.calibrate + 1):
         idx = torch.randint(0, b, (args.batch_seqs,), generator=g)
-        anchors = sample_anchors(args.batch_seqs, args.seq_len, args.anchors, g, min_anchor=args.min_anchor)
+        an = sample_anchors(args.batch_seqs, args.seq_len, args.anchors, g, min_anchor=args.min_anchor)
+        anchors = Anchors(an.pos.to(dev), an.valid.to(dev))
+        idx = idx.to(dev)
 
         def one():
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=args.bf16):
                 res = objective(draft, feats[idx], toks[idx], anchors, gamma=args.gamma, attention=args.attention,
                                 teacher=teacher, final_hidden=None if final is None else final[idx],
                                 distill=args.distill)
