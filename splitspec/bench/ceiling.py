@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
+import os
+import shlex
 import sys
 import time
 from dataclasses import dataclass
@@ -126,10 +127,14 @@ def contexts_of(model, prompt: list[int], offsets: list[int], params: SamplingPa
 
 
 def ceiling(model, prompts: list[list[int]], *, block_size: int = 8, params: SamplingParams,
-            num_paths: int = 64, offsets=(0, 40, 80, 120), seed: int = 0) -> dict:
+            num_paths: int = 64, offsets=(0, 40, 80, 120), seed: int = 0, progress=None) -> dict:
     g = torch.Generator().manual_seed(seed)
-    per = [context_ceiling(model, ctx, block_size=block_size, params=params, num_paths=num_paths, generator=g)
-           for pr in prompts for ctx in contexts_of(model, pr, list(offsets), params, g)]
+    per = []
+    for i, pr in enumerate(prompts):
+        per += [context_ceiling(model, ctx, block_size=block_size, params=params, num_paths=num_paths, generator=g)
+                for ctx in contexts_of(model, pr, list(offsets), params, g)]
+        if progress is not None:
+            progress(i + 1, len(prompts))
     greedy = torch.stack([r.greedy_accept for r in per]).cumprod(-1)       # [n, K] P(reach slot k)
     sampled = torch.stack([r.sampled_accept.cumprod(-1).mean(0) for r in per])
     return {
@@ -168,7 +173,8 @@ def main(argv=None) -> int:
 
     from target_service.loader import load_model
 
-    from .prompts import default_prompts, load_jsonl
+    from .prompts import default_prompts, digest, load_jsonl
+    from .report import cpu_model, git_revision
     if args.threads:
         torch.set_num_threads(args.threads)
     model = load_model(args.target_model_path)
@@ -178,13 +184,21 @@ def main(argv=None) -> int:
     prompts = [list(p.token_ids) or tok.encode(p.text).ids for p in raw]
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p).validate()
     t0 = time.time()
+
+    def progress(done, total):
+        if done % 10 == 0 or done == total:
+            print(f"  {done}/{total} prompts, {time.time() - t0:.0f}s", file=sys.stderr, flush=True)
     res = ceiling(model, prompts, block_size=args.block_size, params=params, num_paths=args.num_paths,
-                  offsets=[int(o) for o in args.offsets.split(",")], seed=args.seed)
-    res.update(seconds=round(time.time() - t0, 1), command="splitspec ceiling " + " ".join(sys.argv[1:] if argv is None else argv),
-               machine=f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
+                  offsets=[int(o) for o in args.offsets.split(",")], seed=args.seed, progress=progress)
+    res.update(seconds=round(time.time() - t0, 1),
+               command="splitspec ceiling " + shlex.join(sys.argv[1:] if argv is None else argv),
+               git_revision=git_revision(Path(__file__).resolve().parents[2]),
+               machine=f"{cpu_model()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads, "
+                       f"torch {torch.__version__}", prompts_digest=digest(prompts))
     fmt = lambda xs: " ".join(f"{x:.2f}" for x in xs)   # noqa: E731
     print(f"{res['contexts']} contexts ({len(prompts)} prompts), T={args.temperature} top_p={args.top_p}, "
           f"B={args.block_size}, {args.num_paths} paths/context, {res['seconds']:.0f}s")
+    print(f"command: {res['command']} | git {res['git_revision']} | {res['machine']}")
     print(f"target entropy along its own paths: {res['entropy_nats']:.2f} nats/token")
     print(f"tau, greedy drafts (target's argmax chain):      {res['greedy_tau']:.2f}   "
           f"reach per slot {fmt(res['greedy_reach_per_position'])}")
