@@ -2,6 +2,8 @@
 cases whose answer is known in closed form."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -101,6 +103,12 @@ def test_cli_writes_json(target_dir, tmp_path, capsys):
     out = tmp_path / "c.json"
     assert main(["--target-model-path", str(target_dir), "--prompts", str(prompts), "--num-paths", "4",
                  "--offsets", "0,2", "--out", str(out)]) == 0
-    import json
     res = json.loads(out.read_text())
     assert res["contexts"] == 4 and "greedy drafts" in capsys.readouterr().out
+
+
+def test_splitspec_ceiling_subcommand(capsys):
+    from splitspec.cli import main as cli_main
+    with pytest.raises(SystemExit) as e:
+        cli_main(["ceiling", "--help"])
+    assert e.value.code == 0 and "--num-paths" in capsys.readouterr().out
