@@ -304,3 +304,18 @@ def test_trainer_end_to_end_on_cuda(target_dir, tmp_path):
     assert m["step"] == 8 and 1.0 <= m["eval"]["T0"]["tau"] <= 8.0
     d = load_draft(tmp_path / "draft", target_dir)
     assert next(d.parameters()).device.type == "cpu"
+
+
+@pytest.mark.parametrize("kinds, expected", [("all", 8), ("greedy", 3), ("sampled", 5)])
+def test_replay_kinds_pick_rows_by_their_recorded_temperature(tmp_path, kinds, expected):
+    temps = [torch.tensor([0.0, 1.0, 1.0, 0.0]), torch.tensor([1.0, -1.0, 0.0, 1.0])]
+    for k, t in enumerate(temps):
+        trainer.chunk_path(tmp_path, k).parent.mkdir(exist_ok=True)
+        torch.save({"tokens": torch.zeros(4, 8, dtype=torch.int32), "temperature": t}, trainer.chunk_path(tmp_path, k))
+    spec = trainer.ProducerSpec(target_path="", run_dir=str(tmp_path), layer_ids=(0,), prompt_len=4, seq_len=8,
+                                num_chunks=2, gen_batch=4, replay_batch=4, greedy_frac=0.5, raw_frac=0.0,
+                                temperature=1.0, top_p=1.0, seed=0, threads=1, bf16=False, replay_kinds=kinds)
+    rows = trainer.Producer(spec, None, None)._replay_rows()
+    assert len(rows) == expected
+    if kinds == "greedy":
+        assert rows == [(0, 0), (0, 3), (1, 2)]
