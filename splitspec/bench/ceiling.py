@@ -77,7 +77,7 @@ def context_ceiling(model, context: list[int], *, block_size: int, params: Sampl
                     num_paths: int, generator: torch.Generator) -> ContextCeiling:
     K = block_size - 1
     cache = KVCache(model.cfg, len(context) + K, batch=1)
-    p1 = probs_from_logits(model(torch.tensor([context]), cache=cache).logits[0, -1], params)
+    p1 = probs_from_logits(model(torch.tensor([context]), cache=cache, logits_rows=slice(-1, None)).logits[0, -1], params)
     # the target's own paths, sampled slot by slot, and p along them
     paths = torch.zeros(num_paths, K, dtype=torch.long)
     c, p, ps = cache.fork(num_paths), p1.expand(num_paths, -1), []
@@ -113,7 +113,7 @@ def contexts_of(model, prompt: list[int], offsets: list[int], params: SamplingPa
     `offsets` generated tokens — the contexts a drafter sees while the target generates."""
     need = max(offsets)
     cache = KVCache(model.cfg, len(prompt) + need + 1, batch=1)
-    p = probs_from_logits(model(torch.tensor([prompt]), cache=cache).logits[0, -1], params)
+    p = probs_from_logits(model(torch.tensor([prompt]), cache=cache, logits_rows=slice(-1, None)).logits[0, -1], params)
     toks, out = list(prompt), []
     for n in range(need + 1):
         if n in offsets:
