@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from target_service.sample import SamplingParams, make_generator, probs_from_logits, sample_from_probs
-from target_service.tree import Tree
+from splitspec.engine.sample import SamplingParams, make_generator, probs_from_logits, sample_from_probs
+from splitspec.engine.tree import Tree
 
 from .dflash import DFlashDraft, DraftCache, draft_block
 

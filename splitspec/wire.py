@@ -9,8 +9,8 @@ import torch
 
 from splitspec.v1 import common_pb2
 
-from target_service.sample import SamplingParams
-from target_service.tree import Tree
+from splitspec.engine.sample import SamplingParams
+from splitspec.engine.tree import Tree
 
 _TO_PB = {torch.float32: common_pb2.DTYPE_F32, torch.float16: common_pb2.DTYPE_F16,
           torch.bfloat16: common_pb2.DTYPE_BF16}

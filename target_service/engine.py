@@ -1,92 +1,104 @@
-"""Target-side sequence operations: prefill, target-only decode and tree verification on one
-sequence with its own KV cache. Plain Python over the model; the gRPC service drives these
-from its engine loop, and tests and the in-process speculative loop call them directly."""
+"""Target-side sequence operations on one sequence: prefill, target-only decode and tree
+verification, each a one-row batch through the same runner the service batches with. Tests,
+the in-process speculative loop and the benchmark's reference call these directly."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
+from splitspec.engine.kv_pool import BlockTable, KVPool
+from splitspec.engine.sample import SamplingParams, make_generator
+from splitspec.engine.tree import Tree
+
 from .flashinfer_backend import TorchVerifier
-from .kv_cache import KVCache
 from .model import CausalLM
-from .sample import SamplingParams, make_generator, sample
-from .tree import Tree
-from .verify import VerifyResult
+from .runner import Decode, Prefill, Sequence, StepOutput, Verify, run_batch
 
 DEFAULT_PREFILL_CHUNK = 512
 
 
 @dataclass
-class StepOutput:
-    committed: list[int]                 # tokens committed by this call
-    hidden: torch.Tensor | None          # [n, len(layers) * H] features of the tokens just run
-    result: VerifyResult | None = None   # verification details (Verify only)
+class CacheView:
+    """A sequence's K/V gathered out of the pool, [layers, 1, kv_heads, length, head_dim]."""
+    length: int
+    k: torch.Tensor
+    v: torch.Tensor
 
 
-@dataclass
 class TargetSequence:
-    """One sequence on the target. Invariant after `prefill`: `tokens` holds every committed
-    token and the KV cache holds all but the last one, which is fed at the next step."""
-    model: CausalLM
-    prompt: list[int]
-    params: SamplingParams = field(default_factory=SamplingParams)
-    max_len: int | None = None
-    hidden_layers: tuple[int, ...] = ()
-    verifier: object = field(default_factory=TorchVerifier)
-    prefill_chunk: int = DEFAULT_PREFILL_CHUNK
+    """One sequence run alone through the batched runner, on a pool of its own (or a shared
+    one): the in-process reference and what tests and the one-process loop call directly."""
 
-    def __post_init__(self):
-        cfg = self.model.cfg
-        if not self.prompt:
+    def __init__(self, model: CausalLM, prompt: list[int], params: SamplingParams | None = None, *,
+                 max_len: int | None = None, hidden_layers: tuple[int, ...] = (), verifier=None,
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, pool: KVPool | None = None, block_size: int = 16):
+        cfg = model.cfg
+        params = params or SamplingParams()
+        if not prompt:
             raise ValueError("prompt is empty: at least one token id is needed")
-        for i, t in enumerate(self.prompt):
+        for i, t in enumerate(prompt):
             if not 0 <= t < cfg.vocab_size:
                 raise ValueError(f"prompt token_ids[{i}] = {t} is outside the vocabulary [0, {cfg.vocab_size})")
-        self.params.validate()
-        self.max_len = self.max_len or cfg.max_position_embeddings
-        if len(self.prompt) >= self.max_len:
-            raise ValueError(f"prompt has {len(self.prompt)} tokens; the max context is {self.max_len}")
-        p = next(self.model.parameters())
+        params.validate()
+        for layer in hidden_layers:
+            if not 0 <= layer < cfg.num_hidden_layers:
+                raise ValueError(f"hidden layer id {layer} is outside 0..{cfg.num_hidden_layers - 1}")
+        self.max_len = max_len or cfg.max_position_embeddings
+        if len(prompt) >= self.max_len:
+            raise ValueError(f"prompt has {len(prompt)} tokens; the max context is {self.max_len}")
+        self.model, self.prompt, self.params = model, list(prompt), params
+        self.verifier = verifier or TorchVerifier()
+        self.prefill_chunk = prefill_chunk
+        p = next(model.parameters())
         self.device = p.device
-        self.cache = KVCache(cfg, self.max_len, dtype=p.dtype, device=p.device)
-        self.generator = make_generator(self.params.seed, self.device)
-        self.tokens: list[int] = list(self.prompt)
+        if pool is None:
+            pool = KVPool(num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads,
+                          head_dim=cfg.head_dim, num_blocks=-(-self.max_len // block_size) + 1,
+                          block_size=block_size, dtype=p.dtype, device=p.device)
+        self.pool = pool
+        self.seq = Sequence(self.prompt, params, make_generator(params.seed, self.device), BlockTable(pool),
+                            self.max_len, tuple(hidden_layers))
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.seq.tokens
 
     @property
     def length(self) -> int:
-        return len(self.tokens)
+        return self.seq.length
 
-    def _run(self, ids: list[int], positions: torch.Tensor, mask=None, logits_rows=None):
-        x = torch.tensor(ids, dtype=torch.long, device=self.device)
-        with torch.inference_mode():
-            return self.model(x, positions.to(self.device), cache=self.cache, mask=mask,
-                              hidden_layers=self.hidden_layers, logits_rows=logits_rows)
+    @property
+    def generator(self) -> torch.Generator:
+        return self.seq.generator
+
+    @property
+    def cache(self) -> CacheView:
+        k, v = self.seq.table.dense()
+        return CacheView(self.seq.table.length, k, v)
+
+    def _run(self, step) -> StepOutput:
+        out = run_batch(self.model, self.pool, self.verifier, [step])[0]
+        if isinstance(out, Exception):
+            raise out
+        return out
 
     def prefill(self) -> StepOutput:
         """Run the prompt (in chunks, so memory stays linear in its length) and sample b0."""
-        if self.cache.length:
+        if self.seq.prefilled:
             raise RuntimeError("prefill called twice on one sequence")
-        hidden, n = [], len(self.prompt)
-        for start in range(0, n, self.prefill_chunk):
-            chunk = self.prompt[start:start + self.prefill_chunk]
-            last = start + len(chunk) == n
-            out = self._run(chunk, torch.arange(start, start + len(chunk)),
-                            logits_rows=slice(-1, None) if last else slice(0, 0))
+        hidden = []
+        while True:
+            out = self._run(Prefill(self.seq, min(self.seq.prefilled + self.prefill_chunk, len(self.prompt))))
             if out.hidden is not None:
-                hidden.append(out.hidden[0])
-        first = sample(out.logits[0, -1], self.params, self.generator)
-        self.tokens.append(first)
-        return StepOutput([first], torch.cat(hidden) if hidden else None)
+                hidden.append(out.hidden)
+            if out.committed:
+                return StepOutput(out.committed, torch.cat(hidden) if hidden else None)
 
     def decode(self) -> StepOutput:
         """One target-only step: feed the last committed token, sample the next."""
         self._check_room(1)
-        pos = self.length - 1
-        out = self._run([self.tokens[-1]], torch.tensor([pos]))
-        tok = sample(out.logits[0, -1], self.params, self.generator)
-        self.tokens.append(tok)
-        return StepOutput([tok], None if out.hidden is None else out.hidden[0])
+        return self._run(Decode(self.seq))
 
     def verify(self, tree: Tree, draft_probs: torch.Tensor | None = None) -> StepOutput:
         """Verify `tree` (drafted after the last committed token) in one forward pass."""
@@ -96,22 +108,7 @@ class TargetSequence:
             raise ValueError(f"draft_probs has shape {tuple(draft_probs.shape)}, expected "
                              f"({len(tree)}, {vocab}): one row per tree node over the vocabulary")
         self._check_room(len(tree) + 1)
-        base = self.length - 1                       # cached tokens; the root goes here
-        depths = torch.tensor([0] + tree.depths())
-        mask = torch.cat([torch.ones(len(tree) + 1, base, dtype=torch.bool), tree.ancestor_mask()], dim=1)
-        out = self._run([self.tokens[-1], *tree.token_ids], base + depths, mask=mask.to(self.device))
-        try:
-            result = self.verifier.verify(out.logits[0], tree, self.params, self.generator,
-                                          None if draft_probs is None else draft_probs.to(self.device))
-        except Exception:
-            self.cache.truncate(base)   # drop the root + nodes the forward appended
-            raise
-        rows = [0] + [i + 1 for i in result.accepted]
-        self.cache.keep(base, rows)
-        committed = result.committed(tree)
-        self.tokens.extend(committed)
-        hidden = None if out.hidden is None else out.hidden[0, rows]
-        return StepOutput(committed, hidden, result)
+        return self._run(Verify(self.seq, tree, draft_probs))
 
     def _check_room(self, n: int) -> None:
         if self.length - 1 + n > self.max_len:

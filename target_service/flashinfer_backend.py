@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from .sample import SamplingParams, probs_from_logits
-from .tree import Tree
+from splitspec.engine.sample import SamplingParams, probs_from_logits
+from splitspec.engine.tree import Tree
 from .verify import VerifyResult, verify_tree
 
 

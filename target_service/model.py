@@ -13,6 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from splitspec.engine.attention import AttentionPlan, paged_attention
+from splitspec.engine.kv_pool import KVPool
+
 from .config import ModelConfig
 from .kv_cache import KVCache
 
@@ -64,8 +67,22 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+def _rope_flat(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """apply_rope for flat tokens: x [N, heads, D], cos/sin [N, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None] + rotated * sin[:, None]
+
+
 def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+@dataclass
+class PagedBatch:
+    """What the attention layers need to run a ragged batch over the paged pool."""
+    pool: KVPool
+    plan: AttentionPlan
 
 
 class MLP(nn.Module):
@@ -94,7 +111,9 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x, cos, sin, cache: KVCache | None, mask: torch.Tensor | None):
+    def forward(self, x, cos, sin, cache: KVCache | PagedBatch | None, mask: torch.Tensor | None):
+        if isinstance(cache, PagedBatch):
+            return self.forward_paged(x, cos, sin, cache)
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim)
@@ -112,6 +131,23 @@ class Attention(nn.Module):
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+    def forward_paged(self, x, cos, sin, batch: PagedBatch):
+        """x: [N, H], the flat tokens of a ragged batch; cos/sin: [N, D]."""
+        N = x.shape[0]
+        q = self.q_proj(x).view(N, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(N, self.n_kv, self.head_dim)
+        v = self.v_proj(x).view(N, self.n_kv, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = _rope_flat(q, cos, sin), _rope_flat(k, cos, sin)
+        slots = batch.plan.slot_mapping
+        kp, vp = batch.pool.k[self.layer_idx], batch.pool.v[self.layer_idx]
+        kp.index_copy_(0, slots, k.to(kp.dtype))
+        vp.index_copy_(0, slots, v.to(vp.dtype))
+        out = paged_attention(q, kp, vp, batch.plan)
+        return self.o_proj(out.reshape(N, -1))
 
 
 class DecoderLayer(nn.Module):
@@ -203,3 +239,20 @@ class CausalLM(nn.Module):
         h = self.model.norm(x if logits_rows is None else x[:, logits_rows])
         hidden = torch.cat([wanted[i] for i in hidden_layers], dim=-1) if hidden_layers else None
         return ForwardOutput(logits=self.lm_head(h), hidden=hidden)
+
+    def forward_batch(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: PagedBatch, *,
+                      hidden_layers=(), logits_index: torch.Tensor | None = None):
+        """One forward over a ragged batch: input_ids / positions [N] are the new tokens of every
+        row, laid out row after row as `batch.plan` describes; their K/V go into the pool.
+        Returns logits [len(logits_index), V] and {layer: output [N, H]} for `hidden_layers`."""
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = rope_cos_sin(self.inv_freq(x.device), positions, x.dtype)
+        wanted = set(hidden_layers)
+        hidden = {}
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, batch, None)
+            if i in wanted:
+                hidden[i] = x
+        if logits_index is not None:
+            x = x[logits_index]
+        return self.lm_head(self.model.norm(x)), hidden

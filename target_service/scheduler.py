@@ -20,8 +20,8 @@ import torch
 from .engine import StepOutput, TargetSequence
 from .kv_cache import KVCache
 from .model import CausalLM
-from .sample import SamplingParams
-from .tree import Tree
+from splitspec.engine.sample import SamplingParams
+from splitspec.engine.tree import Tree
 
 
 class AdmissionError(Exception):

@@ -28,7 +28,7 @@ from .loader import load_model, parse_dtype, resolve_device, tokenizer_hash
 from .config import ConfigError
 from .loader import CheckpointError
 from .scheduler import AdmissionError, ContextError, DrainingError, EngineLoop, Scheduler, StaleError
-from .tree import TreeError
+from splitspec.engine.tree import TreeError
 
 SERVICE = "splitspec.v1.Target"
 MAX_TREE_NODES = 256

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .sample import SamplingParams, probs_from_logits, sample_from_probs
-from .tree import Tree
+from splitspec.engine.sample import SamplingParams, probs_from_logits, sample_from_probs
+from splitspec.engine.tree import Tree
 
 
 @dataclass

@@ -63,7 +63,7 @@ def tiny_qwen3_model(tiny_qwen3):
 
 # ---------------------------------------------------------------------------------------
 # Independent references for the statistical tests (numpy, float64): they do not call
-# target_service.sample, so a mistake there cannot cancel out.
+# splitspec.engine.sample, so a mistake there cannot cancel out.
 
 def reference_probs(logits, temperature: float, top_k: int = 0, top_p: float = 1.0):
     """Exact distribution of temperature -> top-k -> top-p sampling (renormalised after

@@ -10,7 +10,7 @@ import torch
 from splitspec.bench.ceiling import ceiling, context_ceiling, main
 from target_service.kv_cache import KVCache
 from target_service.loader import load_model
-from target_service.sample import SamplingParams, probs_from_logits
+from splitspec.engine.sample import SamplingParams, probs_from_logits
 from tiny_models import save_tiny_model
 
 B = 8

@@ -17,7 +17,7 @@ from splitspec.speculate import speculative_generate
 from target_service.config import ConfigError
 from target_service.engine import TargetSequence, generate
 from target_service.loader import load_model
-from target_service.sample import SamplingParams, probs_from_logits
+from splitspec.engine.sample import SamplingParams, probs_from_logits
 
 
 def make_draft(target, block_size=4, num_layers=2, seed=0):

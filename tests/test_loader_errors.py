@@ -14,8 +14,8 @@ from target_service.config import ConfigError, ModelConfig
 from target_service.engine import TargetSequence
 from target_service.loader import (CheckpointError, load_checkpoint, load_model, load_tokenizer,
                                    parse_dtype, resolve_device, tokenizer_hash)
-from target_service.sample import SamplingParams
-from target_service.tree import Tree, TreeError
+from splitspec.engine.sample import SamplingParams
+from splitspec.engine.tree import Tree, TreeError
 from tiny_models import edit_config, save_tiny_model
 
 

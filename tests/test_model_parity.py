@@ -12,7 +12,7 @@ import torch
 from target_service.engine import TargetSequence, generate
 from target_service.kv_cache import KVCache
 from target_service.loader import load_model
-from target_service.sample import SamplingParams
+from splitspec.engine.sample import SamplingParams
 
 transformers = pytest.importorskip("transformers")
 

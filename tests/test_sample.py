@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from target_service.engine import TargetSequence, generate
-from target_service.sample import (SamplingParams, make_generator, probs_from_logits, sample,
+from splitspec.engine.sample import (SamplingParams, make_generator, probs_from_logits, sample,
                                    sample_from_probs)
 
 V = 16

@@ -10,9 +10,9 @@ from service_helpers import tiny_target_dir
 from target_service.engine import generate
 from target_service.flashinfer_backend import TorchVerifier
 from target_service.loader import load_model
-from target_service.sample import SamplingParams
+from splitspec.engine.sample import SamplingParams
 from target_service.scheduler import AdmissionError, ContextError, EngineLoop, Scheduler
-from target_service.tree import Tree
+from splitspec.engine.tree import Tree
 
 
 @pytest.fixture(scope="module")

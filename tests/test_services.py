@@ -16,7 +16,7 @@ from splitspec.client import build_request
 from splitspec.v1 import gateway_pb2
 from target_service.engine import generate
 from target_service.loader import load_model
-from target_service.sample import SamplingParams
+from splitspec.engine.sample import SamplingParams
 
 PROMPT = [5, 17, 42, 99, 300, 7, 8]
 MAX_CONTEXT = 2048

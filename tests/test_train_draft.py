@@ -22,7 +22,7 @@ from splitspec.train.draft_objective import (Anchors, Teacher, block_mask, draft
                                              position_weights, sample_anchors, soft_labels)
 from target_service.engine import TargetSequence, generate
 from target_service.loader import load_model
-from target_service.sample import SamplingParams
+from splitspec.engine.sample import SamplingParams
 from tiny_models import save_tiny_model
 
 BLOCK = 8

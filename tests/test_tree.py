@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from target_service.engine import TargetSequence, generate
 from target_service.kv_cache import KVCache
-from target_service.sample import SamplingParams
-from target_service.tree import Tree, TreeError
+from splitspec.engine.sample import SamplingParams
+from splitspec.engine.tree import Tree, TreeError
 
 # ------------------------------------------------------------------ validation, masks
 

@@ -24,8 +24,8 @@ import pytest
 import torch
 
 from target_service.flashinfer_backend import BackendError, TorchVerifier, make_verifier
-from target_service.sample import SamplingParams, make_generator
-from target_service.tree import Tree
+from splitspec.engine.sample import SamplingParams, make_generator
+from splitspec.engine.tree import Tree
 from target_service.verify import verify_tree
 
 V = 8
@@ -253,7 +253,7 @@ def test_q_equal_to_p_accepts_everything():
     g = torch.Generator().manual_seed(4)
     logits = torch.randn(4, V, generator=g)
     params = SamplingParams(temperature=0.9, top_p=0.95)
-    from target_service.sample import probs_from_logits
+    from splitspec.engine.sample import probs_from_logits
     q = probs_from_logits(logits[:3], params)
     gen = make_generator(2)
     rng = torch.Generator().manual_seed(5)

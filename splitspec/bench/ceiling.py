@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from target_service.kv_cache import KVCache
-from target_service.sample import SamplingParams, probs_from_logits
+from splitspec.engine.sample import SamplingParams, probs_from_logits
 
 
 @dataclass

@@ -29,7 +29,7 @@ import grpc
 
 from splitspec.client import build_request
 from splitspec.v1 import common_pb2, gateway_pb2_grpc, target_pb2, target_pb2_grpc
-from target_service.sample import SamplingParams
+from splitspec.engine.sample import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -314,7 +314,7 @@ def service_step_times(address: str, prompts: list[list[int]], widths: list[int]
 def inproc_step_times(model, prompts: list[list[int]], widths: list[int], n_rounds: int = 8) -> dict:
     """The same measure as `service_step_times`, timed around TargetSequence calls in this process."""
     from target_service.engine import TargetSequence
-    from target_service.tree import Tree
+    from splitspec.engine.tree import Tree
 
     rng = random.Random(0)
     vocab = model.cfg.vocab_size

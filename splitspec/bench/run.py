@@ -265,7 +265,7 @@ class Bench:
     # -------------------------------------------------------------- measuring
 
     def params(self, temperature: float, seed: int):
-        from target_service.sample import SamplingParams
+        from splitspec.engine.sample import SamplingParams
         if temperature == 0:
             return SamplingParams()
         return SamplingParams(temperature=temperature, top_p=self.args.top_p, seed=seed)

@@ -1,0 +1,104 @@
+"""Attention for a ragged batch over the paged KV pool, with torch SDPA.
+
+A batch is a flat list of N new tokens: row r contributes `q_len` tokens that see the row's
+`context` cached tokens plus, among themselves, a causal mask or a tree's ancestor mask. The
+new tokens' K/V are written to their slots first (`slot_mapping`); then each group of rows
+gathers its K/V through the block tables into a padded [rows, context + new] layout and runs
+one SDPA with an explicit boolean mask (never SDPA's `is_causal`, which is aligned top-left
+and wrong when the query is shorter than the keys).
+
+Short rows (decode steps, verify trees) share one padded group; a long row (a prefill
+chunk) gets a group of its own, so one long prompt does not pad every decode row to its
+length."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .kv_pool import BlockTable
+
+LONG_QUERY = 32     # rows with more new tokens than this attend in a group of their own
+
+
+@dataclass
+class Row:
+    table: BlockTable                 # holds blocks for table.length + q_len tokens
+    q_len: int
+    mask: torch.Tensor | None = None  # [q_len, q_len] bool among the new tokens (True: attend); None: causal
+
+
+@dataclass
+class Group:
+    q_index: torch.Tensor    # [R, Q] indices into the flat tokens; N (a zero row) for padding
+    kv_index: torch.Tensor   # [R, C + Q] slots: context then the new tokens; 0 (the zero block) for padding
+    mask: torch.Tensor       # [R, 1, Q, C + Q] bool
+    valid: torch.Tensor      # [R, Q] which query cells are real tokens
+    flat: torch.Tensor       # flat index of each real cell, in valid's row-major order
+
+
+@dataclass
+class AttentionPlan:
+    num_tokens: int
+    slot_mapping: torch.Tensor        # [N] where each new token's K/V is written
+    groups: list[Group]
+
+
+def _group(rows: list[Row], starts: list[int], n: int, device) -> Group:
+    R = len(rows)
+    Q = max(r.q_len for r in rows)
+    C = max(r.table.length for r in rows)
+    q_index = torch.full((R, Q), n, dtype=torch.long)
+    kv_index = torch.zeros((R, C + Q), dtype=torch.long, device=device)
+    inner = torch.ones(Q, Q, dtype=torch.bool).tril().repeat(R, 1, 1)
+    ctx = torch.zeros(R, Q, C, dtype=torch.bool)
+    for i, (row, start) in enumerate(zip(rows, starts)):
+        c, q = row.table.length, row.q_len
+        q_index[i, :q] = torch.arange(start, start + q)
+        slots = row.table.slots(0, c + q)
+        kv_index[i, :c] = slots[:c]
+        kv_index[i, C:C + q] = slots[c:]
+        if row.mask is not None:
+            inner[i, :q, :q] = row.mask
+        inner[i, :, q:] = False
+        inner[i, q:] = False
+        # Padding queries look at their own zero-block key only: finite, and thrown away.
+        inner[i, range(q, Q), range(q, Q)] = True
+        ctx[i, :q, :c] = True
+    valid = q_index < n
+    mask = torch.cat([ctx, inner], dim=2)[:, None]
+    return Group(q_index.to(device), kv_index, mask.to(device), valid.to(device), q_index[valid].to(device))
+
+
+def plan_attention(rows: list[Row], device) -> AttentionPlan:
+    """Slots and gather indices for `rows`, whose new tokens are laid out one row after another."""
+    starts, n = [], 0
+    for r in rows:
+        starts.append(n)
+        n += r.q_len
+    slot_mapping = torch.cat([r.table.slots(r.table.length, r.table.length + r.q_len) for r in rows]) \
+        if rows else torch.zeros(0, dtype=torch.long, device=device)
+    short = [i for i, r in enumerate(rows) if r.q_len <= LONG_QUERY]
+    groups = [[i] for i, r in enumerate(rows) if r.q_len > LONG_QUERY]
+    if short:
+        groups.append(short)
+    return AttentionPlan(n, slot_mapping.to(device),
+                         [_group([rows[i] for i in g], [starts[i] for i in g], n, device) for g in groups])
+
+
+def paged_attention(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+    """q: [N, Hq, D]; k_all / v_all: one layer of the pool, [slots, Hkv, D], with this batch's
+    new K/V already written. Returns [N, Hq, D]."""
+    N, Hq, D = q.shape
+    rep = Hq // k_all.shape[1]
+    out = q.new_empty(N, Hq, D)
+    padded = torch.cat([q, q.new_zeros(1, Hq, D)])
+    for g in plan.groups:
+        qq = padded[g.q_index].transpose(1, 2)
+        kk, vv = (t[g.kv_index].transpose(1, 2) for t in (k_all, v_all))
+        if rep > 1:
+            kk, vv = kk.repeat_interleave(rep, dim=1), vv.repeat_interleave(rep, dim=1)
+        o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=g.mask)
+        out[g.flat] = o.transpose(1, 2)[g.valid]
+    return out

@@ -1,0 +1,134 @@
+"""Paged KV memory: one pool of fixed-size blocks shared by every sequence, and a block table
+per sequence (the vLLM / nano-vllm layout). Token i of a sequence lives in slot
+`table[i // block_size] * block_size + i % block_size` of the flat slot axis.
+
+Growing a sequence takes blocks off the free list; rollback and close hand whole blocks back.
+Nothing is copied to grow. Block 0 is never handed out: it stays zero so that padded gathers
+(shorter rows in a batch) read finite numbers that the mask then hides; the rest of the pool
+is `torch.empty`, so untouched blocks cost no resident memory on CPU."""
+from __future__ import annotations
+
+import torch
+
+
+class PoolExhausted(Exception):
+    """The pool has fewer free blocks than a sequence needs now."""
+
+
+class KVPool:
+    def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
+                 block_size: int = 16, dtype: torch.dtype = torch.float32, device="cpu"):
+        if num_blocks < 2:
+            raise ValueError(f"a KV pool needs at least 2 blocks (one is the zero block), got {num_blocks}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size, self.num_blocks = block_size, num_blocks
+        shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
+        self.k[:, :block_size].zero_()
+        self.v[:, :block_size].zero_()
+        # A stack popped from the end: low ids first, and a freed block is the next one reused,
+        # so the memory a long run touches stays as small as its peak use.
+        self._free = list(range(num_blocks - 1, 0, -1))
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    @classmethod
+    def from_budget(cls, budget_bytes: int, *, num_layers: int, num_kv_heads: int, head_dim: int,
+                    block_size: int = 16, dtype: torch.dtype = torch.float32, device="cpu") -> "KVPool":
+        per_block = cls.bytes_per_token(num_layers, num_kv_heads, head_dim, dtype) * block_size
+        blocks = budget_bytes // per_block
+        if blocks < 2:
+            raise ValueError(f"a KV budget of {budget_bytes} bytes holds {blocks} blocks of {block_size} tokens "
+                             f"({per_block} bytes each); at least 2 are needed (--kv-cache-budget-mb)")
+        return cls(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, num_blocks=blocks,
+                   block_size=block_size, dtype=dtype, device=device)
+
+    @property
+    def capacity_blocks(self) -> int:
+        """Blocks a sequence may ever hold (all but the zero block)."""
+        return self.num_blocks - 1
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def used_blocks(self) -> int:
+        return self.capacity_blocks - len(self._free)
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.k[:, :self.block_size].nbytes * 2
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise PoolExhausted(f"the KV pool has {len(self._free)} free blocks of {self.block_size} tokens; "
+                                f"{n} are needed (--kv-cache-budget-mb)")
+        out = self._free[len(self._free) - n:][::-1]
+        del self._free[len(self._free) - n:]
+        return out
+
+    def release(self, blocks: list[int]) -> None:
+        self._free.extend(reversed(blocks))
+
+
+class BlockTable:
+    """The blocks of one sequence and how many of its tokens have K/V stored (`length`)."""
+
+    def __init__(self, pool: KVPool):
+        self.pool = pool
+        self.blocks: list[int] = []
+        self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        return len(self.blocks) * self.pool.block_size
+
+    def ensure(self, tokens: int) -> None:
+        """Hold blocks for `tokens` tokens (PoolExhausted, and no change, if the pool is short)."""
+        need = self.pool.blocks_for(tokens) - len(self.blocks)
+        if need > 0:
+            self.blocks.extend(self.pool.allocate(need))
+
+    def slots(self, start: int, end: int) -> torch.Tensor:
+        """Slot ids of token indices [start, end) (blocks must be held)."""
+        bs = self.pool.block_size
+        idx = torch.arange(start, end)
+        table = torch.tensor(self.blocks, dtype=torch.long)
+        return (table[idx // bs] * bs + idx % bs).to(self.pool.k.device)
+
+    def truncate(self, n: int) -> None:
+        """Keep the first n tokens and give back every block past them."""
+        if not 0 <= n <= self.capacity:
+            raise ValueError(f"truncate({n}) outside the {self.capacity} tokens this sequence holds blocks for")
+        self.length = n
+        keep = self.pool.blocks_for(n)
+        if keep < len(self.blocks):
+            self.pool.release(self.blocks[keep:])
+            del self.blocks[keep:]
+
+    def free(self) -> None:
+        self.pool.release(self.blocks)
+        self.blocks, self.length = [], 0
+
+    def move(self, src: list[int], dst_start: int) -> None:
+        """Copy the K/V of token indices `src` to `dst_start, dst_start + 1, ...` in every layer
+        (compacting an accepted tree path); gathers before writing, so overlap is safe."""
+        if not src:
+            return
+        s = self.slots(0, self.capacity)
+        frm, to = s[torch.tensor(src, device=s.device)], s[dst_start:dst_start + len(src)]
+        for t in (self.pool.k, self.pool.v):
+            t[:, to] = t[:, frm]
+
+    def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This sequence's K/V as [layers, 1, kv_heads, length, head_dim] (for inspection and tests)."""
+        s = self.slots(0, self.length)
+        return tuple(t[:, s].permute(0, 2, 1, 3)[:, None] for t in (self.pool.k, self.pool.v))

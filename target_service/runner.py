@@ -1,0 +1,168 @@
+"""One target forward over the steps of many sessions (the model runner).
+
+A step is a prefill chunk, a decode step (one query token) or a verify step (the last
+committed token plus a draft tree, with the tree's ancestor mask). `run_batch` lays every
+step's tokens out in one flat ragged batch, runs the model once over the paged KV pool, then
+finishes each step on its own: samples with the session's own parameters and generator (so
+a seeded request draws the same tokens whatever else shares the batch), verifies trees, and
+rolls back rejected nodes by shortening the session's block table. A step that fails is
+rolled back and reported alone; the other rows of the batch are not affected."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from splitspec.engine.attention import Row, plan_attention
+from splitspec.engine.kv_pool import BlockTable, KVPool
+from splitspec.engine.sample import SamplingParams, sample
+from splitspec.engine.tree import Tree
+
+from .model import CausalLM, PagedBatch
+from .verify import VerifyResult
+
+
+@dataclass
+class Sequence:
+    """One session on the target. Invariant once prefilled: `tokens` holds every committed
+    token and the pool holds K/V for all but the last, which is fed at the next step."""
+    prompt: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+    table: BlockTable
+    max_len: int
+    hidden_layers: tuple[int, ...] = ()
+    tokens: list[int] = field(default_factory=list)
+    prefilled: int = 0                  # prompt tokens whose K/V are in the pool
+
+    def __post_init__(self):
+        if not self.tokens:
+            self.tokens = list(self.prompt)
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass
+class Prefill:
+    seq: Sequence
+    end: int                            # run prompt[seq.prefilled:end]
+
+    @property
+    def last(self) -> bool:
+        return self.end == len(self.seq.prompt)
+
+
+@dataclass
+class Decode:
+    seq: Sequence
+
+
+@dataclass
+class Verify:
+    seq: Sequence
+    tree: Tree
+    draft_probs: torch.Tensor | None = None
+
+
+@dataclass
+class StepOutput:
+    committed: list[int]                 # tokens committed by this step (none for a middle prefill chunk)
+    hidden: torch.Tensor | None          # [n, len(layers) * H] features of the tokens just run (kept ones)
+    result: VerifyResult | None = None   # verification details (Verify only)
+
+
+def _layout(step) -> tuple[list[int], list[int], torch.Tensor | None, bool]:
+    """(token ids, positions, mask among them, logits for every row?) of one step."""
+    seq = step.seq
+    if isinstance(step, Prefill):
+        return seq.prompt[seq.prefilled:step.end], list(range(seq.prefilled, step.end)), None, False
+    base = seq.length - 1
+    if isinstance(step, Decode):
+        return [seq.tokens[-1]], [base], None, True
+    depths = [0] + step.tree.depths()
+    return [seq.tokens[-1], *step.tree.token_ids], [base + d for d in depths], step.tree.ancestor_mask(), True
+
+
+def run_batch(model: CausalLM, pool: KVPool, verifier, steps: list) -> list[StepOutput | Exception]:
+    """Run `steps` (at most one per sequence) as one forward; one output or exception per step."""
+    device = pool.k.device
+    vocab = model.cfg.vocab_size
+    outputs: list[StepOutput | Exception | None] = [None] * len(steps)
+    rows, ids, positions, logit_rows, live = [], [], [], [], []
+    n = 0
+    for i, step in enumerate(steps):
+        tok, pos, mask, all_logits = _layout(step)
+        table = step.seq.table
+        try:
+            bad = next((t for t in tok if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+            table.ensure(table.length + len(tok))
+        except Exception as exc:  # noqa: BLE001 - this step fails alone
+            outputs[i] = exc
+            continue
+        rows.append(Row(table, len(tok), mask))
+        ids += tok
+        positions += pos
+        if all_logits:
+            logit_rows.append(list(range(n, n + len(tok))))
+        elif isinstance(step, Prefill) and step.last:
+            logit_rows.append([n + len(tok) - 1])
+        else:
+            logit_rows.append([])
+        live.append((i, n, len(tok)))
+        n += len(tok)
+    if not rows:
+        return outputs
+    layers = sorted({layer for i, *_ in live for layer in steps[i].seq.hidden_layers})
+    index = torch.tensor([r for rs in logit_rows for r in rs], dtype=torch.long, device=device)
+    with torch.inference_mode():
+        logits, hidden = model.forward_batch(
+            torch.tensor(ids, dtype=torch.long, device=device), torch.tensor(positions, device=device),
+            PagedBatch(pool, plan_attention(rows, device)), hidden_layers=layers, logits_index=index)
+    at = 0
+    for (i, start, q), lr in zip(live, logit_rows):
+        step, seq = steps[i], steps[i].seq
+        step_logits = logits[at:at + len(lr)]
+        at += len(lr)
+        feats = None
+        if seq.hidden_layers:
+            feats = torch.cat([hidden[layer][start:start + q] for layer in seq.hidden_layers], dim=-1)
+        base = seq.table.length
+        try:
+            outputs[i] = _finish(step, step_logits, feats, verifier)
+        except Exception as exc:  # noqa: BLE001 - roll this step back; the others stand
+            seq.table.truncate(base)
+            outputs[i] = exc
+    return outputs
+
+
+def _finish(step, logits: torch.Tensor, feats: torch.Tensor | None, verifier) -> StepOutput:
+    seq = step.seq
+    table = seq.table
+    if isinstance(step, Prefill):
+        table.length = step.end
+        seq.prefilled = step.end
+        if not step.last:
+            return StepOutput([], feats)
+        first = sample(logits[-1], seq.params, seq.generator)
+        seq.tokens.append(first)
+        return StepOutput([first], feats)
+    if isinstance(step, Decode):
+        tok = sample(logits[0], seq.params, seq.generator)
+        table.length += 1
+        seq.tokens.append(tok)
+        return StepOutput([tok], feats)
+    base = table.length
+    probs = None if step.draft_probs is None else step.draft_probs.to(logits.device)
+    result = verifier.verify(logits, step.tree, seq.params, seq.generator, probs)
+    keep = [0] + [node + 1 for node in result.accepted]
+    if keep != list(range(len(keep))):         # a tree branch: compact the path in place
+        table.move([base + r for r in keep], base)
+    table.length = base + len(keep)
+    table.truncate(base + len(keep))
+    committed = result.committed(step.tree)
+    seq.tokens.extend(committed)
+    return StepOutput(committed, None if feats is None else feats[keep], result)
