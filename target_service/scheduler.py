@@ -1,31 +1,45 @@
-"""The target's engine loop: ONE worker thread runs every model call, taking work items from a
-queue that all sessions feed. gRPC handlers never touch the model; they submit an item and
-await its asyncio future. Each item is one step of one session today; because every step
-passes through this queue, batching the pending steps of many sessions into one forward pass
-can be added here later without touching the server.
+"""The target's scheduler: admission, the waiting queue, and which pending steps of which
+sessions run together in the next forward.
 
-The scheduler also owns the session registry and the admission checks (max sessions, KV
-cache budget, context length), so GetInfo can report counts and bytes."""
+gRPC handlers (asyncio) call `open` / `decode` / `verify` / `close`; each registers the
+session's one pending step and awaits it. The engine thread calls `step()`: it takes the
+pending steps of the running sessions first come first served under
+`--max-num-batched-tokens` (prefill chunks, decode and verify rows mixed), runs them as one
+forward (`runner.run_batch`), and hands each result back to its handler.
+
+Admission: a session beyond `--max-running-requests`, or whose KV reservation does not fit
+the free pool now, waits in a FIFO queue instead of failing; RESOURCE_EXHAUSTED only when the
+queue is full (`--max-queued-requests`) or the request can never fit the pool. A session
+reserves blocks for its whole length (prompt + max_new_tokens) at admission, so a running
+session never runs out of KV mid-generation; blocks are taken as tokens arrive. Closing frees
+the running slot and the reservation at once, ahead of any queued model step.
+
+Threading: `lock` guards the session lists and pending steps, never a forward. A session's
+blocks are touched only by the engine thread while its step is in flight, and by `close`
+otherwise (the pool's free list has its own lock)."""
 from __future__ import annotations
 
 import asyncio
-import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator
 
 import torch
 
-from .engine import StepOutput, TargetSequence
-from .kv_cache import KVCache
-from .model import CausalLM
-from splitspec.engine.sample import SamplingParams
+from splitspec.engine.batching import take_fifo
+from splitspec.engine.kv_pool import BlockTable, KVPool
+from splitspec.engine.loop import EngineLoop, resolve
+from splitspec.engine.sample import SamplingParams, make_generator
 from splitspec.engine.tree import Tree
+
+from .model import CausalLM
+from .runner import Decode, Prefill, Sequence, StepOutput, Verify, run_batch
 
 
 class AdmissionError(Exception):
-    """The service is full (max sessions or KV budget): RESOURCE_EXHAUSTED."""
+    """The service is full (waiting queue, or a request the KV pool can never hold): RESOURCE_EXHAUSTED."""
 
 
 class ContextError(ValueError):
@@ -40,78 +54,34 @@ class DrainingError(Exception):
     """The service is shutting down and takes no new sessions: UNAVAILABLE."""
 
 
+class ClosedError(Exception):
+    """The session was closed while one of its steps waited."""
+
+
 @dataclass
 class Step:
     out: StepOutput
-    forward_ms: float          # time inside the engine loop for this item (model + sampling)
-
-
-def _timed(fn: Callable[[], StepOutput]) -> Callable[[], Step]:
-    def run() -> Step:
-        t = time.perf_counter()
-        out = fn()
-        return Step(out, (time.perf_counter() - t) * 1e3)
-    return run
+    forward_ms: float      # the batched forward(s) this step ran in: model + sampling for the whole batch
+    queue_ms: float        # time the step waited before its forward started (admission queue included)
+    batch_size: int        # rows (sessions' steps) in that forward
+    batch_tokens: int      # query tokens in that forward
+    length: int = 0        # the session's committed length right after this step
 
 
 @dataclass
-class WorkItem:
-    kind: str                      # "load", "open", "decode", "verify", "close", ...: what a batcher would group by
-    fn: Callable
-    future: asyncio.Future | None
-    loop: asyncio.AbstractEventLoop | None
-    session: "Session | None" = None
-
-
-class EngineLoop:
-    """A single worker thread draining a FIFO of work items. torch releases the GIL inside
-    kernels, so the asyncio side stays responsive (health checks, new streams) meanwhile."""
-
-    def __init__(self, name: str = "engine-loop"):
-        self._queue: queue.Queue[WorkItem | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def submit(self, kind: str, fn: Callable, session: "Session | None" = None) -> asyncio.Future:
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        self._queue.put(WorkItem(kind, fn, fut, loop, session))
-        return fut
-
-    def post(self, kind: str, fn: Callable, session: "Session | None" = None) -> None:
-        """Fire and forget (freeing a session's memory after its in-flight step)."""
-        self._queue.put(WorkItem(kind, fn, None, None, session))
-
-    def stop(self, timeout: float | None = 10.0) -> None:
-        self._queue.put(None)
-        self._thread.join(timeout)
-
-    @property
-    def pending(self) -> int:
-        return self._queue.qsize()
-
-    def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            if item.future is not None and item.future.cancelled():
-                continue            # the caller is gone (client cancelled): skip the forward
-            try:
-                result, error = item.fn(), None
-            except BaseException as exc:  # noqa: BLE001 - delivered to the awaiting handler
-                result, error = None, exc
-            if item.future is not None:
-                try:
-                    item.loop.call_soon_threadsafe(_resolve, item.future, result, error)
-                except RuntimeError:
-                    pass            # the event loop has closed (shutdown); nobody is waiting
-
-
-def _resolve(fut: asyncio.Future, result, error) -> None:
-    if fut.done():
-        return
-    if error is not None:
-        fut.set_exception(error)
-    else:
-        fut.set_result(result)
+class Work:
+    """A session's one pending step."""
+    kind: str                          # "prefill", "decode" or "verify"
+    loop: asyncio.AbstractEventLoop
+    ready_at: float                    # when it became runnable (FIFO order)
+    future: asyncio.Future | None = None   # prefill / verify
+    queue: asyncio.Queue | None = None     # decode: one Step (or exception) per token
+    remaining: int = 0                 # decode tokens still to produce
+    tree: Tree | None = None
+    draft_probs: torch.Tensor | None = None
+    hidden: list = field(default_factory=list)   # prefill features, chunk by chunk
+    forward_ms: float = 0.0
+    queue_ms: float = 0.0
 
 
 @dataclass
@@ -119,10 +89,13 @@ class Session:
     session_id: str
     prompt_len: int
     max_len: int
-    kv_bytes: int
-    seq: TargetSequence | None = None
+    reserve_blocks: int
+    seq: Sequence | None = None
     wire_dtype: torch.dtype | None = None   # dtype of hidden states sent back
     opened_at: float = field(default_factory=time.monotonic)
+    state: str = "waiting"                  # waiting -> running -> closed
+    work: Work | None = None
+    in_flight: bool = False
 
     @property
     def length(self) -> int:
@@ -130,35 +103,48 @@ class Session:
 
 
 class Scheduler:
-    def __init__(self, model: CausalLM, *, verifier, max_sessions: int, kv_budget_bytes: int,
-                 max_context: int, engine: EngineLoop):
-        self.model = model
-        self.cfg = model.cfg
-        self.verifier = verifier
-        self.max_sessions = max_sessions
-        self.kv_budget_bytes = kv_budget_bytes
+    def __init__(self, model: CausalLM, *, verifier, pool: KVPool, max_running: int, max_queued: int,
+                 max_batched_tokens: int, chunked_prefill_size: int, max_context: int, engine: EngineLoop):
+        self.model, self.cfg, self.verifier, self.pool = model, model.cfg, verifier, pool
+        self.max_running, self.max_queued = max_running, max_queued
+        self.max_batched_tokens, self.chunked_prefill_size = max_batched_tokens, chunked_prefill_size
         self.max_context = max_context
         self.engine = engine
         self.dtype = next(model.parameters()).dtype
-        self.sessions: dict[int, Session] = {}     # keyed by object id: session ids are the client's and may repeat
+        self.lock = threading.Lock()
+        self.running: list[Session] = []
+        self.waiting: deque[Session] = deque()
+        self.reserved_blocks = 0
         self.accepting = True
+        self.forwards = 0           # batched forwards run
+        self.rows = 0               # steps run in them (mean batch size = rows / forwards)
+        engine.attach(self)
 
+    # --- what GetInfo reports ---------------------------------------------------------------
     @property
     def active_sessions(self) -> int:
-        return len(self.sessions)
+        return len(self.running) + len(self.waiting)
 
     @property
     def kv_bytes(self) -> int:
-        return sum(s.kv_bytes for s in self.sessions.values())
+        """KV memory held by blocks in use."""
+        return self.pool.used_blocks * self.pool.bytes_per_block
 
+    @property
+    def kv_budget_bytes(self) -> int:
+        return self.pool.capacity_blocks * self.pool.bytes_per_block
+
+    # --- asyncio side -----------------------------------------------------------------------
     async def warmup(self) -> float:
-        """One real forward (prefill + decode of a 2-token sequence) so the first request does
-        not pay for lazy initialisation; returns its wall time in ms."""
+        """One real prefill + decode so the first request pays nothing lazy; wall time in ms."""
         def run():
             t = time.perf_counter()
-            seq = TargetSequence(self.model, [0], max_len=4, verifier=self.verifier)
-            seq.prefill()
-            seq.decode()
+            seq = Sequence([0, 0], SamplingParams(), make_generator(0), BlockTable(self.pool), 4)
+            for step in (Prefill(seq, 2), Decode(seq)):
+                out = run_batch(self.model, self.pool, self.verifier, [step])[0]
+                if isinstance(out, Exception):
+                    raise out
+            seq.table.free()
             return (time.perf_counter() - t) * 1e3
         return await self.engine.submit("warmup", run)
 
@@ -175,40 +161,53 @@ class Scheduler:
                                  f"0..{self.cfg.num_hidden_layers - 1}")
         if max_new_tokens < 0:
             raise ValueError(f"open.max_new_tokens must be >= 0 (0: up to the context), got {max_new_tokens}")
+        params.validate()
         # The cache holds every committed token but the last; + 1 covers a bonus token past the end.
         max_len = self.max_context if max_new_tokens == 0 else min(self.max_context, len(prompt) + max_new_tokens + 1)
-        need = KVCache.bytes_needed(self.cfg, max_len, self.dtype)
-        if len(self.sessions) >= self.max_sessions:
-            raise AdmissionError(f"the target already has {len(self.sessions)} open sessions "
-                                 f"(--max-sessions {self.max_sessions})")
-        if self.kv_bytes + need > self.kv_budget_bytes:
-            mib = 1024 * 1024
-            raise AdmissionError(f"KV cache budget exhausted: this session needs {need / mib:.1f} MiB "
-                                 f"for {max_len} tokens, {(self.kv_budget_bytes - self.kv_bytes) / mib:.1f} "
-                                 f"of {self.kv_budget_bytes / mib:.1f} MiB are free (--kv-cache-budget-mb)")
+        need = self.pool.blocks_for(max_len)
+        if need > self.pool.capacity_blocks:
+            raise AdmissionError(f"this session needs {need} KV blocks ({max_len} tokens) but the whole pool holds "
+                                 f"{self.pool.capacity_blocks} (--kv-cache-budget-mb); lower max_new_tokens")
+        loop = asyncio.get_running_loop()
         session = Session(session_id, len(prompt), max_len, need)
-        self.sessions[id(session)] = session   # reserve before the await so admission stays exact
-
-        def run():
-            session.seq = TargetSequence(self.model, prompt, params, max_len=max_len,
-                                         hidden_layers=tuple(hidden_layers), verifier=self.verifier)
-            return session.seq.prefill()
+        session.work = Work("prefill", loop, time.perf_counter(), future=loop.create_future())
+        session.seq = Sequence(list(prompt), params, make_generator(params.seed, self.pool.k.device),
+                               BlockTable(self.pool), max_len, tuple(hidden_layers))
+        with self.lock:
+            self.waiting.append(session)
+            self._admit()
+            if session.state == "waiting" and len(self.waiting) > self.max_queued:
+                self.waiting.remove(session)
+                raise AdmissionError(f"the target's waiting queue is full: {len(self.running)} sessions running "
+                                     f"(--max-running-requests {self.max_running}), {len(self.waiting)} waiting "
+                                     f"(--max-queued-requests {self.max_queued})")
+        self.engine.wake()
         try:
-            step = await self.engine.submit("open", _timed(run), session)
+            step = await session.work.future
         except BaseException:
             self.close(session)
             raise
         return session, step
 
     async def decode(self, session: Session, n: int) -> AsyncIterator[Step]:
-        """n target-only steps, each its own work item so sessions interleave step by step."""
+        """n target-only steps, one forward each (batched with whatever else is pending)."""
         if n < 1:
             raise ValueError(f"decode.n must be >= 1, got {n}")
         if session.length - 1 + n > session.max_len:
             raise ContextError(f"decode.n = {n} would grow the sequence to {session.length + n} tokens; this "
                                f"session holds at most {session.max_len} (open.max_new_tokens / max context)")
-        for _ in range(n):
-            yield await self.engine.submit("decode", _timed(session.seq.decode), session)
+        work = Work("decode", asyncio.get_running_loop(), time.perf_counter(), queue=asyncio.Queue(), remaining=n)
+        self._submit(session, work)
+        try:
+            for _ in range(n):
+                item = await work.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            with self.lock:
+                if session.work is work:
+                    session.work = None
 
     async def verify(self, session: Session, base_len: int, tree: Tree,
                      draft_probs: torch.Tensor | None) -> Step:
@@ -218,14 +217,122 @@ class Scheduler:
         if session.length + len(tree) > session.max_len:
             raise ContextError(f"verifying {len(tree)} nodes would grow the sequence past the {session.max_len} "
                                f"tokens this session holds (open.max_new_tokens / max context)")
-        return await self.engine.submit("verify", _timed(lambda: session.seq.verify(tree, draft_probs)), session)
+        loop = asyncio.get_running_loop()
+        work = Work("verify", loop, time.perf_counter(), future=loop.create_future(), tree=tree,
+                    draft_probs=draft_probs)
+        self._submit(session, work)
+        return await work.future
+
+    def _submit(self, session: Session, work: Work) -> None:
+        with self.lock:
+            if session.state != "running":
+                raise ClosedError("the session is closed")
+            if session.work is not None:
+                raise RuntimeError("a session runs one step at a time; the previous one is still pending")
+            session.work = work
+        self.engine.wake()
 
     def close(self, session: Session) -> None:
-        """Forget the session now; its KV memory is freed by the worker right after any step
-        of it still in flight (same FIFO), never under it."""
-        if self.sessions.pop(id(session), None) is None:
-            return
+        """Forget the session now: its running slot and reservation go to the next waiting one at
+        once; its blocks return to the pool on the engine thread (after its forward, if one is
+        in flight)."""
+        with self.lock:
+            if session.state == "closed":
+                return
+            if session.state == "running":
+                self.running.remove(session)
+                self.reserved_blocks -= session.reserve_blocks
+            else:
+                self.waiting.remove(session)
+            session.state = "closed"
+            session.work = None
+            if not session.in_flight:
+                session.seq.table.free()    # else the engine frees it when the forward ends
+            self._admit()
+        self.engine.wake()
 
-        def free():
-            session.seq = None
-        self.engine.post("close", free, session)
+    def _admit(self) -> None:
+        """Move waiting sessions to running, oldest first, while a slot and their reservation fit
+        (no overtaking, so a large request is never starved by small ones)."""
+        while self.waiting and len(self.running) < self.max_running:
+            head = self.waiting[0]
+            if self.reserved_blocks + head.reserve_blocks > self.pool.capacity_blocks:
+                break
+            self.waiting.popleft()
+            head.state = "running"
+            self.reserved_blocks += head.reserve_blocks
+            self.running.append(head)
+
+    # --- engine side ------------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return any(s.work is not None and not s.in_flight for s in self.running)
+
+    def _demand(self, session: Session) -> tuple[int, bool]:
+        w = session.work
+        if w.kind == "prefill":
+            return len(session.seq.prompt) - session.seq.prefilled, True
+        if w.kind == "decode":
+            return 1, False
+        return len(w.tree) + 1, False
+
+    def step(self) -> None:
+        with self.lock:
+            pending = sorted((s for s in self.running if s.work is not None and not s.in_flight),
+                             key=lambda s: s.work.ready_at)
+            if not pending:
+                return
+            # Chunk long prompts only when someone is decoding: alone, a prompt takes the budget.
+            decoding = any(s.seq.prefilled == s.prompt_len for s in self.running)
+            chunk = self.chunked_prefill_size if decoding else self.max_batched_tokens
+            picked = take_fifo(pending, self._demand, budget=self.max_batched_tokens, chunk=chunk)
+            steps = []
+            for session, n in picked:
+                session.in_flight = True
+                w = session.work
+                if w.kind == "prefill":
+                    steps.append(Prefill(session.seq, session.seq.prefilled + n))
+                elif w.kind == "decode":
+                    steps.append(Decode(session.seq))
+                else:
+                    steps.append(Verify(session.seq, w.tree, w.draft_probs))
+        start = time.perf_counter()
+        outputs = run_batch(self.model, self.pool, self.verifier, steps)
+        end = time.perf_counter()
+        forward_ms = (end - start) * 1e3
+        tokens = sum(n for _, n in picked)
+        with self.lock:
+            self.forwards += 1
+            self.rows += len(picked)
+            for (session, _), out in zip(picked, outputs):
+                session.in_flight = False
+                if session.state == "closed":
+                    session.seq.table.free()
+                    continue
+                self._deliver(session, out, start, end, forward_ms, len(picked), tokens)
+
+    def _deliver(self, session: Session, out, start: float, end: float, forward_ms: float,
+                 rows: int, tokens: int) -> None:
+        w = session.work
+        w.queue_ms += (start - w.ready_at) * 1e3
+        w.forward_ms += forward_ms
+        if w.kind == "decode":
+            item = out if isinstance(out, Exception) else Step(out, forward_ms, w.queue_ms, rows, tokens, session.length)
+            w.loop.call_soon_threadsafe(w.queue.put_nowait, item)
+            w.remaining -= 1
+            w.ready_at, w.queue_ms = end, 0.0
+            if isinstance(out, Exception) or w.remaining == 0:
+                session.work = None
+            return
+        if isinstance(out, Exception):
+            session.work = None
+            resolve(w.loop, w.future, error=out)
+            return
+        if w.kind == "prefill":
+            if out.hidden is not None:
+                w.hidden.append(out.hidden)
+            if not out.committed:
+                w.ready_at = end        # the next chunk queues from here
+                return
+            out = StepOutput(out.committed, torch.cat(w.hidden) if w.hidden else None)
+        session.work = None
+        resolve(w.loop, w.future, Step(out, w.forward_ms, w.queue_ms, rows, tokens, session.length))

@@ -27,7 +27,9 @@ from .flashinfer_backend import BackendError, make_verifier
 from .loader import load_model, parse_dtype, resolve_device, tokenizer_hash
 from .config import ConfigError
 from .loader import CheckpointError
-from .scheduler import AdmissionError, ContextError, DrainingError, EngineLoop, Scheduler, StaleError
+from .scheduler import AdmissionError, ClosedError, ContextError, DrainingError, Scheduler, StaleError
+from splitspec.engine.kv_pool import KVPool
+from splitspec.engine.loop import EngineLoop
 from splitspec.engine.tree import TreeError
 
 SERVICE = "splitspec.v1.Target"
@@ -37,6 +39,7 @@ MAX_TREE_NODES = 256
 _STATUS = [
     (AdmissionError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (DrainingError, grpc.StatusCode.UNAVAILABLE),
+    (ClosedError, grpc.StatusCode.CANCELLED),
     (ContextError, grpc.StatusCode.OUT_OF_RANGE),
     (StaleError, grpc.StatusCode.ABORTED),
     (WireError, grpc.StatusCode.INVALID_ARGUMENT),
@@ -89,9 +92,14 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
             max_context=sched.max_context, tokenizer_hash=self.state.tokenizer_hash,
             tokenizer_json=self.state.tokenizer_json,
             tokenizer_config_json=self.state.tokenizer_config_json,
-            active_sessions=sched.active_sessions, max_sessions=sched.max_sessions,
+            active_sessions=sched.active_sessions, max_sessions=sched.max_running,
             kv_cache_bytes=sched.kv_bytes, kv_cache_budget_bytes=sched.kv_budget_bytes,
-            sampling_backend=args.sampling_backend, replica_id=self.state.replica_id)
+            sampling_backend=args.sampling_backend, replica_id=self.state.replica_id,
+            running_sessions=len(sched.running), waiting_sessions=len(sched.waiting),
+            max_queued_requests=sched.max_queued, kv_block_size=sched.pool.block_size,
+            kv_blocks_used=sched.pool.used_blocks, kv_blocks_free=sched.pool.free_blocks,
+            forward_passes=sched.forwards, batched_steps=sched.rows,
+            max_num_batched_tokens=sched.max_batched_tokens)
 
     async def _scheduler(self, context) -> Scheduler:
         if self.state.scheduler is None or not self.server.serving:
@@ -115,7 +123,8 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
                     session, resp = await self._open(sched, req.open)
                     log = log.bind(session_id=session.session_id)
                     log.info("session_opened", prompt_len=session.prompt_len, max_len=session.max_len,
-                             kv_bytes=session.kv_bytes, active_sessions=sched.active_sessions)
+                             kv_blocks_reserved=session.reserve_blocks, queue_ms=round(resp.opened.queue_ms, 2),
+                             active_sessions=sched.active_sessions)
                     await context.write(resp)
                 elif kind is None:
                     raise WireError("TargetRequest.kind is not set: send open, decode, verify or close")
@@ -154,15 +163,17 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
                                         max_new_tokens=msg.max_new_tokens)
         session.wire_dtype = wire_dtype
         opened = target_pb2.TargetOpened(session_id=session.session_id, first_token_id=step.out.committed[0],
-                                          length=session.length, forward_ms=step.forward_ms)
+                                          length=session.length, forward_ms=step.forward_ms,
+                                          queue_ms=step.queue_ms, batch_size=step.batch_size)
         if step.out.hidden is not None:
             opened.hidden.CopyFrom(tensor_to_pb(step.out.hidden, wire_dtype))
         return session, target_pb2.TargetResponse(opened=opened)
 
     async def _decode(self, sched: Scheduler, session, msg: target_pb2.TargetDecode, context) -> None:
         async for step in sched.decode(session, msg.n):
-            tok = target_pb2.TargetToken(token_id=step.out.committed[0], length=session.length,
-                                         forward_ms=step.forward_ms)
+            tok = target_pb2.TargetToken(token_id=step.out.committed[0], length=step.length,
+                                         forward_ms=step.forward_ms, queue_ms=step.queue_ms,
+                                         batch_size=step.batch_size)
             if msg.return_hidden and step.out.hidden is not None:
                 tok.hidden.CopyFrom(tensor_to_pb(step.out.hidden, session.wire_dtype))
             await context.write(target_pb2.TargetResponse(token=tok))
@@ -176,7 +187,8 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
         step = await sched.verify(session, msg.base_len, tree, draft_probs)
         verified = target_pb2.TargetVerified(
             step=msg.step, committed_token_ids=step.out.committed, length=session.length,
-            num_accepted=step.out.result.num_accepted, forward_ms=step.forward_ms)
+            num_accepted=step.out.result.num_accepted, forward_ms=step.forward_ms,
+            queue_ms=step.queue_ms, batch_size=step.batch_size)
         if step.out.hidden is not None:
             verified.hidden.CopyFrom(tensor_to_pb(step.out.hidden, session.wire_dtype))
         return target_pb2.TargetResponse(verified=verified)
@@ -192,9 +204,18 @@ def build_parser() -> argparse.ArgumentParser:
     a("--device", default="cpu", help="cpu, cuda or cuda:N")
     a("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
       help="weights and KV cache dtype (auto: bfloat16 on CUDA, float32 on CPU)")
-    a("--max-sessions", type=int, default=64, help="open sessions at once; more get RESOURCE_EXHAUSTED")
+    a("--max-running-requests", type=int, default=64,
+      help="sessions scheduled at once (each holds a KV reservation); more wait in a FIFO queue")
+    a("--max-queued-requests", type=int, default=512,
+      help="sessions waiting for admission; an Open beyond them gets RESOURCE_EXHAUSTED")
+    a("--max-num-batched-tokens", type=int, default=512,
+      help="query tokens in one batched forward (prefill chunks + decode + verify rows)")
+    a("--chunked-prefill-size", type=int, default=64,
+      help="largest prompt chunk per forward while other sessions are decoding, so a long prompt does "
+           "not stall them (alone, a prompt takes the whole --max-num-batched-tokens)")
     a("--kv-cache-budget-mb", type=int, default=4096,
-      help="KV cache memory for all sessions; an Open that would exceed it gets RESOURCE_EXHAUSTED")
+      help="size of the paged KV pool for all sessions (blocks are touched only when used)")
+    a("--kv-block-size", type=int, default=16, help="tokens per KV block")
     a("--max-context", type=int, default=0, help="longest sequence (0: the model's max_position_embeddings)")
     a("--idle-timeout-s", type=float, default=300.0,
       help="close a session that sends nothing for this long (0: never)")
@@ -208,7 +229,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_args(args: argparse.Namespace) -> None:
-    for name in ("max_sessions", "kv_cache_budget_mb", "max_message_mb"):
+    if args.max_queued_requests < 0:
+        raise SystemExit("--max-queued-requests must be >= 0")
+    for name in ("max_running_requests", "max_num_batched_tokens", "chunked_prefill_size", "kv_cache_budget_mb",
+                 "kv_block_size", "max_message_mb"):
         if getattr(args, name) <= 0:
             raise SystemExit(f"--{name.replace('_', '-')} must be positive")
     if args.max_context < 0:
@@ -247,14 +271,19 @@ async def serve(args: argparse.Namespace, *, load=_load, started=None) -> None:
         if max_context > cfg.max_position_embeddings:
             raise ConfigError(f"--max-context {max_context} exceeds the model's max_position_embeddings "
                              f"{cfg.max_position_embeddings}")
-        sched = Scheduler(model, verifier=verifier, max_sessions=args.max_sessions,
-                          kv_budget_bytes=args.kv_cache_budget_mb * 1024 * 1024,
-                          max_context=max_context, engine=engine)
+        param = next(model.parameters())
+        pool = KVPool.from_budget(args.kv_cache_budget_mb * 1024 * 1024, num_layers=cfg.num_hidden_layers,
+                                  num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                                  block_size=args.kv_block_size, dtype=param.dtype, device=param.device)
+        sched = Scheduler(model, verifier=verifier, pool=pool, max_running=args.max_running_requests,
+                          max_queued=args.max_queued_requests, max_batched_tokens=args.max_num_batched_tokens,
+                          chunked_prefill_size=args.chunked_prefill_size, max_context=max_context, engine=engine)
         load_s = time.perf_counter() - t
         warm_ms = await sched.warmup()
         state.scheduler = sched
         log.info("serving", model_id=state.model_id, architecture=cfg.architecture, layers=cfg.num_hidden_layers,
                  vocab_size=cfg.vocab_size, max_context=max_context, dtype=str(sched.dtype).removeprefix("torch."),
+                 kv_blocks=pool.capacity_blocks, kv_block_size=pool.block_size,
                  load_s=round(load_s, 3), warmup_ms=round(warm_ms, 1), sampling_backend=verifier.name)
 
     def refuse_new():

@@ -1,5 +1,6 @@
-"""The engine loop without gRPC: sessions submit steps to one worker; concurrent sessions
-interleave and each still equals the in-process reference; admission and KV accounting."""
+"""The target's scheduler without gRPC: concurrent sessions run in shared batched forwards and
+each still equals the in-process reference; admission queues instead of refusing; closing
+frees the slot and the blocks; chunked prefill."""
 from __future__ import annotations
 
 import asyncio
@@ -7,12 +8,14 @@ import asyncio
 import pytest
 
 from service_helpers import tiny_target_dir
-from target_service.engine import generate
+from splitspec.engine.kv_pool import KVPool
+from splitspec.engine.loop import EngineLoop
+from splitspec.engine.sample import SamplingParams
+from splitspec.engine.tree import Tree
+from target_service.engine import TargetSequence, generate
 from target_service.flashinfer_backend import TorchVerifier
 from target_service.loader import load_model
-from splitspec.engine.sample import SamplingParams
-from target_service.scheduler import AdmissionError, ContextError, EngineLoop, Scheduler
-from splitspec.engine.tree import Tree
+from target_service.scheduler import AdmissionError, ContextError, Scheduler
 
 
 @pytest.fixture(scope="module")
@@ -20,58 +23,132 @@ def model():
     return load_model(tiny_target_dir())
 
 
-def run(model, body, **kw):
+def make_pool(model, blocks=256, block_size=4):
+    cfg = model.cfg
+    return KVPool(num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                  num_blocks=blocks, block_size=block_size)
+
+
+def run(model, body, blocks=256, **kw):
     async def main():
         engine = EngineLoop()
         try:
-            sched = Scheduler(model, verifier=TorchVerifier(), engine=engine, **{
-                "max_sessions": 4, "kv_budget_bytes": 1 << 30, "max_context": 256, **kw})
+            sched = Scheduler(model, verifier=TorchVerifier(), engine=engine, pool=make_pool(model, blocks), **{
+                "max_running": 4, "max_queued": 16, "max_batched_tokens": 64, "chunked_prefill_size": 8,
+                "max_context": 256, **kw})
             return await body(sched)
         finally:
             engine.stop()
     return asyncio.run(main())
 
 
-def test_concurrent_sessions_interleave_and_match_the_reference(model):
-    prompts = {1: [5, 6, 7], 2: [9, 10], 3: [40, 41, 42, 43]}
+def test_concurrent_sessions_share_forwards_and_match_the_reference(model):
+    prompts = {1: [5, 6, 7], 2: [9, 10], 3: [40, 41, 42, 43], 4: list(range(50, 90))}
 
     async def one(sched, seed, prompt):
         params = SamplingParams(temperature=1.0, seed=seed)
         session, step = await sched.open(str(seed), prompt, params, max_new_tokens=20)
-        out = [step.out.committed[0]]
+        out, sizes = [step.out.committed[0]], []
         async for s in sched.decode(session, 19):
             out.append(s.out.committed[0])
-            await asyncio.sleep(0)
+            sizes.append(s.batch_size)
         sched.close(session)
-        return out
+        return out, sizes
 
     async def body(sched):
-        return await asyncio.gather(*(one(sched, s, p) for s, p in prompts.items()))
-    results = run(model, body)
-    for (seed, prompt), out in zip(prompts.items(), results):
+        res = await asyncio.gather(*(one(sched, s, p) for s, p in prompts.items()))
+        return res, sched.rows / sched.forwards
+    results, mean_batch = run(model, body)
+    for (seed, prompt), (out, _) in zip(prompts.items(), results):
         assert out == generate(model, prompt, 20, params=SamplingParams(temperature=1.0, seed=seed))
+    assert max(max(sizes) for _, sizes in results) >= 2 and mean_batch > 1.5   # steps really shared forwards
 
 
-def test_verify_commits_and_kv_accounting(model):
+def test_verify_commits_and_blocks_come_back(model):
     async def body(sched):
         session, step = await sched.open("v", [5, 6, 7], SamplingParams(), max_new_tokens=10)
-        assert sched.active_sessions == 1 and sched.kv_bytes == session.kv_bytes > 0
+        assert sched.active_sessions == 1 and sched.kv_bytes > 0
         ref = generate(model, [5, 6, 7], 4)
         verified = await sched.verify(session, session.length, Tree.chain(ref[1:3]), None)
         assert verified.out.committed == ref[1:4]          # both drafts accepted + bonus (greedy)
+        assert verified.queue_ms >= 0 and verified.batch_size == 1
         sched.close(session)
-        assert sched.active_sessions == 0 and sched.kv_bytes == 0
+        assert sched.active_sessions == 0
+        assert sched.kv_bytes == 0 and sched.pool.free_blocks == sched.pool.capacity_blocks
     run(model, body)
 
 
-def test_admission(model):
+def test_admission_queues_then_refuses_only_when_the_queue_is_full(model):
     async def body(sched):
         with pytest.raises(ContextError):
             await sched.open("long", [5] * 256, SamplingParams())
-        sessions = [(await sched.open(str(i), [5], SamplingParams(), max_new_tokens=4))[0] for i in range(2)]
-        with pytest.raises(AdmissionError, match="--max-sessions"):
-            await sched.open("extra", [5], SamplingParams(), max_new_tokens=4)
-        for s in sessions:
+        running = [(await sched.open(str(i), [5], SamplingParams(), max_new_tokens=4))[0] for i in range(2)]
+        waiter = asyncio.ensure_future(sched.open("third", [5], SamplingParams(), max_new_tokens=4))
+        await asyncio.sleep(0.2)
+        assert not waiter.done() and len(sched.waiting) == 1       # waits, does not fail
+        with pytest.raises(AdmissionError, match="--max-queued-requests 1"):
+            await sched.open("fourth", [5], SamplingParams(), max_new_tokens=4)
+        sched.close(running[0])                                    # frees the slot at once
+        third, step = await asyncio.wait_for(waiter, 30)
+        assert step.queue_ms > 100 and len(sched.waiting) == 0
+        for s in (running[1], third):
             sched.close(s)
         assert sched.active_sessions == 0
-    run(model, body, max_sessions=2)
+    run(model, body, max_running=2, max_queued=1)
+
+
+def test_a_request_the_pool_can_never_hold_is_refused(model):
+    async def body(sched):
+        with pytest.raises(AdmissionError, match="--kv-cache-budget-mb"):
+            await sched.open("big", [5], SamplingParams(), max_new_tokens=100)     # 26 blocks > 15
+        session, _ = await sched.open("fits", [5], SamplingParams(), max_new_tokens=20)
+        sched.close(session)
+    run(model, body, blocks=16)
+
+
+def test_pool_reservation_makes_sessions_wait_not_fail(model):
+    async def body(sched):
+        a, _ = await sched.open("a", [5], SamplingParams(), max_new_tokens=40)      # 11 of 15 blocks
+        waiter = asyncio.ensure_future(sched.open("b", [6], SamplingParams(), max_new_tokens=40))
+        await asyncio.sleep(0.2)
+        assert not waiter.done() and len(sched.waiting) == 1
+        sched.close(a)
+        b, _ = await asyncio.wait_for(waiter, 30)
+        sched.close(b)
+    run(model, body, blocks=16)
+
+
+def test_cancelled_waiter_leaves_the_queue(model):
+    async def body(sched):
+        a, _ = await sched.open("a", [5], SamplingParams(), max_new_tokens=4)
+        waiter = asyncio.ensure_future(sched.open("b", [6], SamplingParams(), max_new_tokens=4))
+        await asyncio.sleep(0.1)
+        waiter.cancel()
+        await asyncio.sleep(0.1)
+        assert len(sched.waiting) == 0 and sched.active_sessions == 1
+        sched.close(a)
+    run(model, body, max_running=1)
+
+
+def test_chunked_prefill_under_a_running_decoder_gives_the_same_token_and_cache(model):
+    prompt = list(range(100, 170))                 # 70 tokens: 9 chunks of <= 8 while another decodes
+
+    async def body(sched):
+        dec, _ = await sched.open("dec", [5, 6], SamplingParams(), max_new_tokens=60)
+        stream = sched.decode(dec, 40)
+        first = await stream.__anext__()
+        long_, step = await sched.open("long", prompt, SamplingParams(), hidden_layers=(0, 1), max_new_tokens=4)
+        rest = [s async for s in stream]
+        k, v = long_.seq.table.dense()
+        sched.close(dec)
+        sched.close(long_)
+        return step, k, v, [first, *rest]
+    step, k, v, decoded = run(model, body)
+    ref = TargetSequence(model, prompt, hidden_layers=(0, 1))
+    out = ref.prefill()
+    assert step.out.committed == out.committed
+    assert (step.out.hidden - out.hidden).abs().max() < 1e-5
+    assert (k - ref.cache.k).abs().max() < 1e-5 and (v - ref.cache.v).abs().max() < 1e-5
+    # The decoder kept running while the prompt prefilled: it shared forwards with the chunks.
+    assert max(s.batch_size for s in decoded) == 2
+    assert max(s.batch_tokens for s in decoded) <= 64

@@ -8,6 +8,8 @@ Nothing is copied to grow. Block 0 is never handed out: it stays zero so that pa
 is `torch.empty`, so untouched blocks cost no resident memory on CPU."""
 from __future__ import annotations
 
+import threading
+
 import torch
 
 
@@ -31,6 +33,9 @@ class KVPool:
         # A stack popped from the end: low ids first, and a freed block is the next one reused,
         # so the memory a long run touches stays as small as its peak use.
         self._free = list(range(num_blocks - 1, 0, -1))
+        # Blocks come and go on the engine thread, but a closing session hands its blocks back
+        # from the server's thread at once.
+        self._lock = threading.Lock()
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -68,15 +73,17 @@ class KVPool:
         return -(-tokens // self.block_size)
 
     def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise PoolExhausted(f"the KV pool has {len(self._free)} free blocks of {self.block_size} tokens; "
-                                f"{n} are needed (--kv-cache-budget-mb)")
-        out = self._free[len(self._free) - n:][::-1]
-        del self._free[len(self._free) - n:]
-        return out
+        with self._lock:
+            if n > len(self._free):
+                raise PoolExhausted(f"the KV pool has {len(self._free)} free blocks of {self.block_size} tokens; "
+                                    f"{n} are needed (--kv-cache-budget-mb)")
+            out = self._free[len(self._free) - n:][::-1]
+            del self._free[len(self._free) - n:]
+            return out
 
     def release(self, blocks: list[int]) -> None:
-        self._free.extend(reversed(blocks))
+        with self._lock:
+            self._free.extend(reversed(blocks))
 
 
 class BlockTable:

@@ -64,16 +64,20 @@ class DraftPropose(_message.Message):
     def __init__(self, base_len: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., new_hidden: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class Proposal(_message.Message):
-    __slots__ = ("base_len", "tree", "draft_probs", "draft_ms")
+    __slots__ = ("base_len", "tree", "draft_probs", "draft_ms", "queue_ms", "batch_size")
     BASE_LEN_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     base_len: int
     tree: _common_pb2.TokenTree
     draft_probs: _common_pb2.Tensor
     draft_ms: float
-    def __init__(self, base_len: _Optional[int] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., draft_probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., draft_ms: _Optional[float] = ...) -> None: ...
+    queue_ms: float
+    batch_size: int
+    def __init__(self, base_len: _Optional[int] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., draft_probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., draft_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., batch_size: _Optional[int] = ...) -> None: ...
 
 class DraftClose(_message.Message):
     __slots__ = ()
@@ -84,7 +88,7 @@ class DraftClosed(_message.Message):
     def __init__(self) -> None: ...
 
 class DraftInfo(_message.Message):
-    __slots__ = ("model_id", "method", "block_size", "mask_token_id", "target_layer_ids", "target_hidden_size", "target_vocab_size", "target_num_layers", "target_tokenizer_hash", "active_sessions", "max_sessions", "dtype")
+    __slots__ = ("model_id", "method", "block_size", "mask_token_id", "target_layer_ids", "target_hidden_size", "target_vocab_size", "target_num_layers", "target_tokenizer_hash", "active_sessions", "max_sessions", "dtype", "kv_block_size", "kv_blocks_used", "kv_blocks_free", "forward_passes", "batched_steps")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     METHOD_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +101,11 @@ class DraftInfo(_message.Message):
     ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_PASSES_FIELD_NUMBER: _ClassVar[int]
+    BATCHED_STEPS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     method: str
     block_size: int
@@ -109,4 +118,9 @@ class DraftInfo(_message.Message):
     active_sessions: int
     max_sessions: int
     dtype: str
-    def __init__(self, model_id: _Optional[str] = ..., method: _Optional[str] = ..., block_size: _Optional[int] = ..., mask_token_id: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., target_hidden_size: _Optional[int] = ..., target_vocab_size: _Optional[int] = ..., target_num_layers: _Optional[int] = ..., target_tokenizer_hash: _Optional[str] = ..., active_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+    kv_block_size: int
+    kv_blocks_used: int
+    kv_blocks_free: int
+    forward_passes: int
+    batched_steps: int
+    def __init__(self, model_id: _Optional[str] = ..., method: _Optional[str] = ..., block_size: _Optional[int] = ..., mask_token_id: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., target_hidden_size: _Optional[int] = ..., target_vocab_size: _Optional[int] = ..., target_num_layers: _Optional[int] = ..., target_tokenizer_hash: _Optional[str] = ..., active_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_block_size: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., forward_passes: _Optional[int] = ..., batched_steps: _Optional[int] = ...) -> None: ...
