@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
+from splitspec.engine.kv_pool import BlockTable, KVPool
 from target_service.config import ConfigError, ModelConfig
 from target_service.loader import load_state, parse_dtype, resolve_device, weight_files
 from target_service.model import MLP, RMSNorm, apply_rope, repeat_kv, rope_cos_sin, rope_inv_freq
@@ -225,44 +226,87 @@ class DFlashDraft(nn.Module):
 
 
 class DraftCache:
-    """Injected context K/V per draft layer, for one sequence. Only committed tokens whose
-    target features exist are appended; the block's own K/V is never stored."""
+    """Injected context K/V of one sequence, in blocks of a draft KV pool (its own, or one
+    shared by every session of the draft service). Only committed tokens whose target features
+    exist are appended; the block's own K/V is never stored."""
 
-    def __init__(self, model: DFlashDraft, max_len: int):
-        cfg, p = model.cfg, next(model.parameters())
-        shape = (len(model.layers), 1, cfg.num_key_value_heads, max_len, cfg.head_dim)
-        self.k = torch.zeros(shape, dtype=p.dtype, device=p.device)
-        self.v = torch.zeros(shape, dtype=p.dtype, device=p.device)
-        self.max_len, self.length = max_len, 0
+    def __init__(self, model: DFlashDraft, max_len: int, pool: KVPool | None = None, block_size: int = 16):
+        self.pool = pool or new_pool(model, -(-max_len // block_size) + 1, block_size)
+        self.table = BlockTable(self.pool)
+        self.max_len = max_len
+
+    @property
+    def length(self) -> int:
+        return self.table.length
 
     def append(self, model: DFlashDraft, features: torch.Tensor) -> None:
         """features: [n, len(target_layer_ids) * H_t] for the next n context positions."""
-        n = features.shape[0]
-        if n == 0:
-            return
-        if self.length + n > self.max_len:
-            raise ValueError(f"draft context would reach {self.length + n} tokens; max is {self.max_len}")
-        p = next(model.parameters())
-        fused = model.fuse(features.to(p.device, p.dtype))[None]
-        positions = torch.arange(self.length, self.length + n, device=p.device)
-        for i, (k, v) in enumerate(model.context_kv(fused, positions)):
-            self.k[i, :, :, self.length:self.length + n] = k
-            self.v[i, :, :, self.length:self.length + n] = v
-        self.length += n
+        append_context(model, [(self, features)])
 
-    def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [(self.k[i, :, :, :self.length], self.v[i, :, :, :self.length]) for i in range(self.k.shape[0])]
+    def free(self) -> None:
+        self.table.free()
+
+
+def new_pool(model: DFlashDraft, num_blocks: int, block_size: int = 16) -> KVPool:
+    cfg, p = model.cfg, next(model.parameters())
+    return KVPool(num_layers=len(model.layers), num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                  num_blocks=num_blocks, block_size=block_size, dtype=p.dtype, device=p.device)
+
+
+def append_context(model: DFlashDraft, items: list[tuple[DraftCache, torch.Tensor]]) -> None:
+    """Append each cache's new features, all in one fused projection. Every cache must have
+    room (`ensure_room`); on success each cache's length grows by its rows."""
+    items = [(c, f) for c, f in items if f is not None and f.shape[0]]
+    if not items:
+        return
+    for cache, feats in items:
+        ensure_room(cache, feats.shape[0])
+    p = next(model.parameters())
+    feats = torch.cat([f for _, f in items]).to(p.device, p.dtype)
+    positions = torch.cat([torch.arange(c.length, c.length + f.shape[0]) for c, f in items]).to(p.device)
+    slots = torch.cat([c.table.slots(c.length, c.length + f.shape[0]) for c, f in items])
+    fused = model.fuse(feats)[None]
+    pool = items[0][0].pool
+    for i, (k, v) in enumerate(model.context_kv(fused, positions)):
+        pool.k[i].index_copy_(0, slots, k[0].transpose(0, 1).to(pool.k.dtype))
+        pool.v[i].index_copy_(0, slots, v[0].transpose(0, 1).to(pool.v.dtype))
+    for cache, f in items:
+        cache.table.length += f.shape[0]
+
+
+def ensure_room(cache: DraftCache, n: int) -> None:
+    if cache.length + n > cache.max_len:
+        raise ValueError(f"draft context would reach {cache.length + n} tokens; max is {cache.max_len}")
+    cache.table.ensure(cache.length + n)
+
+
+def draft_blocks(model: DFlashDraft, caches: list[DraftCache], last_tokens: list[int],
+                 positions: list[int]) -> torch.Tensor:
+    """Logits [R, B - 1, V] for the mask slots of each row's block [last_token, MASK...] at its
+    position, every row attending to its own cached context: one batched forward."""
+    cfg = model.cfg
+    p = next(model.parameters())
+    R, B = len(caches), cfg.block_size
+    ids = torch.full((R, B), cfg.mask_token_id, dtype=torch.long, device=p.device)
+    ids[:, 0] = torch.tensor(last_tokens, device=p.device)     # slot 0 is the real last token, never MASK
+    pos = torch.tensor(positions, device=p.device)[:, None] + torch.arange(B, device=p.device)
+    C = max(c.length for c in caches)
+    index = torch.zeros(R, C, dtype=torch.long, device=p.device)    # padding reads the zero block
+    for r, c in enumerate(caches):
+        index[r, :c.length] = c.table.slots(0, c.length)
+    lengths = torch.tensor([c.length for c in caches], device=p.device)
+    ctx_ok = torch.arange(C, device=p.device)[None] < lengths[:, None]                 # [R, C]
+    mask = torch.cat([ctx_ok[:, None, :].expand(R, B, C), torch.ones(R, B, B, dtype=torch.bool, device=p.device)],
+                     dim=2)[:, None]
+    pool = caches[0].pool
+    ctx = [(pool.k[i][index].transpose(1, 2), pool.v[i][index].transpose(1, 2)) for i in range(len(model.layers))]
+    h = model.block_forward(ids, pos, ctx, mask)
+    return model.logits(h[:, 1:]).float()
 
 
 def draft_block(model: DFlashDraft, cache: DraftCache, last_token: int, position: int) -> torch.Tensor:
     """Logits [B - 1, V] for the mask slots of block [last_token, MASK...] at `position`."""
-    cfg = model.cfg
-    p = next(model.parameters())
-    ids = torch.full((1, cfg.block_size), cfg.mask_token_id, dtype=torch.long, device=p.device)
-    ids[0, 0] = last_token     # slot 0 is the real last token, never MASK
-    positions = torch.arange(position, position + cfg.block_size, device=p.device)
-    h = model.block_forward(ids, positions, cache.layers())
-    return model.logits(h[0, 1:]).float()
+    return draft_blocks(model, [cache], [last_token], [position])[0]
 
 
 def load_draft(path: str | Path, target_path: str | Path, *, dtype="float32", device="cpu",

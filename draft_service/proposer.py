@@ -14,7 +14,9 @@ import torch
 from splitspec.engine.sample import SamplingParams, make_generator, probs_from_logits, sample_from_probs
 from splitspec.engine.tree import Tree
 
-from .dflash import DFlashDraft, DraftCache, draft_block
+from splitspec.engine.kv_pool import KVPool
+
+from .dflash import DFlashDraft, DraftCache, append_context, draft_blocks, ensure_room
 
 
 class ProposerError(ValueError):
@@ -44,8 +46,12 @@ class _Tokens:
 
 
 class DFlashProposer(_Tokens):
+    """One session's DFlash drafter state: the tokens it knows and its context cache (on a
+    pool of its own, or the draft service's shared pool). `propose` runs it alone;
+    `propose_batch` runs many sessions' proposals as one draft forward."""
+
     def __init__(self, model: DFlashDraft, *, num_draft_tokens: int | None = None, max_len: int = 4096,
-                 sampling: SamplingParams | None = None):
+                 sampling: SamplingParams | None = None, pool: KVPool | None = None):
         width = num_draft_tokens or model.cfg.block_size
         if not 2 <= width <= model.cfg.block_size:
             raise ProposerError(f"num_draft_tokens={width} must be in 2..{model.cfg.block_size} "
@@ -54,19 +60,22 @@ class DFlashProposer(_Tokens):
         self.sampling = sampling if sampling is not None and not sampling.greedy else None
         device = next(model.parameters()).device
         self.generator = make_generator(sampling.seed if sampling else None, device)
-        self.cache = DraftCache(model, max_len)
+        self.cache = DraftCache(model, max_len, pool)
         self.tokens: list[int] = []
 
-    def open(self, prompt_ids: list[int], prompt_hidden: torch.Tensor | None) -> None:
+    def check_open(self, prompt_ids: list[int], prompt_hidden: torch.Tensor | None) -> None:
         want = self.model.cfg.target_feature_size
         if prompt_hidden is None or tuple(prompt_hidden.shape) != (len(prompt_ids), want):
             got = None if prompt_hidden is None else list(prompt_hidden.shape)
             raise ProposerError(f"prompt_hidden has shape {got}, expected [{len(prompt_ids)}, {want}]")
-        self.tokens = list(prompt_ids)
-        self.cache.append(self.model, prompt_hidden)
 
-    def propose(self, base_len: int, new_ids: list[int], new_hidden: torch.Tensor | None) -> Proposal:
-        t0 = time.perf_counter()
+    def open(self, prompt_ids: list[int], prompt_hidden: torch.Tensor | None) -> None:
+        self.check_open(prompt_ids, prompt_hidden)
+        self.cache.append(self.model, prompt_hidden)
+        self.tokens = list(prompt_ids)
+
+    def check_propose(self, base_len: int, new_ids: list[int], new_hidden: torch.Tensor | None) -> None:
+        """Everything that can be wrong with a Propose, checked before anything changes."""
         self._check_len(base_len, new_ids)
         rows = 0 if new_hidden is None else new_hidden.shape[0]
         want = self.model.cfg.target_feature_size
@@ -78,17 +87,52 @@ class DFlashProposer(_Tokens):
                                 f"{self.cache.length} tokens and base_len {base_len} needs {base_len - 1}")
         if base_len - 1 > self.cache.max_len:
             raise ProposerError(f"propose.base_len = {base_len} is past the draft's context ({self.cache.max_len} tokens)")
-        self.tokens.extend(new_ids)
-        if rows:
-            self.cache.append(self.model, new_hidden)
-        with torch.inference_mode():
-            logits = draft_block(self.model, self.cache, self.tokens[-1], base_len - 1)[: self.width - 1]
+
+    def finish(self, logits: torch.Tensor) -> tuple[Tree, torch.Tensor | None]:
+        """The chain (and q when sampling) from this session's block logits [B - 1, V]."""
+        logits = logits[: self.width - 1]
         if self.sampling is None:
-            ids, q = logits.argmax(-1).tolist(), None
-        else:
-            q = probs_from_logits(logits, self.sampling)
-            ids = [sample_from_probs(row, self.generator) for row in q]
-        return Proposal(Tree.chain(ids), q, (time.perf_counter() - t0) * 1e3)
+            return Tree.chain(logits.argmax(-1).tolist()), None
+        q = probs_from_logits(logits, self.sampling)
+        return Tree.chain([sample_from_probs(row, self.generator) for row in q]), q
+
+    def propose(self, base_len: int, new_ids: list[int], new_hidden: torch.Tensor | None) -> Proposal:
+        out = propose_batch(self.model, [(self, base_len, new_ids, new_hidden)])[0]
+        if isinstance(out, Exception):
+            raise out
+        return out
+
+    def close(self) -> None:
+        self.cache.free()
+
+
+def propose_batch(model: DFlashDraft, items: list[tuple]) -> list[Proposal | Exception]:
+    """Proposals for many sessions (each item: proposer, base_len, new_ids, new_hidden) in one
+    context append and one block forward. A bad item fails alone, before anything of it changed."""
+    t0 = time.perf_counter()
+    out: list[Proposal | Exception | None] = [None] * len(items)
+    live = []
+    for i, (prop, base_len, new_ids, new_hidden) in enumerate(items):
+        try:
+            prop.check_propose(base_len, new_ids, new_hidden)
+            ensure_room(prop.cache, 0 if new_hidden is None else new_hidden.shape[0])
+        except Exception as exc:  # noqa: BLE001 - this item fails alone
+            out[i] = exc
+            continue
+        live.append(i)
+    if not live:
+        return out
+    with torch.inference_mode():
+        append_context(model, [(items[i][0].cache, items[i][3]) for i in live])
+        for i in live:
+            items[i][0].tokens.extend(items[i][2])
+        logits = draft_blocks(model, [items[i][0].cache for i in live], [items[i][0].tokens[-1] for i in live],
+                              [items[i][1] - 1 for i in live])
+    ms = (time.perf_counter() - t0) * 1e3
+    for row, i in enumerate(live):
+        tree, q = items[i][0].finish(logits[row])
+        out[i] = Proposal(tree, q, ms)
+    return out
 
 
 class NgramProposer(_Tokens):

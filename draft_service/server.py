@@ -27,11 +27,14 @@ from splitspec.wire import (WireError, check_token_ids, sampling_from_pb, tensor
                             tree_to_pb)
 from target_service.config import ConfigError, ModelConfig
 from target_service.loader import CheckpointError, parse_dtype, resolve_device, tokenizer_hash
-from target_service.scheduler import AdmissionError, DrainingError, EngineLoop
+from splitspec.engine.kv_pool import KVPool, PoolExhausted
+from splitspec.engine.loop import EngineLoop
+from target_service.scheduler import AdmissionError, DrainingError
 from target_service.server import status_for
 
 from .dflash import BLOCK_SIZE_MEANINGS, load_draft
 from .proposer import DFlashProposer, NgramProposer, StaleProposeError
+from .scheduler import DraftScheduler
 
 SERVICE = "splitspec.v1.Draft"
 METHODS = ("dflash", "ngram")
@@ -46,6 +49,8 @@ def draft_status(exc: BaseException) -> grpc.StatusCode:
         return grpc.StatusCode.ABORTED
     if isinstance(exc, CompatError):
         return grpc.StatusCode.FAILED_PRECONDITION
+    if isinstance(exc, PoolExhausted):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
     return status_for(exc)
 
 
@@ -57,6 +62,8 @@ class DraftState:
     target_tok_hash: str
     model: object = None            # DFlashDraft once loaded (dflash only)
     engine: EngineLoop | None = None
+    scheduler: DraftScheduler | None = None
+    pool: KVPool | None = None
     active: int = 0
     accepting: bool = True
 
@@ -79,7 +86,8 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         if st is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the draft is loading; retry when health is SERVING")
         info = draft_pb2.DraftInfo(method=st.method, block_size=st.block_size, active_sessions=st.active,
-                                   max_sessions=st.args.max_sessions, target_tokenizer_hash=st.target_tok_hash,
+                                   max_sessions=st.args.max_running_requests,
+                                   target_tokenizer_hash=st.target_tok_hash,
                                    model_id=st.args.served_model_name or (Path(st.args.model_path).name
                                                                           if st.args.model_path else "ngram"))
         if st.target_cfg is not None:
@@ -91,6 +99,13 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
             info.mask_token_id = cfg.mask_token_id
             info.target_layer_ids.extend(cfg.target_layer_ids)
             info.dtype = str(next(st.model.parameters()).dtype).removeprefix("torch.")
+        if st.pool is not None:
+            info.kv_block_size = st.pool.block_size
+            info.kv_blocks_used = st.pool.used_blocks
+            info.kv_blocks_free = st.pool.free_blocks
+        if st.scheduler is not None:
+            info.forward_passes = st.scheduler.forwards
+            info.batched_steps = st.scheduler.rows
         return info
 
     def _ready_state(self) -> DraftState | None:
@@ -113,9 +128,9 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
                         raise ProtocolError("a second Open on one stream; open a new stream per sequence")
                     if not st.accepting:
                         raise DrainingError("the draft is draining (shutting down)")
-                    if st.active >= st.args.max_sessions:
+                    if st.active >= st.args.max_running_requests:
                         raise AdmissionError(f"the draft already has {st.active} open sessions "
-                                             f"(--max-sessions {st.args.max_sessions})")
+                                             f"(--max-running-requests {st.args.max_running_requests})")
                     st.active += 1
                     counted = True
                     session_id = req.open.session_id or uuid.uuid4().hex
@@ -141,6 +156,8 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         except Exception as exc:  # every failure ends this stream only, never the service
             await end_session_with(context, exc, draft_status(exc), log)
         finally:
+            if isinstance(proposer, DFlashProposer):
+                st.scheduler.close(proposer)
             if counted:
                 st.active -= 1
                 log.info("session_closed", active_sessions=st.active)
@@ -190,12 +207,14 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         hidden = tensor_from_pb(msg.prompt_hidden, field="open.prompt_hidden",
                                 shape=(len(prompt), cfg.target_feature_size))
 
-        def run():
-            p = DFlashProposer(st.model, num_draft_tokens=width, max_len=st.args.max_context,
-                               sampling=sampling if spec.draft_sampling == "sample" else None)
-            p.open(prompt, hidden)
-            return p
-        return await st.engine.submit("open", run), width
+        p = DFlashProposer(st.model, num_draft_tokens=width, max_len=st.args.max_context,
+                           sampling=sampling if spec.draft_sampling == "sample" else None, pool=st.pool)
+        try:
+            await st.scheduler.open(p, prompt, hidden)
+        except BaseException:
+            st.scheduler.close(p)
+            raise
+        return p, width
 
     async def _propose(self, st: DraftState, proposer, msg: draft_pb2.DraftPropose):
         new_ids = list(msg.new_token_ids)
@@ -206,11 +225,14 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         if msg.HasField("new_hidden") and not ngram:
             hidden = tensor_from_pb(msg.new_hidden, field="propose.new_hidden",
                                     shape=(None, st.model.cfg.target_feature_size))
+        queue_ms, batch = 0.0, 1
         if ngram:
             prop = proposer.propose(msg.base_len, new_ids)      # microseconds: no need for the engine
         else:
-            prop = await st.engine.submit("propose", lambda: proposer.propose(msg.base_len, new_ids, hidden))
-        out = draft_pb2.Proposal(base_len=msg.base_len, tree=tree_to_pb(prop.tree), draft_ms=prop.draft_ms)
+            drafted = await st.scheduler.propose(proposer, msg.base_len, new_ids, hidden)
+            prop, queue_ms, batch = drafted.proposal, drafted.queue_ms, drafted.batch_size
+        out = draft_pb2.Proposal(base_len=msg.base_len, tree=tree_to_pb(prop.tree), draft_ms=prop.draft_ms,
+                                 queue_ms=queue_ms, batch_size=batch)
         if prop.draft_probs is not None:
             out.draft_probs.CopyFrom(tensor_to_pb(prop.draft_probs, torch.float32))
         return draft_pb2.DraftResponse(proposal=out)
@@ -237,7 +259,13 @@ def build_parser() -> argparse.ArgumentParser:
       help="verify width for --method ngram (dflash uses the checkpoint's block size)")
     a("--ngram-min", type=int, default=1, help="shortest suffix n-gram to look up (ngram)")
     a("--ngram-max", type=int, default=4, help="longest suffix n-gram to look up (ngram)")
-    a("--max-sessions", type=int, default=64, help="open sessions at once; more get RESOURCE_EXHAUSTED")
+    a("--max-running-requests", type=int, default=256,
+      help="open sessions at once (all are batched together); more get RESOURCE_EXHAUSTED")
+    a("--max-num-batched-tokens", type=int, default=2048,
+      help="context rows appended + block tokens drafted in one batched draft forward")
+    a("--kv-cache-budget-mb", type=int, default=1024,
+      help="size of the draft's paged context KV pool for all sessions (blocks are touched only when used)")
+    a("--kv-block-size", type=int, default=16, help="tokens per draft KV block")
     a("--max-context", type=int, default=4096, help="longest sequence a session may reach")
     a("--idle-timeout-s", type=float, default=300.0, help="close a session silent for this long (0: never)")
     a("--max-message-mb", type=int, default=64, help="largest gRPC message, either direction")
@@ -252,7 +280,8 @@ def check_args(args: argparse.Namespace) -> None:
             if not value or not (Path(value) / "config.json").is_file():
                 raise SystemExit(f"{flag} {value}: no config.json there (--method dflash needs the draft "
                                  f"and its target's folders)")
-    for name in ("max_sessions", "max_message_mb", "max_context"):
+    for name in ("max_running_requests", "max_num_batched_tokens", "kv_cache_budget_mb", "kv_block_size",
+                 "max_message_mb", "max_context"):
         if getattr(args, name) <= 0:
             raise SystemExit(f"--{name.replace('_', '-')} must be positive")
     if not 1 <= args.ngram_min <= args.ngram_max:
@@ -268,15 +297,25 @@ def _load(args: argparse.Namespace):
                       block_size_means=args.block_size_means)
 
 
-def _warmup(model) -> float:
+def _warmup(model, pool) -> float:
     """One real draft forward over a 1-token context, so the first request pays nothing lazy."""
     if model is None:
         return 0.0
     t = time.perf_counter()
-    p = DFlashProposer(model, max_len=8)
+    p = DFlashProposer(model, max_len=8, pool=pool)
     p.open([0], torch.zeros(1, model.cfg.target_feature_size))
     p.propose(2, [0], None)
+    p.close()
     return (time.perf_counter() - t) * 1e3
+
+
+def _pool(args: argparse.Namespace, model) -> KVPool | None:
+    if model is None:
+        return None
+    cfg, p = model.cfg, next(model.parameters())
+    return KVPool.from_budget(args.kv_cache_budget_mb * 1024 * 1024, num_layers=len(model.layers),
+                              num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                              block_size=args.kv_block_size, dtype=p.dtype, device=p.device)
 
 
 async def serve(args: argparse.Namespace, *, started=None) -> None:
@@ -297,7 +336,11 @@ async def serve(args: argparse.Namespace, *, started=None) -> None:
     async def startup():
         t = time.perf_counter()
         state.model = await engine.submit("load", lambda: _load(args))
-        warm_ms = await engine.submit("warmup", lambda: _warmup(state.model))
+        state.pool = _pool(args, state.model)
+        warm_ms = await engine.submit("warmup", lambda: _warmup(state.model, state.pool))
+        if state.model is not None:
+            state.scheduler = DraftScheduler(state.model, max_batched_tokens=args.max_num_batched_tokens,
+                                             engine=engine)
         state.engine = engine
         info = {"block_size": state.block_size}
         if state.model is not None:
