@@ -29,7 +29,8 @@ IDLE_S = 2
 def services(tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
     model = tiny_target_dir(CONTEXT)
-    with running_target(model, logs, "--max-sessions", "3", "--kv-cache-budget-mb", "1",
+    with running_target(model, logs, "--max-running-requests", "3", "--max-queued-requests", "1",
+                        "--kv-cache-budget-mb", "1",
                         "--idle-timeout-s", str(IDLE_S), "--max-message-mb", "1") as target, \
             running_gateway(target, logs, "--max-new-tokens-cap", str(CAP)) as gateway:
         yield target, gateway
@@ -147,7 +148,7 @@ TARGET_CASES = [
     ("bad hidden dtype", [dict(open=open_msg(hidden_dtype=9))], INVALID, "dtype"),
     ("oversized message", [dict(open=open_msg(prompt=[300] * 600_000))], grpc.StatusCode.RESOURCE_EXHAUSTED,
      "larger than max"),
-    ("kv budget", [dict(open=open_msg(max_new_tokens=0))], grpc.StatusCode.RESOURCE_EXHAUSTED, "KV cache budget"),
+    ("kv budget", [dict(open=open_msg(max_new_tokens=0))], grpc.StatusCode.RESOURCE_EXHAUSTED, "--kv-cache-budget-mb"),
 ]
 
 
@@ -181,17 +182,28 @@ def test_target_refuses_garbage_bytes(services):
     assert "not a valid splitspec.v1.GetInfoRequest" in err.details()
 
 
-def test_target_max_sessions(services):
-    streams = [Stream(services[0].address).send(open=open_msg()) for _ in range(3)]
+def test_target_queues_past_max_running_and_refuses_past_the_queue(services):
+    address = services[0].address
+    streams = [Stream(address).send(open=open_msg()) for _ in range(3)]
     try:
         for s in streams:
             assert s.recv().HasField("opened")
-        extra = Stream(services[0].address).send(open=open_msg())
+        queued = Stream(address).send(open=open_msg())           # 4th: waits for a running slot
+        streams.append(queued)
+        deadline = time.monotonic() + 10
+        while target_info(address).waiting_sessions != 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        info = target_info(address)
+        assert (info.running_sessions, info.waiting_sessions, info.max_queued_requests) == (3, 1, 1)
+        extra = Stream(address).send(open=open_msg())            # 5th: the queue is full
         streams.append(extra)
         with pytest.raises(grpc.RpcError) as err:
             extra.recv()
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "--max-sessions" in err.value.details()
+        assert "--max-queued-requests 1" in err.value.details()
+        streams[0].close()                                       # frees a slot: the queued one runs
+        opened = queued.recv()
+        assert opened.HasField("opened") and opened.opened.queue_ms > 0
     finally:
         for s in streams:
             s.close()

@@ -1,6 +1,6 @@
 """Bad input at the draft service: every case gets its status code and a message naming the
 field; the service stays SERVING, keeps no session open, and a session running meanwhile on
-another stream is unaffected. Also: the max-sessions and message-size limits, idle reaping,
+another stream is unaffected. Also: the max-running-requests and message-size limits, idle reaping,
 and garbage bytes on the wire."""
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def feat(dirs):
 
 @pytest.fixture(scope="module")
 def draft(dirs, tmp_path_factory):
-    with running_draft(dirs[0], tmp_path_factory.mktemp("logs"), "--max-sessions", "3", "--max-message-mb", "1",
+    with running_draft(dirs[0], tmp_path_factory.mktemp("logs"), "--max-running-requests", "3", "--max-message-mb", "1",
                        "--idle-timeout-s", str(IDLE_S), draft_dir=dirs[1]) as svc:
         yield svc
 
@@ -171,7 +171,7 @@ def test_draft_max_sessions(draft, feat):
         with pytest.raises(grpc.RpcError) as err:
             extra.recv()
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "--max-sessions" in err.value.details()
+        assert "--max-running-requests" in err.value.details()
     finally:
         for s in streams:
             s.close()

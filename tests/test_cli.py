@@ -51,18 +51,18 @@ def test_health_command_reports_unreachable():
 
 
 def test_every_flag_has_an_env_equivalent():
-    env = {"SPLITSPEC_MODEL_PATH": "/m", "SPLITSPEC_MAX_SESSIONS": "7", "SPLITSPEC_SAMPLING_BACKEND": "torch"}
+    env = {"SPLITSPEC_MODEL_PATH": "/m", "SPLITSPEC_MAX_RUNNING_REQUESTS": "7", "SPLITSPEC_SAMPLING_BACKEND": "torch"}
     args = apply_env(target_server.build_parser(), env).parse_args([])
-    assert (args.model_path, args.max_sessions) == ("/m", 7)
-    args = apply_env(target_server.build_parser(), env).parse_args(["--max-sessions", "9"])
-    assert args.max_sessions == 9                      # the command line wins
+    assert (args.model_path, args.max_running_requests) == ("/m", 7)
+    args = apply_env(target_server.build_parser(), env).parse_args(["--max-running-requests", "9"])
+    assert args.max_running_requests == 9                      # the command line wins
     env = {"SPLITSPEC_TARGET": "a:1,b:2", "SPLITSPEC_SPECULATIVE_ALGORITHM": "dflash"}
     args = apply_env(gateway_server.build_parser(), env).parse_args([])
     assert args.target == ["a:1", "b:2"] and args.speculative_algorithm == "DFLASH"
     args = apply_env(gateway_server.build_parser(), env).parse_args(["--target", "c:3", "--target", "d:4"])
     assert args.target == ["c:3", "d:4"]
     with pytest.raises(SystemExit):
-        apply_env(target_server.build_parser(), {"SPLITSPEC_MAX_SESSIONS": "many"})
+        apply_env(target_server.build_parser(), {"SPLITSPEC_MAX_RUNNING_REQUESTS": "many"})
     for parser in (target_server.build_parser(), gateway_server.build_parser()):
         for action in parser._actions:
             if action.option_strings and action.dest != "help":

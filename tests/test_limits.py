@@ -1,5 +1,5 @@
 """Limits through the gateway (issue 9, item 4): concurrent requests per gateway and sessions
-per target (RESOURCE_EXHAUSTED naming the limit), the KV-cache budget checked at Open, the
+per target (RESOURCE_EXHAUSTED naming the limit once its waiting queue is full), the KV pool checked at Open, the
 prompt length, the max_new_tokens cap and the message size. None of them crashes a service:
 both stay SERVING and serve the next request."""
 from __future__ import annotations
@@ -22,7 +22,8 @@ CAP = 1500
 def services(tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
     # The tiny model's KV cache takes 1 KiB per token: 1 MiB holds ~1000 tokens.
-    with running_target(tiny_target_dir(CONTEXT), logs, "--max-sessions", "2", "--kv-cache-budget-mb", "1") as target, \
+    with running_target(tiny_target_dir(CONTEXT), logs, "--max-running-requests", "2",
+                        "--max-queued-requests", "0", "--kv-cache-budget-mb", "1") as target, \
             running_gateway(target, logs, "--max-sessions", "1", "--max-prompt-tokens", "64",
                             "--max-new-tokens-cap", str(CAP), "--max-message-mb", "1") as gateway:
         yield target, gateway
@@ -62,7 +63,7 @@ def test_target_max_sessions_through_the_gateway(services, stub):
             assert next(s).HasField("opened")
         err = refused(stub, build_request([5, 6, 7], max_new_tokens=4))
         assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "target" in err.details() and "--max-sessions 2" in err.details()
+        assert "target" in err.details() and "--max-queued-requests 0" in err.details()
     finally:
         for q, s in zip(qs, streams):
             q.put(None)
@@ -73,7 +74,7 @@ def test_target_max_sessions_through_the_gateway(services, stub):
 def test_kv_budget_checked_at_open(stub):
     err = refused(stub, build_request([5] * 10, max_new_tokens=CAP, ignore_eos=True))   # ~1.5 MiB of KV
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "KV cache budget" in err.details() and "--kv-cache-budget-mb" in err.details()
+    assert "KV blocks" in err.details() and "--kv-cache-budget-mb" in err.details()
 
 
 def test_prompt_length_limit(stub):
