@@ -163,3 +163,38 @@ def test_incompatible_pair_is_refused_at_start(tmp_path, target_dir, services):
             assert "FAILED_PRECONDITION" in log and "hidden size" in log
         finally:
             gw.stop()
+
+
+def test_eight_concurrent_mixed_streams_each_equal_their_run_alone(stub, references, services):
+    """Greedy and seeded sampling, dflash / ngram / none, all at once: the services batch their
+    steps together, and each request still produces what it produces alone."""
+    from splitspec.v1 import target_pb2_grpc
+    cases = []
+    for i, (method, temperature) in enumerate([("dflash", 0.0), ("ngram", 0.0), ("none", 0.0), ("dflash", 1.0),
+                                               ("ngram", 1.0), ("none", 0.8), ("dflash", 0.7), ("none", 0.0)]):
+        kw = dict(temperature=temperature, seed=100 + i, top_p=0.9) if temperature else {}
+        req = speculative_request(prompts()[i], method, 8, **kw) if method != "none" else \
+            build_request(prompts()[i], max_new_tokens=N_NEW, ignore_eos=True, method="none", **kw)
+        if method == "dflash" and temperature == 1.0:
+            req.speculative.draft_sampling = "sample"
+        cases.append(req)
+
+    def run(req):
+        ids, _, complete = collect(stub.Generate(req, timeout=300))
+        assert complete.stats.draft_fallbacks == 0
+        return ids
+    alone = [run(r) for r in cases]
+    ch = grpc.insecure_channel(services[0].address)
+    info = target_pb2_grpc.TargetStub(ch).GetInfo(common_pb2.GetInfoRequest(), timeout=10)
+    with ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(run, cases))
+    after = target_pb2_grpc.TargetStub(ch).GetInfo(common_pb2.GetInfoRequest(), timeout=10)
+    ch.close()
+    assert together == alone
+    for i, req in enumerate(cases):
+        if req.sampling.temperature == 0:
+            assert together[i] == references[i]
+    # The steps of the eight requests really shared forwards.
+    mean_batch = (after.batched_steps - info.batched_steps) / (after.forward_passes - info.forward_passes)
+    print(f"target mean batch size with 8 streams: {mean_batch:.2f}")
+    assert mean_batch > 1.5
