@@ -299,7 +299,9 @@ def draft_blocks(model: DFlashDraft, caches: list[DraftCache], last_tokens: list
     mask = torch.cat([ctx_ok[:, None, :].expand(R, B, C), torch.ones(R, B, B, dtype=torch.bool, device=p.device)],
                      dim=2)[:, None]
     pool = caches[0].pool
-    ctx = [(pool.k[i][index].transpose(1, 2), pool.v[i][index].transpose(1, 2)) for i in range(len(model.layers))]
+    flat, shape = index.view(-1), (R, C, pool.k.shape[2], pool.k.shape[3])
+    ctx = [tuple(t[i].index_select(0, flat).view(shape).transpose(1, 2) for t in (pool.k, pool.v))
+           for i in range(len(model.layers))]
     h = model.block_forward(ids, pos, ctx, mask)
     return model.logits(h[:, 1:]).float()
 

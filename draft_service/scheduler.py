@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from splitspec.engine.batching import take_fifo
-from splitspec.engine.loop import EngineLoop, resolve
+from splitspec.engine.loop import Deliveries, EngineLoop
 
 from .dflash import DFlashDraft, append_context, ensure_room
 from .proposer import DFlashProposer, Proposal, propose_batch
@@ -102,6 +102,7 @@ class DraftScheduler:
                 self.in_flight.add(id(w.proposer))
         start = time.perf_counter()
         results = self._run(picked)
+        done = Deliveries()
         with self.lock:
             self.forwards += 1
             self.rows += len(picked)
@@ -113,9 +114,10 @@ class DraftScheduler:
                     continue
                 queue_ms = (start - w.ready_at) * 1e3
                 if isinstance(res, Exception):
-                    resolve(w.loop, w.future, error=res)
+                    done.resolve(w.loop, w.future, error=res)
                 else:
-                    resolve(w.loop, w.future, Drafted(res, queue_ms, len(picked)) if w.kind == "propose" else None)
+                    done.resolve(w.loop, w.future, Drafted(res, queue_ms, len(picked)) if w.kind == "propose" else None)
+        done.flush()
 
     def _run(self, picked: list[Work]) -> list:
         results: list = [None] * len(picked)

@@ -110,11 +110,11 @@ class Report:
     p50_ttft_s: float = 0.0
     draft_fallbacks: int = 0
     target_failovers: int = 0
-    memory_mb: dict[str, dict[str, float | None]] = field(default_factory=dict)   # service -> start/end
+    memory_mb: dict[str, dict[str, float | None]] = field(default_factory=dict)   # service -> start/warm/end
     open_sessions_after: dict[str, int | None] = field(default_factory=dict)
 
     def summary(self) -> str:
-        mem = ", ".join(f"{k} {v.get('start') or 0:.0f}->{v.get('end') or 0:.0f} MB" for k, v in self.memory_mb.items())
+        mem = ", ".join(_memory_line(k, v) for k, v in self.memory_mb.items())
         lines = [f"{self.streams} streams x {self.duration_s:.0f} s: {self.requests} requests, {self.completed} "
                  f"completed, {self.cancelled} cancelled (by the load generator), {self.failed} failed",
                  f"latency p50 {self.p50_latency_s:.3f} s, p99 {self.p99_latency_s:.3f} s; ttft p50 "
@@ -127,6 +127,13 @@ class Report:
         return "\n".join(lines)
 
 
+def _memory_line(name: str, m: dict) -> str:
+    line = f"{name} {m.get('start') or 0:.0f}->{m.get('end') or 0:.0f} MB"
+    if m.get("warm") and m.get("end"):
+        line += f" ({m['warm']:.0f} MB after warm-up, {100 * (m['end'] / m['warm'] - 1):+.1f}% since)"
+    return line
+
+
 def _percentile(values: list[float], q: float) -> float:
     if not values:
         return 0.0
@@ -136,7 +143,7 @@ def _percentile(values: list[float], q: float) -> float:
 
 def run_load(gateway: str, *, streams: int = 16, duration_s: float = 20.0, max_requests: int = 0,
              max_new_tokens: int = 32, cancel_prob: float = 0.1, methods=("",), prompt_len=(4, 32),
-             vocab: int = 0, seed: int = 0, timeout_s: float = 120.0,
+             vocab: int = 0, seed: int = 0, timeout_s: float = 120.0, warmup_s: float = 0.0,
              services: dict[str, tuple[str, str]] | None = None) -> Report:
     """Run the load. `services` maps a name to (kind, address), kind in gateway/target/draft,
     for memory and session figures; `vocab` 0 asks the gateway's GetModelInfo."""
@@ -221,7 +228,16 @@ def run_load(gateway: str, *, streams: int = 16, duration_s: float = 20.0, max_r
                     report.failed += 1
                     report.failures[outcome] = report.failures.get(outcome, 0) + 1
 
+    def sample_warm() -> None:
+        # Memory "after warm-up": pools, allocator caches and gRPC buffers have reached their
+        # working size, so growth from here to the end is what a leak would show.
+        time.sleep(warmup_s)
+        for name, pid in pids.items():
+            report.memory_mb[name]["warm"] = rss_mb(pid)
+
     threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(streams)]
+    if 0 < warmup_s < duration_s:
+        threading.Thread(target=sample_warm, daemon=True).start()
     for t in threads:
         t.start()
     for t in threads:
@@ -254,6 +270,8 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     a("--methods", default="", help="comma-separated speculative methods to draw from (empty: the gateway's default)")
     a("--seed", type=int, default=0, help="seed of the random prompts and parameters")
     a("--timeout-s", type=float, default=120.0, help="deadline of each request")
+    a("--warmup-s", type=float, default=30.0,
+      help="when to take the 'after warm-up' memory sample that growth is measured from (0: none)")
     a("--json", action="store_true", help="print the report as JSON")
     return apply_env(p)
 
@@ -269,7 +287,7 @@ def main(args: argparse.Namespace) -> int:
     methods = tuple(m.strip() for m in args.methods.split(",")) if args.methods else ("",)
     report = run_load(args.gateway, streams=args.streams, duration_s=args.duration_s, max_requests=args.max_requests,
                       max_new_tokens=args.max_new_tokens, cancel_prob=args.cancel_prob, methods=methods,
-                      seed=args.seed, timeout_s=args.timeout_s, services=services)
+                      seed=args.seed, timeout_s=args.timeout_s, warmup_s=args.warmup_s, services=services)
     print(json.dumps(asdict(report), indent=2) if args.json else report.summary())
     return 0 if report.failed == 0 else 1
 

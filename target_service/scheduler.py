@@ -30,7 +30,7 @@ import torch
 
 from splitspec.engine.batching import take_fifo
 from splitspec.engine.kv_pool import BlockTable, KVPool
-from splitspec.engine.loop import EngineLoop, resolve
+from splitspec.engine.loop import Deliveries, EngineLoop
 from splitspec.engine.sample import SamplingParams, make_generator
 from splitspec.engine.tree import Tree
 
@@ -300,6 +300,7 @@ class Scheduler:
         end = time.perf_counter()
         forward_ms = (end - start) * 1e3
         tokens = sum(n for _, n in picked)
+        done = Deliveries()
         with self.lock:
             self.forwards += 1
             self.rows += len(picked)
@@ -308,16 +309,17 @@ class Scheduler:
                 if session.state == "closed":
                     session.seq.table.free()
                     continue
-                self._deliver(session, out, start, end, forward_ms, len(picked), tokens)
+                self._deliver(done, session, out, start, end, forward_ms, len(picked), tokens)
+        done.flush()
 
-    def _deliver(self, session: Session, out, start: float, end: float, forward_ms: float,
+    def _deliver(self, done: Deliveries, session: Session, out, start: float, end: float, forward_ms: float,
                  rows: int, tokens: int) -> None:
         w = session.work
         w.queue_ms += (start - w.ready_at) * 1e3
         w.forward_ms += forward_ms
         if w.kind == "decode":
             item = out if isinstance(out, Exception) else Step(out, forward_ms, w.queue_ms, rows, tokens, session.length)
-            w.loop.call_soon_threadsafe(w.queue.put_nowait, item)
+            done.put(w.loop, w.queue, item)
             w.remaining -= 1
             w.ready_at, w.queue_ms = end, 0.0
             if isinstance(out, Exception) or w.remaining == 0:
@@ -325,7 +327,7 @@ class Scheduler:
             return
         if isinstance(out, Exception):
             session.work = None
-            resolve(w.loop, w.future, error=out)
+            done.resolve(w.loop, w.future, error=out)
             return
         if w.kind == "prefill":
             if out.hidden is not None:
@@ -335,4 +337,4 @@ class Scheduler:
                 return
             out = StepOutput(out.committed, torch.cat(w.hidden) if w.hidden else None)
         session.work = None
-        resolve(w.loop, w.future, Step(out, w.forward_ms, w.queue_ms, rows, tokens, session.length))
+        done.resolve(w.loop, w.future, Step(out, w.forward_ms, w.queue_ms, rows, tokens, session.length))

@@ -12,7 +12,8 @@ import pytest
 from draft_service.dflash import new_draft, save_draft
 from service_helpers import tiny_target_dir
 from splitspec.bench.prompts import OWN, default_prompts, load_jsonl
-from splitspec.bench.report import FORMATS
+from splitspec.bench.configs import Sample
+from splitspec.bench.report import FORMATS, split_gaps, token_gaps
 from splitspec.bench.run import main
 from target_service.loader import load_model
 
@@ -41,6 +42,15 @@ def test_jsonl_prompts(tmp_path):
         load_jsonl(f)
 
 
+def test_token_gaps_are_per_token_and_split_by_overlap():
+    # chunks of 1, 1, 3 and 1 tokens arriving at 0.1, 0.2, 0.5 and 1.0 s after a request sent at t=10
+    s = Sample(tokens=[1] * 6, wall_s=1.0, ttft_s=0.1, step_sizes=[1, 3, 1], step_times=[0.1, 0.2, 0.5, 1.0],
+               start_s=10.0)
+    assert [g for _, _, g in token_gaps(s)] == pytest.approx([0.1, 0.1, 0.5])
+    during, outside = split_gaps([s], 10.25, 10.3)      # only the 3-token chunk's gap overlaps
+    assert during == pytest.approx([100.0]) and outside == pytest.approx([100.0, 500.0])
+
+
 @pytest.fixture(scope="module")
 def bench_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
@@ -51,7 +61,7 @@ def bench_run(tmp_path_factory):
             "--max-new-tokens", str(MAX_NEW), "--max-prompt-tokens", "48", "--configs", ",".join(CONFIGS),
             "--temperatures", "0,1", "--draft-sampling", "sample", "--warmup", "1", "--step-time-prompts", "1",
             "--concurrency", "1,2", "--sweep-requests", "2", "--sweep-configs", "target,dflash-grpc",
-            "--out", str(out)]
+            "--mixed-run", "--mixed-streams", "3", "--mixed-prompt-tokens", "100", "--out", str(out)]
     assert main(argv) == 0
     return out, json.loads((out / "results.json").read_text()), (out / "results.md").read_text()
 
@@ -96,10 +106,19 @@ def test_figures_are_consistent(bench_run):
         if e["temperature"] == 0:      # lossless: every greedy output equals the baseline's
             assert e["greedy_matches"] == e["requests"], e["greedy_mismatches"]
         assert e["method_mismatches"] == 0 and e["draft_fallbacks"] == 0
+    one_stream = {c["config"]: c for c in results["concurrency"] if c["streams"] == 1}
     for c in results["concurrency"]:
         assert c["requests"] == max(c["streams"], 2) and c["tokens"] == c["requests"] * MAX_NEW
-        assert c["latency_ms_p50"] <= c["latency_ms_p99"]
-        assert c["greedy_matches"] == c["requests"]
+        for q in ("latency_ms", "ttft_ms", "itl_ms"):
+            assert 0 < c[f"{q}_p50"] <= c[f"{q}_p99"], q
+        assert c["speedup_vs_1_stream"] == pytest.approx(c["tokens_per_s"] / one_stream[c["config"]]["tokens_per_s"])
+        # The bench started the services, so it reads both services' counters: every point ran
+        # target forwards, the speculative one draft forwards too; a forward runs one step per session at most.
+        assert 1 <= c["target_batch_mean"] <= c["streams"]
+        if c["config"] == "dflash-grpc":
+            assert 1 <= c["draft_batch_mean"] <= c["streams"]
+        assert c["draft_batch_mean"] is None or c["draft_batch_mean"] >= 1
+        assert c["greedy_matches"] == c["requests"]      # the sweep runs at the first temperature, 0
 
 
 def _md_rows(md: str) -> list[tuple[str, str, dict[str, str]]]:
@@ -135,8 +154,37 @@ def test_json_matches_markdown(bench_run):
             acc = next(r for s, first, r in rows if s == section and first == e["name"])
             got = [acc[str(k + 1)] for k in range(len(e["per_position_acceptance"]))]
             assert got == [f"{x:.3f}" for x in e["per_position_acceptance"]]
+    columns = {"tok/s (aggregate)": "tokens_per_s", "× 1 stream": "speedup_vs_1_stream",
+               "latency p99 ms": "latency_ms_p99", "TTFT p99 ms": "ttft_ms_p99", "ITL p50 ms": "itl_ms_p50",
+               "ITL p99 ms": "itl_ms_p99", "target batch": "target_batch_mean", "draft batch": "draft_batch_mean"}
     for c in results["concurrency"]:
         row = next(r for s, first, r in rows
-                   if s.startswith("Concurrency") and first == c["name"] and r["streams"] == str(c["streams"]))
-        assert row["tok/s (aggregate)"] == f"{c['tokens_per_s']:.1f}"
+                   if s.startswith("Concurrency") and first == str(c["streams"]) and r["configuration"] == c["name"])
+        for col, key in columns.items():
+            assert row[col] == ("–" if c[key] is None else FORMATS[key].format(c[key])), col
         assert re.fullmatch(r"\d+", row["latency p99 ms"])
+        assert row["= baseline"] == f"{c['greedy_matches']}/{c['requests']}"
+
+
+def test_mixed_run(bench_run):
+    """One 100-token prefill among 3 decoding streams: the fields exist, the decoders' token gaps
+    fell on both sides of the prefill, and the Markdown shows the same numbers."""
+    _, results, md = bench_run
+    m = results["mixed"]
+    assert m is not None, results["skipped"]
+    assert m["config"] == "target" and m["streams"] == 3 and m["max_new_tokens"] == MAX_NEW
+    assert m["long_prompt_tokens"] == m["long_prompt_tokens_asked"] == 100 and m["long_max_new_tokens"] == 16
+    assert 0 < m["long_ttft_ms"] <= m["long_wall_ms"]
+    assert m["decoder_requests"] >= 3
+    assert m["itl_samples_during"] > 0 and m["itl_samples_outside"] > 0
+    for side in ("during", "outside"):
+        assert 0 < m[f"itl_ms_p50_{side}"] <= m[f"itl_ms_p99_{side}"]
+    assert m["itl_p99_during_over_p50_outside"] == pytest.approx(m["itl_ms_p99_during"] / m["itl_ms_p50_outside"])
+    assert 1 <= m["target_batch_mean"] <= 4
+    assert m["draft_batch_mean"] is None or m["draft_batch_mean"] >= 1
+    row = next(r for s, _, r in _md_rows(md) if s.startswith("Mixed load"))
+    assert row["long TTFT ms"] == FORMATS["long_ttft_ms"].format(m["long_ttft_ms"])
+    assert row["p99 during ÷ p50 outside"] == FORMATS["itl_p99_during_over_p50_outside"].format(
+        m["itl_p99_during_over_p50_outside"])
+    assert row["gaps during/outside"] == f"{m['itl_samples_during']}/{m['itl_samples_outside']}"
+    assert "--mixed-run" in md.split("## Mixed load", 1)[1]

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from splitspec.client import build_request
-from splitspec.v1 import common_pb2, gateway_pb2_grpc, target_pb2, target_pb2_grpc
+from splitspec.v1 import common_pb2, draft_pb2_grpc, gateway_pb2_grpc, target_pb2, target_pb2_grpc
 from splitspec.engine.sample import SamplingParams
 
 
@@ -72,6 +72,7 @@ class Sample:
     hidden_state_bytes: int | None = None
     method_ran: str = ""
     draft_fallbacks: int = 0
+    start_s: float = 0.0                   # perf_counter() when the request was sent
 
     @property
     def itl_s(self) -> float | None:
@@ -120,7 +121,8 @@ class GatewayRunner:
             req.speculative.draft_sampling = self.draft_sampling
         return req
 
-    def run(self, prompt_ids, max_new: int, params: SamplingParams) -> Sample:
+    def run(self, prompt_ids, max_new: int, params: SamplingParams, on_chunk=None) -> Sample:
+        """One request; `on_chunk()`, if given, is called as each chunk of tokens arrives."""
         req = self.request(prompt_ids, max_new, params)
         tokens, sizes, times, complete = [], [], [], None
         t0 = time.perf_counter()
@@ -131,6 +133,8 @@ class GatewayRunner:
                     tokens.extend(resp.chunk.token_ids)
                     sizes.append(len(resp.chunk.token_ids))
                     times.append(now)
+                    if on_chunk is not None:
+                        on_chunk()
             else:
                 complete = resp.complete
         wall = time.perf_counter() - t0
@@ -144,7 +148,7 @@ class GatewayRunner:
                       committed=round(st.accept_length * st.verify_steps), draft_tokens=st.draft_tokens,
                       draft_ms=st.draft_ms, verify_ms=st.verify_ms, wire_ms=st.wire_ms,
                       hidden_state_bytes=st.hidden_state_bytes, method_ran=st.method,
-                      draft_fallbacks=st.draft_fallbacks)
+                      draft_fallbacks=st.draft_fallbacks, start_s=t0)
 
     def close(self) -> None:
         self.channel.close()
@@ -247,6 +251,29 @@ class HFRunner:
         return Sample(tokens=tokens, wall_s=wall, ttft_s=clock.times[0], step_sizes=steps,
                       step_times=clock.times, accepted_per_position=positions_from_steps(steps),
                       verify_steps=len(steps), committed=sum(steps), method_ran="ngram" if self.pld else "none")
+
+
+# ------------------------------------------------------------------------------ service counters
+
+def service_counters(address: str | None, kind: str) -> tuple[int, int] | None:
+    """(forward_passes, batched_steps) from the GetInfo of a target or draft service; None when
+    the address is unknown or the service does not answer."""
+    if not address:
+        return None
+    stub_class = target_pb2_grpc.TargetStub if kind == "target" else draft_pb2_grpc.DraftStub
+    try:
+        with grpc.insecure_channel(address) as ch:
+            info = stub_class(ch).GetInfo(common_pb2.GetInfoRequest(), timeout=30)
+    except grpc.RpcError:
+        return None
+    return info.forward_passes, info.batched_steps
+
+
+def mean_batch(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """Mean steps per forward between two `service_counters` readings; None with no forwards."""
+    if before is None or after is None or after[0] <= before[0]:
+        return None
+    return (after[1] - before[1]) / (after[0] - before[0])
 
 
 # ------------------------------------------------------------------------------ step times

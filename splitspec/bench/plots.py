@@ -72,6 +72,9 @@ def plot(results: dict, out_dir: Path) -> list[Path]:
             rows = [c for c in results["concurrency"] if c["name"] == name]
             ax.plot([c["streams"] for c in rows], [c["tokens_per_s"] for c in rows], marker="o", label=name)
         ax.set_xscale("log", base=2)
+        levels = sorted({c["streams"] for c in results["concurrency"]})
+        ax.set_xticks(levels, [str(x) for x in levels])
+        ax.minorticks_off()
         ax.set_xlabel("simultaneous streams")
         ax.set_ylabel("aggregate tokens/s")
         ax.grid(alpha=0.3)

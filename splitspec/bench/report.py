@@ -15,7 +15,13 @@ from .configs import CONFIGS, Sample
 # Markdown formats of the JSON fields; the test suite checks the two agree through these.
 FORMATS = {"tokens_per_s": "{:.1f}", "tokens_per_s_median": "{:.1f}", "speedup": "{:.2f}",
            "accept_length": "{:.2f}", "ttft_ms_p50": "{:.1f}", "itl_ms_p50": "{:.2f}",
-           "ideal_speedup": "{:.2f}", "efficiency": "{:.2f}", "hidden_state_bytes_per_step": "{:.0f}"}
+           "ideal_speedup": "{:.2f}", "efficiency": "{:.2f}", "hidden_state_bytes_per_step": "{:.0f}",
+           # concurrency sweep and mixed run
+           "speedup_vs_1_stream": "{:.2f}", "latency_ms_p50": "{:.0f}", "latency_ms_p99": "{:.0f}",
+           "ttft_ms_p99": "{:.1f}", "itl_ms_p99": "{:.2f}", "target_batch_mean": "{:.2f}",
+           "draft_batch_mean": "{:.2f}", "long_ttft_ms": "{:.1f}", "itl_ms_p50_outside": "{:.2f}",
+           "itl_ms_p99_outside": "{:.2f}", "itl_ms_p50_during": "{:.2f}", "itl_ms_p99_during": "{:.2f}",
+           "itl_p99_during_over_p50_outside": "{:.2f}"}
 
 
 def fmt(value, spec: str = "{:.2f}") -> str:
@@ -42,6 +48,31 @@ def interpolate(table: dict, x: float) -> float:
         if x <= b:
             return table[a] + (table[b] - table[a]) * (x - a) / (b - a)
     return table[xs[-1]]
+
+
+def token_gaps(s: Sample) -> list[tuple[float, float, float]]:
+    """(previous chunk's arrival, this chunk's arrival, gap per token) for every chunk after the
+    first, times in seconds since the request was sent. A chunk of k tokens (a verify step's)
+    gives one sample of gap / k, so speculation is not charged a k-token wait as one token's."""
+    n = len(s.step_times) - 1
+    if n < 1:
+        return []
+    # step_sizes holds the chunks after the first (hf-pld counts its first chunk too): the last n.
+    sizes = s.step_sizes[len(s.step_sizes) - n:]
+    t = s.step_times
+    return [(t[i], t[i + 1], (t[i + 1] - t[i]) / max(1, k)) for i, k in enumerate(sizes)]
+
+
+def split_gaps(samples: list[Sample], lo: float, hi: float) -> tuple[list[float], list[float]]:
+    """Per-token gaps (ms) of the samples, split by whether the gap overlaps [lo, hi] (absolute
+    perf_counter times): a token held back by a prefill in that window arrives after it ends,
+    so its gap counts as during it."""
+    during, outside = [], []
+    for s in samples:
+        for start, end, gap in token_gaps(s):
+            overlaps = s.start_s + start < hi and s.start_s + end > lo
+            (during if overlaps else outside).append(gap * 1e3)
+    return during, outside
 
 
 # ------------------------------------------------------------------------------ metadata
@@ -219,6 +250,59 @@ MAIN_COLUMNS = [
 ]
 
 
+def _cell(key: str):
+    return lambda e: fmt(e.get(key), FORMATS[key])
+
+
+CONCURRENCY_COLUMNS = [
+    ("streams", lambda c: str(c["streams"])),
+    ("configuration", lambda c: c["name"]),
+    ("requests", lambda c: str(c["requests"])),
+    ("tok/s (aggregate)", _cell("tokens_per_s")),
+    ("× 1 stream", _cell("speedup_vs_1_stream")),
+    ("latency p50 ms", _cell("latency_ms_p50")),
+    ("latency p99 ms", _cell("latency_ms_p99")),
+    ("TTFT p50 ms", _cell("ttft_ms_p50")),
+    ("TTFT p99 ms", _cell("ttft_ms_p99")),
+    ("ITL p50 ms", _cell("itl_ms_p50")),
+    ("ITL p99 ms", _cell("itl_ms_p99")),
+    ("target batch", _cell("target_batch_mean")),
+    ("draft batch", _cell("draft_batch_mean")),
+    ("= baseline", lambda c: "–" if c["greedy_matches"] is None else f"{c['greedy_matches']}/{c['requests']}"),
+]
+
+MIXED_COLUMNS = [
+    ("configuration", lambda m: m["name"]),
+    ("streams", lambda m: str(m["streams"])),
+    ("long prompt tokens", lambda m: str(m["long_prompt_tokens"])),
+    ("long TTFT ms", _cell("long_ttft_ms")),
+    ("ITL p50 ms outside", _cell("itl_ms_p50_outside")),
+    ("ITL p99 ms outside", _cell("itl_ms_p99_outside")),
+    ("ITL p50 ms during", _cell("itl_ms_p50_during")),
+    ("ITL p99 ms during", _cell("itl_ms_p99_during")),
+    ("p99 during ÷ p50 outside", _cell("itl_p99_during_over_p50_outside")),
+    ("gaps during/outside", lambda m: f"{m['itl_samples_during']}/{m['itl_samples_outside']}"),
+    ("target batch", _cell("target_batch_mean")),
+    ("draft batch", _cell("draft_batch_mean")),
+]
+
+
+def mixed_section(m: dict, command: str) -> list[str]:
+    lines = ["", f"## Mixed load: one {m['long_prompt_tokens']}-token prefill among {m['streams']} "
+                 f"decoding streams ({temperature_title(m['temperature'], m.get('top_p'))})", "",
+             f"`{command}`", ""]
+    lines += table([c for c, _ in MIXED_COLUMNS], [[f(m) for _, f in MIXED_COLUMNS]])
+    note = (f"{m['streams']} streams loop requests of {m['max_new_tokens']} new tokens; after they all "
+            f"decode, one request with a {m['long_prompt_tokens']}-token prompt")
+    if m["long_prompt_tokens"] != m["long_prompt_tokens_asked"]:
+        note += f" (asked {m['long_prompt_tokens_asked']}, clamped to the target's context)"
+    note += (f" and {m['long_max_new_tokens']} new tokens is sent. ITL = gap between a decoding stream's "
+             f"chunks ÷ the chunk's tokens, pooled over the streams; during = gaps overlapping the time "
+             f"from sending the long request to its first token, outside = the rest of the run "
+             f"({m['decoder_requests']} decoding requests, {m['duration_s']:.1f} s).")
+    return lines + ["", note]
+
+
 def table(header: list[str], rows: list[list[str]]) -> list[str]:
     out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     out += ["| " + " | ".join(r) + " |" for r in rows]
@@ -271,13 +355,15 @@ def markdown(results: dict) -> str:
         c0 = results["concurrency"][0]
         lines += ["", f"## Concurrency ({temperature_title(c0['temperature'], c0.get('top_p'))}, "
                       f"{c0['max_new_tokens']} new tokens per request)", ""]
-        rows = [[c["name"], str(c["streams"]), str(c["requests"]), fmt(c["tokens_per_s"], "{:.1f}"),
-                 fmt(c["latency_ms_p50"], "{:.0f}"), fmt(c["latency_ms_p99"], "{:.0f}"),
-                 fmt(c["ttft_ms_p50"], "{:.0f}"),
-                 "–" if c["greedy_matches"] is None else f"{c['greedy_matches']}/{c['requests']}"]
-                for c in results["concurrency"]]
-        lines += table(["configuration", "streams", "requests", "tok/s (aggregate)", "latency p50 ms",
-                        "latency p99 ms", "TTFT p50 ms", "= baseline"], rows)
+        lines += table([c for c, _ in CONCURRENCY_COLUMNS],
+                       [[f(c) for _, f in CONCURRENCY_COLUMNS] for c in results["concurrency"]])
+        lines += ["", "× 1 stream = tok/s ÷ the same configuration's at 1 stream; ITL = gap between a "
+                  "request's consecutive chunks ÷ the later chunk's tokens, pooled over the point's "
+                  "requests; target / draft batch = steps per batched forward the service ran during "
+                  "the point (Δ batched_steps ÷ Δ forward_passes from its GetInfo; – when the bench "
+                  "has no address for it or it ran no forward)."]
+    if results.get("mixed"):
+        lines += mixed_section(results["mixed"], meta["command"])
     if results.get("skipped"):
         lines += ["", "Not run: " + "; ".join(results["skipped"])]
     lines += ["", "Columns: tok/s = generated tokens / wall time over all requests (aggregate) and the "

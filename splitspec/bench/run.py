@@ -1,24 +1,29 @@
 """`splitspec bench`: start the services (or use running ones), warm them up, run the same
 held-out prompts through every configuration, interleaved per prompt (a b c … a b c …) so that
-machine drift cancels, then a concurrency sweep; write JSON, Markdown and PNG plots.
+machine drift cancels, then a concurrency sweep and (--mixed-run) one long prefill among decoding
+streams; write JSON, Markdown and PNG plots.
 
     splitspec bench                                   # default models, default prompts, everything
     splitspec bench --configs target,ngram-grpc,hf,hf-pld --num-prompts 10 --temperatures 0
     splitspec bench --gateway 127.0.0.1:50050 --target 127.0.0.1:50051   # running services
+    splitspec bench --configs target --concurrency '' --mixed-run      # one long prefill among 16 decoders
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
+from itertools import chain, cycle, islice
 from pathlib import Path
 
-from .configs import CONFIGS, DRAFT_SAMPLING_CONFIGS, GatewayRunner, HFRunner, InprocRunner
+from .configs import (CONFIGS, DRAFT_SAMPLING_CONFIGS, GatewayRunner, HFRunner, InprocRunner, mean_batch,
+                      service_counters)
 from .prompts import default_prompts, digest, load_jsonl
-from .report import markdown, metadata, percentile, summarize, write_json
+from .report import markdown, metadata, percentile, split_gaps, summarize, token_gaps, write_json
 
 DEFAULT_CONFIGS = ",".join(CONFIGS)
 GRPC = [k for k, c in CONFIGS.items() if c.kind == "grpc"]
@@ -54,9 +59,16 @@ def build_parser() -> argparse.ArgumentParser:
     a("--num-draft-tokens", type=int, default=None,
       help="verify width: root + drafted tokens (default: the draft's block size, else 8)")
     a("--seed", type=int, default=0, help="request i of repeat r uses seed + 1000 r + i at temperature > 0")
-    a("--concurrency", default="1,4,16", help="stream counts of the concurrency sweep ('' to skip)")
+    a("--concurrency", default="1,4,16,64", help="stream counts of the concurrency sweep ('' to skip)")
     a("--sweep-configs", default="target,dflash-grpc,ngram-grpc", help="configurations in the sweep")
     a("--sweep-requests", type=int, default=8, help="requests per sweep point: max(this, streams)")
+    a("--mixed-run", action="store_true",
+      help="after the sweep: one long prompt's prefill among --mixed-streams decoding streams; reports "
+           "the long request's TTFT and the decoders' ITL during that prefill and outside it")
+    a("--mixed-streams", type=int, default=16, help="decoding streams of the mixed run")
+    a("--mixed-prompt-tokens", type=int, default=2000,
+      help="the long prompt's tokens (benchmark prompts concatenated; clamped to the target's context - 32)")
+    a("--mixed-config", default="target", help="configuration of the mixed run's requests (a gRPC one)")
     a("--step-time-prompts", type=int, default=3, help="prompts used to measure t(target step) / t(verify step)")
     a("--out", default="bench-out", help="folder for results.json, results.md, the plots and service logs")
     a("--json", default=None, help="JSON path (default: OUT/results.json)")
@@ -64,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--plots", default=None, help="folder for the PNG plots (default: OUT)")
     a("--no-plots", action="store_true", help="skip the PNG plots")
     a("--device", default="cpu", help="device of the services and in-process models")
+    a("--torch-threads", type=int, default=1,
+      help="--torch-threads of the target and draft the bench starts (as `splitspec up` runs them)")
     a("--timeout-s", type=float, default=900.0, help="deadline per request")
     a("--startup-timeout-s", type=float, default=600.0)
     return p
@@ -115,6 +129,10 @@ class Bench:
         if not self.draft_modes or set(self.draft_modes) - {"greedy", "sample"}:
             raise SystemExit("--draft-sampling: greedy and/or sample")
         self.levels = [int(x) for x in _csv(a.concurrency)]
+        if a.mixed_run and (a.mixed_config not in CONFIGS or CONFIGS[a.mixed_config].kind != "grpc"):
+            raise SystemExit(f"--mixed-config: choose from {', '.join(GRPC)}")
+        if a.mixed_run and (a.mixed_streams < 1 or a.mixed_prompt_tokens < 1):
+            raise SystemExit("--mixed-streams and --mixed-prompt-tokens must be >= 1")
         has_dflash = self.draft_path is not None or (a.gateway or a.draft)
         configs = []
         for key in [k for k in CONFIGS if k in wanted]:
@@ -136,21 +154,22 @@ class Bench:
         a = self.args
         log_dir = Path(a.out) / "logs"
         if a.gateway:
-            self.gateway, self.target_address = a.gateway, a.target
+            self.gateway, self.target_address, self.draft_address = a.gateway, a.target, a.draft
             self.services = f"running gateway {a.gateway}" + (f", target {a.target}" if a.target else "")
             return
         if a.target:
             target_address, draft_address = a.target, a.draft
         else:
+            threads = ["--torch-threads", str(a.torch_threads)]
             target = start_service("target", ["--model-path", str(self.target_path), "--device", a.device,
-                                              "--log-level", "warning"], log_dir=log_dir)
+                                              "--log-level", "warning", *threads], log_dir=log_dir)
             self.procs.append(target)
             if self.draft_path is not None:
                 dargs = ["--method", "dflash", "--model-path", str(self.draft_path)]
             else:
                 dargs = ["--method", "ngram", "--speculative-num-draft-tokens", str(self.width)]
             draft = start_service("draft", [*dargs, "--target-model-path", str(self.target_path), "--device",
-                                            a.device, "--log-level", "warning"], log_dir=log_dir)
+                                            a.device, "--log-level", "warning", *threads], log_dir=log_dir)
             self.procs.append(draft)
             log(f"starting target {target.address} and draft {draft.address} (logs: {log_dir})")
             target.wait_healthy(a.startup_timeout_s)
@@ -164,7 +183,7 @@ class Bench:
         gateway = start_service("gateway", gargs, log_dir=log_dir)
         self.procs.append(gateway)
         gateway.wait_healthy(a.startup_timeout_s)
-        self.gateway, self.target_address = gateway.address, target_address
+        self.gateway, self.target_address, self.draft_address = gateway.address, target_address, draft_address
         self.services = ("target, draft and gateway started by the bench" if not a.target else
                          f"target {a.target}, draft {a.draft}, gateway started by the bench")
         log(f"gateway {gateway.address} serving")
@@ -196,6 +215,14 @@ class Bench:
         return Tokenizer.from_str(info.tokenizer_json.decode())
 
     def max_context(self) -> int:
+        if self.target_address:
+            import grpc
+
+            from splitspec.v1 import common_pb2, target_pb2_grpc
+            with grpc.insecure_channel(self.target_address) as ch:
+                info = target_pb2_grpc.TargetStub(ch).GetInfo(common_pb2.GetInfoRequest(), timeout=30)
+            if info.max_context:
+                return info.max_context
         if self.target_path is not None:
             cfg = json.loads((self.target_path / "config.json").read_text())
             return int(cfg.get("max_position_embeddings", 4096))
@@ -354,11 +381,13 @@ class Bench:
                 self.runners.append(runner)
                 n = max(level, a.sweep_requests)
                 jobs = [(j % len(self.prompt_ids), self.params(temperature, a.seed + 500_000 + j)) for j in range(n)]
+                before = self.counters()
                 t0 = time.perf_counter()
                 with ThreadPoolExecutor(level) as pool:
                     results = list(pool.map(lambda job: runner.run(self.prompt_ids[job[0]], a.max_new_tokens, job[1]),
                                             jobs))
                 wall = time.perf_counter() - t0
+                batch = self.batch_means(before, self.counters())
                 tokens = sum(len(s.tokens) for s in results)
                 matches = None
                 if temperature == 0 and baseline_outputs:
@@ -367,11 +396,90 @@ class Bench:
                             "temperature": temperature, "top_p": a.top_p if temperature > 0 else None,
                             "max_new_tokens": a.max_new_tokens, "tokens": tokens, "wall_s": wall,
                             "tokens_per_s": tokens / wall,
-                            "latency_ms_p50": percentile([s.wall_s * 1e3 for s in results], 50),
-                            "latency_ms_p99": percentile([s.wall_s * 1e3 for s in results], 99),
-                            "ttft_ms_p50": percentile([s.ttft_s * 1e3 for s in results], 50),
-                            "greedy_matches": matches})
-                log(f"concurrency {level} {key}: {tokens / wall:.1f} tok/s")
+                            **latencies(results), **batch, "greedy_matches": matches})
+                log(f"concurrency {level} {key}: {tokens / wall:.1f} tok/s, target batch "
+                    f"{_fmt(batch['target_batch_mean'])}, draft batch {_fmt(batch['draft_batch_mean'])}")
+        add_speedup_vs_1_stream(out)
+        return out
+
+    def counters(self) -> dict:
+        return {"target": service_counters(self.target_address, "target"),
+                "draft": service_counters(self.draft_address, "draft")}
+
+    def batch_means(self, before: dict, after: dict) -> dict:
+        return {"target_batch_mean": mean_batch(before["target"], after["target"]),
+                "draft_batch_mean": mean_batch(before["draft"], after["draft"])}
+
+    def long_prompt(self) -> list[int]:
+        """The mixed run's long prompt: benchmark prompts concatenated, cut to --mixed-prompt-tokens
+        or to what fits the target's context with its new tokens (and a verify width) to spare."""
+        n = max(1, min(self.args.mixed_prompt_tokens, self.max_context() - 32))
+        return list(islice(cycle(chain.from_iterable(self.prompt_ids)), n))
+
+    def mixed_run(self) -> dict | None:
+        a = self.args
+        key = a.mixed_config
+        if key not in self.configs:
+            self.skipped.append(f"mixed run: {key} is not run here (--configs, or no draft)")
+            return None
+        try:
+            return self._mixed_run(key)
+        except Exception as exc:  # a failed mixed run must not lose the sweep
+            self.skipped.append(f"mixed run: {exc!r}")
+            return None
+
+    def _mixed_run(self, key: str) -> dict:
+        a = self.args
+        info = CONFIGS[key]
+        temperature = self.temperatures[0]
+        runner = GatewayRunner(self.gateway, info.method, self.width, "greedy", a.timeout_s)
+        self.runners.append(runner)
+        long_ids, long_new = self.long_prompt(), MIXED_LONG_NEW_TOKENS
+        n = a.mixed_streams
+        stop = threading.Event()
+        started = [threading.Event() for _ in range(n)]
+        samples: list[list] = [[] for _ in range(n)]
+
+        def decode(k: int) -> None:
+            j = 0
+            while not stop.is_set():
+                ids = self.prompt_ids[(k + j * n) % len(self.prompt_ids)]
+                params = self.params(temperature, a.seed + 700_000 + j * n + k)
+                samples[k].append(runner.run(ids, a.max_new_tokens, params, on_chunk=started[k].set))
+                j += 1
+
+        log(f"mixed run: {n} {key} streams, then one {len(long_ids)}-token prompt")
+        before = self.counters()
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(n) as pool:
+            futures = [pool.submit(decode, k) for k in range(n)]
+            try:
+                wait_started(started, futures, t0 + a.timeout_s)
+                time.sleep(max(0.0, MIXED_WARM_S - (time.perf_counter() - t0)))
+                long = runner.run(long_ids, long_new, self.params(temperature, a.seed + 699_999))
+                time.sleep(MIXED_TAIL_S)
+            finally:
+                stop.set()
+            for f in futures:
+                f.result()
+        duration = time.perf_counter() - t0
+        batch = self.batch_means(before, self.counters())
+        decoded = [s for per_stream in samples for s in per_stream]
+        during, outside = split_gaps(decoded, long.start_s, long.start_s + long.ttft_s)
+        p99_during, p50_outside = percentile(during, 99), percentile(outside, 50)
+        out = {"name": key, "config": key, "streams": n, "temperature": temperature,
+               "top_p": a.top_p if temperature > 0 else None, "max_new_tokens": a.max_new_tokens,
+               "long_prompt_tokens": len(long_ids), "long_prompt_tokens_asked": a.mixed_prompt_tokens,
+               "long_max_new_tokens": long_new, "long_ttft_ms": long.ttft_s * 1e3,
+               "long_wall_ms": long.wall_s * 1e3, "decoder_requests": len(decoded), "duration_s": duration,
+               "itl_samples_during": len(during), "itl_samples_outside": len(outside),
+               "itl_ms_p50_during": percentile(during, 50), "itl_ms_p99_during": p99_during,
+               "itl_ms_p50_outside": p50_outside, "itl_ms_p99_outside": percentile(outside, 99),
+               "itl_p99_during_over_p50_outside": (p99_during / p50_outside
+                                                   if p99_during is not None and p50_outside else None),
+               **batch}
+        log(f"mixed run: long TTFT {out['long_ttft_ms']:.0f} ms, ITL p99 during / p50 outside "
+            f"{_fmt(out['itl_p99_during_over_p50_outside'])}, target batch {_fmt(batch['target_batch_mean'])}")
         return out
 
     # -------------------------------------------------------------- main
@@ -393,6 +501,7 @@ class Bench:
             step_times = self.step_times()
             entries, baseline_outputs = self.measure(step_times)
             concurrency = self.sweep(baseline_outputs)
+            mixed = self.mixed_run() if a.mixed_run else None
         finally:
             for r in self.runners:
                 r.close()
@@ -412,8 +521,47 @@ class Bench:
             "temperatures": [{"temperature": t, "top_p": a.top_p if t > 0 else None} for t in self.temperatures],
             "configs": entries,
             "concurrency": concurrency,
+            "mixed": mixed,
             "skipped": self.skipped,
         }
+
+
+# The mixed run: decoders run at least this long before the long request, and this long after it.
+MIXED_WARM_S = 2.0
+MIXED_TAIL_S = 2.0
+MIXED_LONG_NEW_TOKENS = 16
+
+
+def latencies(results: list) -> dict:
+    """Latency, TTFT and per-token ITL percentiles (ms) of a sweep point's samples."""
+    e2e = [s.wall_s * 1e3 for s in results]
+    ttft = [s.ttft_s * 1e3 for s in results]
+    itl = [gap * 1e3 for s in results for _, _, gap in token_gaps(s)]
+    return {"latency_ms_p50": percentile(e2e, 50), "latency_ms_p99": percentile(e2e, 99),
+            "ttft_ms_p50": percentile(ttft, 50), "ttft_ms_p99": percentile(ttft, 99),
+            "itl_ms_p50": percentile(itl, 50), "itl_ms_p99": percentile(itl, 99)}
+
+
+def add_speedup_vs_1_stream(points: list[dict]) -> None:
+    one = {p["config"]: p["tokens_per_s"] for p in points if p["streams"] == 1}
+    for p in points:
+        p["speedup_vs_1_stream"] = p["tokens_per_s"] / one[p["config"]] if one.get(p["config"]) else None
+
+
+def wait_started(events: list[threading.Event], futures: list, deadline: float) -> None:
+    """Until every stream has its first token; a stream that failed first raises its error."""
+    while not all(e.is_set() for e in events):
+        for f in futures:
+            if f.done():
+                f.result()
+                raise RuntimeError("a decoding stream ended before the long request was sent")
+        if time.perf_counter() > deadline:
+            raise RuntimeError("decoding streams got no first token before --timeout-s")
+        time.sleep(0.02)
+
+
+def _fmt(x: float | None) -> str:
+    return "–" if x is None else f"{x:.2f}"
 
 
 def _has_transformers() -> bool:

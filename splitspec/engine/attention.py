@@ -91,14 +91,21 @@ def paged_attention(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, p
     """q: [N, Hq, D]; k_all / v_all: one layer of the pool, [slots, Hkv, D], with this batch's
     new K/V already written. Returns [N, Hq, D]."""
     N, Hq, D = q.shape
-    rep = Hq // k_all.shape[1]
+    Hkv = k_all.shape[1]
+    rep = Hq // Hkv
     out = q.new_empty(N, Hq, D)
     padded = torch.cat([q, q.new_zeros(1, Hq, D)])
     for g in plan.groups:
-        qq = padded[g.q_index].transpose(1, 2)
-        kk, vv = (t[g.kv_index].transpose(1, 2) for t in (k_all, v_all))
-        if rep > 1:
-            kk, vv = kk.repeat_interleave(rep, dim=1), vv.repeat_interleave(rep, dim=1)
-        o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=g.mask)
-        out[g.flat] = o.transpose(1, 2)[g.valid]
+        R, Q = g.q_index.shape
+        # Grouped-query attention without copying K/V per query head: the `rep` query heads of a
+        # KV head become extra query rows of that head (query head h uses KV head h // rep).
+        qq = padded.index_select(0, g.q_index.view(-1)).view(R, Q, Hkv, rep, D)
+        qq = qq.permute(0, 2, 3, 1, 4).reshape(R, Hkv, rep * Q, D)
+        # index_select copies whole rows; advanced indexing (t[idx]) is several times slower on CPU.
+        K = g.kv_index.shape[1]
+        kk, vv = (t.index_select(0, g.kv_index.view(-1)).view(R, K, Hkv, D).transpose(1, 2) for t in (k_all, v_all))
+        mask = g.mask if rep == 1 else g.mask.repeat(1, 1, rep, 1)
+        o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask)
+        o = o.view(R, Hkv, rep, Q, D).permute(0, 3, 1, 2, 4).reshape(R, Q, Hq, D)
+        out.index_copy_(0, g.flat, o[g.valid])
     return out

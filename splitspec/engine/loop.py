@@ -27,19 +27,49 @@ class WorkItem:
     loop: asyncio.AbstractEventLoop | None
 
 
+def _complete(fut: asyncio.Future, result, error) -> None:
+    if fut.done():
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(result)
+
+
 def resolve(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, result=None, error=None) -> None:
     """Complete `fut` from the engine thread (no-op if it is done or its event loop is gone)."""
-    def done():
-        if fut.done():
-            return
-        if error is not None:
-            fut.set_exception(error)
-        else:
-            fut.set_result(result)
     try:
-        loop.call_soon_threadsafe(done)
+        loop.call_soon_threadsafe(_complete, fut, result, error)
     except RuntimeError:
         pass            # the event loop has closed (shutdown); nobody is waiting
+
+
+class Deliveries:
+    """The results of one batched step, handed to their event loops with ONE wake-up per loop:
+    with 16 sessions in a forward, 16 separate wake-ups cost the server more than the forward
+    saves."""
+
+    def __init__(self):
+        self._calls: dict[asyncio.AbstractEventLoop, list] = {}
+
+    def resolve(self, loop, fut: asyncio.Future, result=None, error=None) -> None:
+        self._calls.setdefault(loop, []).append((_complete, fut, result, error))
+
+    def put(self, loop, q: asyncio.Queue, item) -> None:
+        self._calls.setdefault(loop, []).append((q.put_nowait, item))
+
+    def flush(self) -> None:
+        for loop, calls in self._calls.items():
+            try:
+                loop.call_soon_threadsafe(_run_all, calls)
+            except RuntimeError:
+                pass
+        self._calls = {}
+
+
+def _run_all(calls) -> None:
+    for fn, *args in calls:
+        fn(*args)
 
 
 class EngineLoop:
