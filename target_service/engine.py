@@ -32,7 +32,8 @@ class TargetSequence:
 
     def __init__(self, model: CausalLM, prompt: list[int], params: SamplingParams | None = None, *,
                  max_len: int | None = None, hidden_layers: tuple[int, ...] = (), verifier=None,
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, pool: KVPool | None = None, block_size: int = 16):
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, pool: KVPool | None = None, block_size: int = 16,
+                 attention: str = "torch"):
         cfg = model.cfg
         params = params or SamplingParams()
         if not prompt:
@@ -50,6 +51,7 @@ class TargetSequence:
         self.model, self.prompt, self.params = model, list(prompt), params
         self.verifier = verifier or TorchVerifier()
         self.prefill_chunk = prefill_chunk
+        self.attention = attention
         p = next(model.parameters())
         self.device = p.device
         if pool is None:
@@ -78,7 +80,7 @@ class TargetSequence:
         return CacheView(self.seq.table.length, k, v)
 
     def _run(self, step) -> StepOutput:
-        out = run_batch(self.model, self.pool, self.verifier, [step])[0]
+        out = run_batch(self.model, self.pool, self.verifier, [step], self.attention)[0]
         if isinstance(out, Exception):
             raise out
         return out

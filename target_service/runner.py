@@ -85,8 +85,13 @@ def _layout(step) -> tuple[list[int], list[int], torch.Tensor | None, bool]:
     return [seq.tokens[-1], *step.tree.token_ids], [base + d for d in depths], step.tree.ancestor_mask(), True
 
 
-def run_batch(model: CausalLM, pool: KVPool, verifier, steps: list) -> list[StepOutput | Exception]:
-    """Run `steps` (at most one per sequence) as one forward; one output or exception per step."""
+ATTENTION_BACKENDS = ("torch", "flashinfer")
+
+
+def run_batch(model: CausalLM, pool: KVPool, verifier, steps: list,
+              attention: str = "torch") -> list[StepOutput | Exception]:
+    """Run `steps` (at most one per sequence) as one forward; one output or exception per step.
+    attention: "torch" (SDPA over gathered blocks, any device) or "flashinfer" (CUDA)."""
     device = pool.k.device
     vocab = model.cfg.vocab_size
     outputs: list[StepOutput | Exception | None] = [None] * len(steps)
@@ -118,10 +123,17 @@ def run_batch(model: CausalLM, pool: KVPool, verifier, steps: list) -> list[Step
         return outputs
     layers = sorted({layer for i, *_ in live for layer in steps[i].seq.hidden_layers})
     index = torch.tensor([r for rs in logit_rows for r in rs], dtype=torch.long, device=device)
+    plan = plan_attention(rows, device, groups=attention == "torch")
+    if attention == "flashinfer":
+        from splitspec.engine.flashinfer_attention import FlashInferPlan
+        cfg = model.cfg
+        plan.flashinfer = FlashInferPlan(rows, num_qo_heads=cfg.num_attention_heads,
+                                         num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                                         block_size=pool.block_size, dtype=pool.k.dtype, device=device)
     with torch.inference_mode():
         logits, hidden = model.forward_batch(
             torch.tensor(ids, dtype=torch.long, device=device), torch.tensor(positions, device=device),
-            PagedBatch(pool, plan_attention(rows, device)), hidden_layers=layers, logits_index=index)
+            PagedBatch(pool, plan), hidden_layers=layers, logits_index=index)
     at = 0
     for (i, start, q), lr in zip(live, logit_rows):
         step, seq = steps[i], steps[i].seq

@@ -104,12 +104,14 @@ class Session:
 
 class Scheduler:
     def __init__(self, model: CausalLM, *, verifier, pool: KVPool, max_running: int, max_queued: int,
-                 max_batched_tokens: int, chunked_prefill_size: int, max_context: int, engine: EngineLoop):
+                 max_batched_tokens: int, chunked_prefill_size: int, max_context: int, engine: EngineLoop,
+                 attention: str = "torch"):
         self.model, self.cfg, self.verifier, self.pool = model, model.cfg, verifier, pool
         self.max_running, self.max_queued = max_running, max_queued
         self.max_batched_tokens, self.chunked_prefill_size = max_batched_tokens, chunked_prefill_size
         self.max_context = max_context
         self.engine = engine
+        self.attention = attention
         self.dtype = next(model.parameters()).dtype
         self.lock = threading.Lock()
         self.running: list[Session] = []
@@ -141,7 +143,7 @@ class Scheduler:
             t = time.perf_counter()
             seq = Sequence([0, 0], SamplingParams(), make_generator(0), BlockTable(self.pool), 4)
             for step in (Prefill(seq, 2), Decode(seq)):
-                out = run_batch(self.model, self.pool, self.verifier, [step])[0]
+                out = run_batch(self.model, self.pool, self.verifier, [step], self.attention)[0]
                 if isinstance(out, Exception):
                     raise out
             seq.table.free()
@@ -296,7 +298,7 @@ class Scheduler:
                 else:
                     steps.append(Verify(session.seq, w.tree, w.draft_probs))
         start = time.perf_counter()
-        outputs = run_batch(self.model, self.pool, self.verifier, steps)
+        outputs = run_batch(self.model, self.pool, self.verifier, steps, self.attention)
         end = time.perf_counter()
         forward_ms = (end - start) * 1e3
         tokens = sum(n for _, n in picked)

@@ -28,6 +28,8 @@ from .loader import load_model, parse_dtype, resolve_device, tokenizer_hash
 from .config import ConfigError
 from .loader import CheckpointError
 from .scheduler import AdmissionError, ClosedError, ContextError, DrainingError, Scheduler, StaleError
+from splitspec.engine.flashinfer_attention import AttentionBackendError
+from splitspec.engine.flashinfer_attention import check_available as check_attention_backend
 from splitspec.engine.kv_pool import KVPool
 from splitspec.engine.loop import EngineLoop
 from splitspec.engine.tree import TreeError
@@ -223,6 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--idle-timeout-s", type=float, default=300.0,
       help="close a session that sends nothing for this long (0: never)")
     a("--max-message-mb", type=int, default=64, help="largest gRPC message, either direction")
+    a("--attention-backend", default="torch", choices=["torch", "flashinfer"],
+      help="attention over the paged KV pool: torch (SDPA over gathered blocks, any device) or flashinfer "
+           "(CUDA: batch prefill over the paged cache with the rows' tree masks)")
     a("--sampling-backend", default="torch", choices=["torch", "flashinfer"],
       help="verification/sampling kernels: torch (reference, any device) or flashinfer (CUDA)")
     a("--drain-timeout-s", type=float, default=30.0,
@@ -248,6 +253,8 @@ def _load(args: argparse.Namespace):
     device = resolve_device(args.device)
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
     model = load_model(args.model_path, dtype=parse_dtype(dtype), device=device)
+    if args.attention_backend == "flashinfer":
+        check_attention_backend(device)
     return model, make_verifier(args.sampling_backend, device)
 
 
@@ -280,13 +287,14 @@ async def serve(args: argparse.Namespace, *, load=_load, started=None) -> None:
                                   block_size=args.kv_block_size, dtype=param.dtype, device=param.device)
         sched = Scheduler(model, verifier=verifier, pool=pool, max_running=args.max_running_requests,
                           max_queued=args.max_queued_requests, max_batched_tokens=args.max_num_batched_tokens,
-                          chunked_prefill_size=args.chunked_prefill_size, max_context=max_context, engine=engine)
+                          chunked_prefill_size=args.chunked_prefill_size, max_context=max_context, engine=engine,
+                          attention=args.attention_backend)
         load_s = time.perf_counter() - t
         warm_ms = await sched.warmup()
         state.scheduler = sched
         log.info("serving", model_id=state.model_id, architecture=cfg.architecture, layers=cfg.num_hidden_layers,
                  vocab_size=cfg.vocab_size, max_context=max_context, dtype=str(sched.dtype).removeprefix("torch."),
-                 kv_blocks=pool.capacity_blocks, kv_block_size=pool.block_size,
+                 kv_blocks=pool.capacity_blocks, kv_block_size=pool.block_size, attention_backend=args.attention_backend,
                  load_s=round(load_s, 3), warmup_ms=round(warm_ms, 1), sampling_backend=verifier.name)
 
     def refuse_new():
@@ -305,7 +313,8 @@ def main(argv=None) -> None:
         import torch
         torch.set_num_threads(args.torch_threads)
     logs.configure("target", args.log_level)
-    run_main("splitspec-target", serve(args), (BackendError, ConfigError, CheckpointError, ValueError))
+    run_main("splitspec-target", serve(args), (BackendError, AttentionBackendError, ConfigError, CheckpointError,
+                                               ValueError))
 
 
 if __name__ == "__main__":

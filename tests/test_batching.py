@@ -230,3 +230,30 @@ def test_batched_greedy_equals_one_at_a_time_on_the_bench_prompts():
     print(f"batched vs one-at-a-time: {len(prompts) - len(mismatches)}/{len(prompts)} identical; "
           f"mismatches (prompt, token, top-2 logit gap): {mismatches}")
     assert all(gap <= 1e-4 for _, _, gap in mismatches), mismatches
+
+
+def test_flashinfer_attention_refuses_cpu_with_a_clear_message():
+    from splitspec.engine.flashinfer_attention import AttentionBackendError, check_available
+    with pytest.raises(AttentionBackendError, match="needs a CUDA device"):
+        check_available(torch.device("cpu"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlashInfer attention runs on CUDA only; no GPU here")
+def test_flashinfer_attention_equals_torch_attention_on_a_mixed_batch(tiny_qwen3):
+    pytest.importorskip("flashinfer")
+    model = load_model(tiny_qwen3, dtype=torch.bfloat16, device="cuda")
+    layers = (0, model.cfg.num_hidden_layers - 1)
+    outs = {}
+    for backend in ("torch", "flashinfer"):
+        cfg = model.cfg
+        pool = KVPool(num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                      num_blocks=128, block_size=16, dtype=torch.bfloat16, device="cuda")
+        seqs = [TargetSequence(model, p, max_len=128, pool=pool, hidden_layers=layers, attention=backend)
+                for p in ([5, 6, 7], list(range(10, 50)), [40, 41])]
+        for s in seqs:
+            s.prefill()
+        steps = [Decode(seqs[0].seq), Verify(seqs[1].seq, Tree((11, 12, 13, 14), (-1, -1, 0, 1))),
+                 Verify(seqs[2].seq, Tree.chain([7, 8, 9]))]
+        outs[backend] = run_batch(model, pool, TorchVerifier(), steps, backend)
+    for a, b in zip(outs["torch"], outs["flashinfer"]):
+        assert (a.hidden.float() - b.hidden.float()).abs().max() < 5e-2      # bf16

@@ -152,3 +152,26 @@ def test_chunked_prefill_under_a_running_decoder_gives_the_same_token_and_cache(
     # The decoder kept running while the prompt prefilled: it shared forwards with the chunks.
     assert max(s.batch_size for s in decoded) == 2
     assert max(s.batch_tokens for s in decoded) <= 64
+
+
+def test_kv_memory_in_use_is_the_tokens_rounded_up_to_a_block(model):
+    """Blocks are taken as tokens arrive, not reserved up front: a session's KV in use is its
+    cached tokens rounded up to one block, whatever max_new_tokens it reserved."""
+    async def body(sched):
+        sessions = []
+        for i, (prompt_len, n) in enumerate([(3, 5), (9, 0), (17, 12), (30, 1)]):
+            s, _ = await sched.open(str(i), list(range(5, 5 + prompt_len)), SamplingParams(), max_new_tokens=200)
+            if n:
+                async for _ in sched.decode(s, n):
+                    pass
+            sessions.append(s)
+        bs = sched.pool.block_size
+        cached = [s.seq.table.length for s in sessions]
+        assert cached == [s.length - 1 for s in sessions]
+        assert sched.pool.used_blocks == sum(-(-c // bs) for c in cached)
+        per_token = sched.pool.bytes_per_block // bs
+        assert sched.kv_bytes - sum(c * per_token for c in cached) < len(sessions) * sched.pool.bytes_per_block
+        assert sched.reserved_blocks == sum(s.reserve_blocks for s in sessions) > sched.pool.used_blocks
+        for s in sessions:
+            sched.close(s)
+    run(model, body)

@@ -43,6 +43,7 @@ class AttentionPlan:
     num_tokens: int
     slot_mapping: torch.Tensor        # [N] where each new token's K/V is written
     groups: list[Group]
+    flashinfer: object = None         # a FlashInferPlan when that backend runs the batch
 
 
 def _group(rows: list[Row], starts: list[int], n: int, device) -> Group:
@@ -71,25 +72,30 @@ def _group(rows: list[Row], starts: list[int], n: int, device) -> Group:
     return Group(q_index.to(device), kv_index, mask.to(device), valid.to(device), q_index[valid].to(device))
 
 
-def plan_attention(rows: list[Row], device) -> AttentionPlan:
-    """Slots and gather indices for `rows`, whose new tokens are laid out one row after another."""
+def plan_attention(rows: list[Row], device, *, groups: bool = True) -> AttentionPlan:
+    """Slots and gather indices for `rows`, whose new tokens are laid out one row after another
+    (groups=False: slots only, for a backend that reads the block tables itself)."""
     starts, n = [], 0
     for r in rows:
         starts.append(n)
         n += r.q_len
     slot_mapping = torch.cat([r.table.slots(r.table.length, r.table.length + r.q_len) for r in rows]) \
         if rows else torch.zeros(0, dtype=torch.long, device=device)
+    if not groups:
+        return AttentionPlan(n, slot_mapping.to(device), [])
     short = [i for i, r in enumerate(rows) if r.q_len <= LONG_QUERY]
-    groups = [[i] for i, r in enumerate(rows) if r.q_len > LONG_QUERY]
+    sets = [[i] for i, r in enumerate(rows) if r.q_len > LONG_QUERY]
     if short:
-        groups.append(short)
+        sets.append(short)
     return AttentionPlan(n, slot_mapping.to(device),
-                         [_group([rows[i] for i in g], [starts[i] for i in g], n, device) for g in groups])
+                         [_group([rows[i] for i in g], [starts[i] for i in g], n, device) for g in sets])
 
 
 def paged_attention(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
     """q: [N, Hq, D]; k_all / v_all: one layer of the pool, [slots, Hkv, D], with this batch's
     new K/V already written. Returns [N, Hq, D]."""
+    if plan.flashinfer is not None:
+        return plan.flashinfer.run(q, k_all, v_all)
     N, Hq, D = q.shape
     Hkv = k_all.shape[1]
     rep = Hq // Hkv
