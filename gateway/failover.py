@@ -251,6 +251,7 @@ class ResilientSource:
         opened = await self.target.open(req.request_id, prefix, req.sampling, hidden_layer_ids=layer_ids,
                                         max_new_tokens=remaining + width)
         stats.model_ms += opened.forward_ms
+        stats.queue_ms += opened.queue_ms
         stats.verify_ms += (time.perf_counter() - t) * 1e3
         stats.hidden_state_bytes += len(opened.hidden.data)
         yield [opened.first_token_id]
@@ -272,11 +273,13 @@ class ResilientSource:
                     t_draft = time.perf_counter()
                     stats.draft_ms += (t_draft - t) * 1e3
                     stats.model_ms += prop.draft_ms
+                    stats.queue_ms += prop.queue_ms
                     probs = prop.draft_probs if prop.HasField("draft_probs") else None
                     tree, probs = trim_chain(prop.tree, probs, remaining - generated - 1)
                     verified = await self.target.verify(stats.verify_steps, length, tree, probs)
                     stats.verify_ms += (time.perf_counter() - t_draft) * 1e3
                     stats.model_ms += verified.forward_ms
+                    stats.queue_ms += verified.queue_ms
                     stats.hidden_state_bytes += len(verified.hidden.data)
                     record_step(stats, len(tree.token_ids), verified.num_accepted,
                                 len(verified.committed_token_ids))
@@ -293,6 +296,7 @@ class ResilientSource:
                 now = time.perf_counter()
                 stats.verify_ms += (now - t) * 1e3
                 stats.model_ms += tok.forward_ms
+                stats.queue_ms += tok.queue_ms
                 stats.verify_steps += 1
                 stats.committed += 1
                 yield [tok.token_id]

@@ -27,6 +27,7 @@ class Stats:
     draft_ms: float = 0.0
     verify_ms: float = 0.0
     model_ms: float = 0.0                  # time inside the models, as the services report it
+    queue_ms: float = 0.0                  # time waiting for the services' batched forwards
     hidden_state_bytes: int = 0
     draft_fallbacks: int = 0
     target_failovers: int = 0
@@ -39,7 +40,8 @@ class Stats:
             accept_length=self.committed / self.verify_steps if self.verify_steps else 0.0,
             accepted_per_position=self.accepted_per_position, draft_tokens=self.draft_tokens,
             draft_ms=self.draft_ms, verify_ms=self.verify_ms,
-            wire_ms=max(0.0, self.draft_ms + self.verify_ms - self.model_ms),
+            wire_ms=max(0.0, self.draft_ms + self.verify_ms - self.model_ms - self.queue_ms),
+            queue_ms=self.queue_ms,
             hidden_state_bytes=self.hidden_state_bytes, draft_fallbacks=self.draft_fallbacks,
             target_failovers=self.target_failovers, time_to_first_token_ms=self.time_to_first_token_ms)
 

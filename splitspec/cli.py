@@ -74,9 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
       help="greedy drafts (target-only verification) or sampled drafts with min(1, p/q)")
     a("--log-dir", default=None, help="where the services' logs go (default: a temporary folder)")
     a("--startup-timeout-s", type=float, default=600.0, help="how long to wait for each service to serve")
-    a("--torch-threads", type=int, default=1,
-      help="intra-op threads of the target and of the draft: they share this machine, and with one thread "
-           "each they stop stalling each other (0: torch's default, all cores each)")
+    a("--target-torch-threads", type=int, default=0,
+      help="intra-op threads of the target (0: torch's default, one per core)")
+    a("--draft-torch-threads", type=int, default=1,
+      help="intra-op threads of the draft: one keeps it from stalling the target's threads on a shared "
+           "machine (0: torch's default)")
     a("--prompt", default=None, help="stream one generation for this prompt, print stats, stop everything")
     add_sampling_flags(up)
     apply_env(up)
@@ -188,7 +190,7 @@ def cmd_up(args) -> int:
                       "--speculative-num-draft-tokens", str(args.speculative_num_draft_tokens)]
     else:
         draft_args = ["--method", "dflash", "--model-path", str(draft), "--target-model-path", str(model),
-                      "--device", args.device, "--torch-threads", str(args.torch_threads)]
+                      "--device", args.device, "--torch-threads", str(args.draft_torch_threads)]
     gateway_port = args.gateway_port
     if gateway_port == DEFAULT_GATEWAY_PORT and not port_available(args.host, gateway_port):
         gateway_port = 0
@@ -201,7 +203,7 @@ def cmd_up(args) -> int:
     try:
         target = start_service("target", ["--model-path", str(model), "--device", args.device,
                                           "--dtype", args.dtype, "--sampling-backend", args.sampling_backend,
-                                          "--torch-threads", str(args.torch_threads)],
+                                          "--torch-threads", str(args.target_torch_threads)],
                                log_dir=log_dir, host=args.host, port=args.target_port or None)
         procs.append(target)
         print(f"target  {target.address}  loading {model} (logs: {target.log_path})", file=sys.stderr)

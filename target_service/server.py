@@ -215,9 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
       help="sessions waiting for admission; an Open beyond them gets RESOURCE_EXHAUSTED")
     a("--max-num-batched-tokens", type=int, default=512,
       help="query tokens in one batched forward (prefill chunks + decode + verify rows)")
-    a("--chunked-prefill-size", type=int, default=64,
-      help="largest prompt chunk per forward while other sessions are decoding, so a long prompt does "
-           "not stall them (alone, a prompt takes the whole --max-num-batched-tokens)")
+    a("--chunked-prefill-size", type=int, default=128,
+      help="prompt tokens per forward, all prompts together, while other sessions are decoding, so "
+           "prompts do not stall them (with no one decoding, prompts take the whole --max-num-batched-tokens)")
     a("--kv-cache-budget-mb", type=int, default=4096,
       help="size of the paged KV pool for all sessions (blocks are touched only when used)")
     a("--kv-block-size", type=int, default=16, help="tokens per KV block")

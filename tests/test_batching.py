@@ -257,3 +257,19 @@ def test_flashinfer_attention_equals_torch_attention_on_a_mixed_batch(tiny_qwen3
         outs[backend] = run_batch(model, pool, TorchVerifier(), steps, backend)
     for a, b in zip(outs["torch"], outs["flashinfer"]):
         assert (a.hidden.float() - b.hidden.float()).abs().max() < 5e-2      # bf16
+
+
+def test_fifo_batch_planner_shares_the_prefill_chunk_and_never_lets_younger_rows_overtake():
+    from splitspec.engine.batching import take_fifo
+    want = {"p1": (500, True), "d1": (1, False), "p2": (300, True), "v1": (8, False), "v2": (600, False)}
+    pick = lambda keys, **kw: take_fifo(keys, want.get, **kw)       # noqa: E731
+    # Prompts share one chunk per forward, oldest first; decode/verify rows still go in behind them.
+    assert pick(["p1", "d1", "p2", "v1"], budget=512, chunk=64) == [("p1", 64), ("d1", 1), ("v1", 8)]
+    assert pick(["p1", "d1", "p2", "v1"], budget=512, chunk=100) == [("p1", 100), ("d1", 1), ("v1", 8)]
+    # Alone (chunk = budget) a prompt takes what the budget leaves.
+    assert pick(["p1", "d1", "p2"], budget=512, chunk=512) == [("p1", 500), ("d1", 1), ("p2", 11)]
+    # A row that does not fit stops the batch: nothing younger overtakes it...
+    assert pick(["d1", "v2", "v1"], budget=512, chunk=64) == [("d1", 1)]
+    # ...and the oldest step always runs, even over the budget, so nothing stalls.
+    assert pick(["v2", "d1"], budget=512, chunk=64) == [("v2", 600)]
+    assert pick(["d1", "v1"], budget=512, chunk=64, max_rows=1) == [("d1", 1)]

@@ -179,9 +179,12 @@ def test_eight_concurrent_mixed_streams_each_equal_their_run_alone(stub, referen
             req.speculative.draft_sampling = "sample"
         cases.append(req)
 
+    queued = []
+
     def run(req):
         ids, _, complete = collect(stub.Generate(req, timeout=300))
         assert complete.stats.draft_fallbacks == 0
+        queued.append(complete.stats.queue_ms)
         return ids
     alone = [run(r) for r in cases]
     ch = grpc.insecure_channel(services[0].address)
@@ -191,6 +194,7 @@ def test_eight_concurrent_mixed_streams_each_equal_their_run_alone(stub, referen
     after = target_pb2_grpc.TargetStub(ch).GetInfo(common_pb2.GetInfoRequest(), timeout=10)
     ch.close()
     assert together == alone
+    assert sum(queued[len(cases):]) > 0          # the stats report time spent waiting for batched forwards
     for i, req in enumerate(cases):
         if req.sampling.temperature == 0:
             assert together[i] == references[i]

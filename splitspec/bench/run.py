@@ -76,8 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--plots", default=None, help="folder for the PNG plots (default: OUT)")
     a("--no-plots", action="store_true", help="skip the PNG plots")
     a("--device", default="cpu", help="device of the services and in-process models")
-    a("--torch-threads", type=int, default=1,
-      help="--torch-threads of the target and draft the bench starts (as `splitspec up` runs them)")
+    a("--target-torch-threads", type=int, default=0,
+      help="--torch-threads of the target the bench starts (as `splitspec up` runs it)")
+    a("--draft-torch-threads", type=int, default=1,
+      help="--torch-threads of the draft the bench starts (as `splitspec up` runs it)")
     a("--timeout-s", type=float, default=900.0, help="deadline per request")
     a("--startup-timeout-s", type=float, default=600.0)
     return p
@@ -160,16 +162,17 @@ class Bench:
         if a.target:
             target_address, draft_address = a.target, a.draft
         else:
-            threads = ["--torch-threads", str(a.torch_threads)]
             target = start_service("target", ["--model-path", str(self.target_path), "--device", a.device,
-                                              "--log-level", "warning", *threads], log_dir=log_dir)
+                                              "--log-level", "warning", "--torch-threads",
+                                              str(a.target_torch_threads)], log_dir=log_dir)
             self.procs.append(target)
             if self.draft_path is not None:
                 dargs = ["--method", "dflash", "--model-path", str(self.draft_path)]
             else:
                 dargs = ["--method", "ngram", "--speculative-num-draft-tokens", str(self.width)]
             draft = start_service("draft", [*dargs, "--target-model-path", str(self.target_path), "--device",
-                                            a.device, "--log-level", "warning", *threads], log_dir=log_dir)
+                                            a.device, "--log-level", "warning", "--torch-threads",
+                                            str(a.draft_torch_threads)], log_dir=log_dir)
             self.procs.append(draft)
             log(f"starting target {target.address} and draft {draft.address} (logs: {log_dir})")
             target.wait_healthy(a.startup_timeout_s)

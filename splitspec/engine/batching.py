@@ -2,9 +2,10 @@
 
 Steps are offered oldest first (by the time they became ready). A step that cannot be split
 (a decode or verify row) goes in whole or stops the batch there, so nothing younger jumps
-ahead of it and nothing starves; a splittable step (a prompt still prefilling) takes what is
-left of the budget, capped at the chunk size, so a long prompt never fills a forward on its
-own and running decoders keep their pace (chunked prefill)."""
+ahead of it and nothing starves; splittable steps (prompts still prefilling) share at most
+`chunk` tokens per forward, oldest first, so prompts arriving together never fill a forward
+and running decoders keep their pace (chunked prefill). A prompt that gets no share this
+time keeps its place in the queue for the next forward."""
 from __future__ import annotations
 
 from typing import Callable, Iterable, TypeVar
@@ -18,15 +19,17 @@ def take_fifo(pending: Iterable[T], demand: Callable[[T], tuple[int, bool]], *, 
     The oldest step always goes in, even over the budget, so a budget smaller than one step
     slows the engine down but never stalls it."""
     picked: list[tuple[T, int]] = []
-    used = 0
+    used = split_used = 0
     for step in pending:
         if max_rows is not None and len(picked) >= max_rows:
             break
         want, splittable = demand(step)
         if splittable:
-            want = min(want, chunk, budget - used) if picked else min(want, chunk, max(budget, 1))
+            room = max(budget, 1) if not picked else budget - used
+            want = min(want, chunk - split_used, room)
             if want <= 0:
-                break
+                continue
+            split_used += want
         elif picked and used + want > budget:
             break
         picked.append((step, want))
