@@ -277,15 +277,25 @@ class Scheduler:
             return 1, False
         return len(w.tree) + 1, False
 
+    def _prefill_share(self) -> int:
+        """Prompt tokens the next forward may run, all prompts together. Alone, prompts take the
+        budget. While sessions decode, a long prompt gets `--chunked-prefill-size` so it cannot
+        stall them; the share grows with the prompts waiting per decoding session, so that when
+        prompts arrive faster than one chunk per forward drains them (many streams starting at
+        once) the decoders slow down a little instead of the waiting ones starving."""
+        decoding = sum(1 for s in self.running if s.seq.prefilled == s.prompt_len)
+        if not decoding:
+            return self.max_batched_tokens
+        prefilling = sum(1 for s in self.running if s.seq.prefilled < s.prompt_len)
+        return min(self.max_batched_tokens, self.chunked_prefill_size * max(1, -(-prefilling // decoding)))
+
     def step(self) -> None:
         with self.lock:
             pending = sorted((s for s in self.running if s.work is not None and not s.in_flight),
                              key=lambda s: s.work.ready_at)
             if not pending:
                 return
-            # Chunk long prompts only when someone is decoding: alone, a prompt takes the budget.
-            decoding = any(s.seq.prefilled == s.prompt_len for s in self.running)
-            chunk = self.chunked_prefill_size if decoding else self.max_batched_tokens
+            chunk = self._prefill_share()
             picked = take_fifo(pending, self._demand, budget=self.max_batched_tokens, chunk=chunk)
             steps = []
             for session, n in picked:
