@@ -7,9 +7,9 @@ gathers its K/V through the block tables into a padded [rows, context + new] lay
 one SDPA with an explicit boolean mask (never SDPA's `is_causal`, which is aligned top-left
 and wrong when the query is shorter than the keys).
 
-Short rows (decode steps, verify trees) share one padded group; a long row (a prefill
-chunk) gets a group of its own, so one long prompt does not pad every decode row to its
-length."""
+Rows with similar query lengths share one padded group (decode steps together, verify trees
+of one width together); a long row (a prefill chunk) gets a group of its own, so one long
+prompt does not pad every decode row to its length."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -83,10 +83,16 @@ def plan_attention(rows: list[Row], device, *, groups: bool = True) -> Attention
         if rows else torch.zeros(0, dtype=torch.long, device=device)
     if not groups:
         return AttentionPlan(n, slot_mapping.to(device), [])
-    short = [i for i, r in enumerate(rows) if r.q_len <= LONG_QUERY]
-    sets = [[i] for i, r in enumerate(rows) if r.q_len > LONG_QUERY]
-    if short:
-        sets.append(short)
+    # Rows pad to the longest query of their group, so decode rows (1 query) must not share a
+    # group with 8-token verify rows or a prompt chunk: bucket by query length (powers of two).
+    buckets: dict[int, list[int]] = {}
+    sets = []
+    for i, r in enumerate(rows):
+        if r.q_len > LONG_QUERY:
+            sets.append([i])
+        else:
+            buckets.setdefault(1 << (r.q_len - 1).bit_length(), []).append(i)
+    sets += buckets.values()
     return AttentionPlan(n, slot_mapping.to(device),
                          [_group([rows[i] for i in g], [starts[i] for i in g], n, device) for g in sets])
 
