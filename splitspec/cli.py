@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--startup-timeout-s", type=float, default=600.0, help="how long to wait for each service to serve")
     a("--target-torch-threads", type=int, default=0,
       help="intra-op threads of the target (0: torch's default, one per core)")
+    a("--target-verify-torch-threads", type=int, default=1,
+      help="the target's threads for verify forwards while several sessions run, when the draft works on "
+           "this machine too (0: as --target-torch-threads)")
     a("--draft-torch-threads", type=int, default=1,
       help="intra-op threads of the draft: one keeps it from stalling the target's threads on a shared "
            "machine (0: torch's default)")
@@ -203,7 +206,8 @@ def cmd_up(args) -> int:
     try:
         target = start_service("target", ["--model-path", str(model), "--device", args.device,
                                           "--dtype", args.dtype, "--sampling-backend", args.sampling_backend,
-                                          "--torch-threads", str(args.target_torch_threads)],
+                                          "--torch-threads", str(args.target_torch_threads),
+                                          "--verify-torch-threads", str(args.target_verify_torch_threads)],
                                log_dir=log_dir, host=args.host, port=args.target_port or None)
         procs.append(target)
         print(f"target  {target.address}  loading {model} (logs: {target.log_path})", file=sys.stderr)

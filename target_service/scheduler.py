@@ -105,13 +105,17 @@ class Session:
 class Scheduler:
     def __init__(self, model: CausalLM, *, verifier, pool: KVPool, max_running: int, max_queued: int,
                  max_batched_tokens: int, chunked_prefill_size: int, max_context: int, engine: EngineLoop,
-                 attention: str = "torch"):
+                 attention: str = "torch", verify_threads: int = 0):
         self.model, self.cfg, self.verifier, self.pool = model, model.cfg, verifier, pool
         self.max_running, self.max_queued = max_running, max_queued
         self.max_batched_tokens, self.chunked_prefill_size = max_batched_tokens, chunked_prefill_size
         self.max_context = max_context
         self.engine = engine
         self.attention = attention
+        # With several sessions a co-located draft computes while the target verifies: the target
+        # then gives up threads (--verify-torch-threads) instead of fighting it for every core.
+        self.threads = torch.get_num_threads()
+        self.verify_threads = verify_threads
         self.dtype = next(model.parameters()).dtype
         self.lock = threading.Lock()
         self.running: list[Session] = []
@@ -297,16 +301,23 @@ class Scheduler:
                 return
             chunk = self._prefill_share()
             picked = take_fifo(pending, self._demand, budget=self.max_batched_tokens, chunk=chunk)
-            steps = []
+            steps, works = [], []
             for session, n in picked:
                 session.in_flight = True
                 w = session.work
+                works.append(w)
                 if w.kind == "prefill":
                     steps.append(Prefill(session.seq, session.seq.prefilled + n))
                 elif w.kind == "decode":
                     steps.append(Decode(session.seq))
                 else:
                     steps.append(Verify(session.seq, w.tree, w.draft_probs))
+        if self.verify_threads:
+            # With one session the draft waits while the target verifies: all threads then.
+            shared = len(self.running) > 1 and any(isinstance(step, Verify) for step in steps)
+            want = self.verify_threads if shared else self.threads
+            if torch.get_num_threads() != want:
+                torch.set_num_threads(want)
         start = time.perf_counter()
         outputs = run_batch(self.model, self.pool, self.verifier, steps, self.attention)
         end = time.perf_counter()
@@ -316,11 +327,13 @@ class Scheduler:
         with self.lock:
             self.forwards += 1
             self.rows += len(picked)
-            for (session, _), out in zip(picked, outputs):
+            for (session, _), work, out in zip(picked, works, outputs):
                 session.in_flight = False
                 if session.state == "closed":
                     session.seq.table.free()
                     continue
+                if session.work is not work:
+                    continue        # its waiter left while the step ran (a Decode stream stopped early)
                 self._deliver(done, session, out, start, end, forward_ms, len(picked), tokens)
         done.flush()
 

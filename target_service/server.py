@@ -207,6 +207,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--torch-threads", type=int, default=0,
       help="intra-op CPU threads for this service's forwards (0: torch's default, one per core); services "
            "sharing a small machine run faster with 1 each than fighting over every core")
+    a("--verify-torch-threads", type=int, default=0,
+      help="intra-op threads for forwards that verify drafts while several sessions run (0: as "
+           "--torch-threads); with a draft service on the same machine, fewer threads here leave it a core "
+           "while it drafts for the other sessions")
     a("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
       help="weights and KV cache dtype (auto: bfloat16 on CUDA, float32 on CPU)")
     a("--max-running-requests", type=int, default=64,
@@ -288,7 +292,7 @@ async def serve(args: argparse.Namespace, *, load=_load, started=None) -> None:
         sched = Scheduler(model, verifier=verifier, pool=pool, max_running=args.max_running_requests,
                           max_queued=args.max_queued_requests, max_batched_tokens=args.max_num_batched_tokens,
                           chunked_prefill_size=args.chunked_prefill_size, max_context=max_context, engine=engine,
-                          attention=args.attention_backend)
+                          attention=args.attention_backend, verify_threads=args.verify_torch_threads)
         load_s = time.perf_counter() - t
         warm_ms = await sched.warmup()
         state.scheduler = sched

@@ -175,3 +175,24 @@ def test_kv_memory_in_use_is_the_tokens_rounded_up_to_a_block(model):
         for s in sessions:
             sched.close(s)
     run(model, body)
+
+
+def test_a_decode_stream_stopped_mid_step_leaves_the_engine_serving(model):
+    """The consumer of a Decode goes away while its next step is in the forward (a cancelled
+    client): the result is dropped, and the engine keeps serving everyone else."""
+    async def body(sched):
+        for i in range(20):
+            s, _ = await sched.open(f"s{i}", [5, 6, 7], SamplingParams(), max_new_tokens=60)
+            stream = sched.decode(s, 50)
+            await stream.__anext__()          # the engine is already running the next token
+            await stream.aclose()
+            await asyncio.sleep(0.02)         # that step ends before the server gets to close
+            sched.close(s)
+
+        async def after():
+            other, _ = await sched.open("after", [5, 6, 7], SamplingParams(), max_new_tokens=10)
+            out = [st.out.committed[0] async for st in sched.decode(other, 5)]
+            sched.close(other)
+            return out
+        return await asyncio.wait_for(after(), 60)
+    assert run(model, body) == generate(model, [5, 6, 7], 6)[1:]

@@ -78,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--device", default="cpu", help="device of the services and in-process models")
     a("--target-torch-threads", type=int, default=0,
       help="--torch-threads of the target the bench starts (as `splitspec up` runs it)")
+    a("--target-verify-torch-threads", type=int, default=1,
+      help="--verify-torch-threads of the target the bench starts (as `splitspec up` runs it)")
     a("--draft-torch-threads", type=int, default=1,
       help="--torch-threads of the draft the bench starts (as `splitspec up` runs it)")
     a("--timeout-s", type=float, default=900.0, help="deadline per request")
@@ -164,7 +166,8 @@ class Bench:
         else:
             target = start_service("target", ["--model-path", str(self.target_path), "--device", a.device,
                                               "--log-level", "warning", "--torch-threads",
-                                              str(a.target_torch_threads)], log_dir=log_dir)
+                                              str(a.target_torch_threads), "--verify-torch-threads",
+                                              str(a.target_verify_torch_threads)], log_dir=log_dir)
             self.procs.append(target)
             if self.draft_path is not None:
                 dargs = ["--method", "dflash", "--model-path", str(self.draft_path)]

@@ -9,9 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Protocol
+
+import structlog
+
+log = structlog.get_logger(__name__)
 
 
 class Batcher(Protocol):
@@ -128,7 +133,11 @@ class EngineLoop:
                     return
                 item = self._items.popleft() if self._items else None
             if item is None:
-                self._batcher.step()
+                try:
+                    self._batcher.step()
+                except Exception:  # noqa: BLE001 - a bug in one step must not stop the service's engine
+                    log.exception("engine_step_failed")
+                    time.sleep(0.01)
                 continue
             if item.future is not None and item.future.cancelled():
                 continue
