@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from splitspec.engine.flashinfer_attention import require_flashinfer
 from splitspec.engine.sample import SamplingParams, probs_from_logits
 from splitspec.engine.tree import Tree
 from .verify import VerifyResult, verify_tree
@@ -23,14 +24,8 @@ class FlashInferVerifier:
     name = "flashinfer"
 
     def __init__(self, device: torch.device):
-        if device.type != "cuda" or not torch.cuda.is_available():
-            raise BackendError("--sampling-backend flashinfer needs a CUDA device "
-                               "(use --device cuda on a GPU machine, or --sampling-backend torch)")
-        try:
-            import flashinfer.sampling as fis
-        except ImportError as exc:  # pragma: no cover - depends on the install
-            raise BackendError("--sampling-backend flashinfer needs FlashInfer: "
-                               "pip install 'splitspec[cuda]'") from exc
+        require_flashinfer(device, "--sampling-backend", BackendError)
+        import flashinfer.sampling as fis
         self._fis = fis
 
     def verify(self, logits: torch.Tensor, tree: Tree, params: SamplingParams,

@@ -85,9 +85,6 @@ def _layout(step) -> tuple[list[int], list[int], torch.Tensor | None, bool]:
     return [seq.tokens[-1], *step.tree.token_ids], [base + d for d in depths], step.tree.ancestor_mask(), True
 
 
-ATTENTION_BACKENDS = ("torch", "flashinfer")
-
-
 def run_batch(model: CausalLM, pool: KVPool, verifier, steps: list,
               attention: str = "torch") -> list[StepOutput | Exception]:
     """Run `steps` (at most one per sequence) as one forward; one output or exception per step.

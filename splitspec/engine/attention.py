@@ -40,13 +40,13 @@ class Group:
 
 @dataclass
 class AttentionPlan:
-    num_tokens: int
     slot_mapping: torch.Tensor        # [N] where each new token's K/V is written
     groups: list[Group]
     flashinfer: object = None         # a FlashInferPlan when that backend runs the batch
 
 
-def _group(rows: list[Row], starts: list[int], n: int, device) -> Group:
+def _group(rows: list[Row], starts: list[int], slots: list[torch.Tensor], n: int, device) -> Group:
+    """slots[i]: row i's slots for its context and its new tokens."""
     R = len(rows)
     Q = max(r.q_len for r in rows)
     C = max(r.table.length for r in rows)
@@ -54,12 +54,11 @@ def _group(rows: list[Row], starts: list[int], n: int, device) -> Group:
     kv_index = torch.zeros((R, C + Q), dtype=torch.long, device=device)
     inner = torch.ones(Q, Q, dtype=torch.bool).tril().repeat(R, 1, 1)
     ctx = torch.zeros(R, Q, C, dtype=torch.bool)
-    for i, (row, start) in enumerate(zip(rows, starts)):
+    for i, (row, start, row_slots) in enumerate(zip(rows, starts, slots)):
         c, q = row.table.length, row.q_len
         q_index[i, :q] = torch.arange(start, start + q)
-        slots = row.table.slots(0, c + q)
-        kv_index[i, :c] = slots[:c]
-        kv_index[i, C:C + q] = slots[c:]
+        kv_index[i, :c] = row_slots[:c]
+        kv_index[i, C:C + q] = row_slots[c:]
         if row.mask is not None:
             inner[i, :q, :q] = row.mask
         inner[i, :, q:] = False
@@ -79,10 +78,11 @@ def plan_attention(rows: list[Row], device, *, groups: bool = True) -> Attention
     for r in rows:
         starts.append(n)
         n += r.q_len
-    slot_mapping = torch.cat([r.table.slots(r.table.length, r.table.length + r.q_len) for r in rows]) \
-        if rows else torch.zeros(0, dtype=torch.long, device=device)
+    slots = [r.table.slots(0, r.table.length + r.q_len) for r in rows]
+    slot_mapping = torch.cat([s[r.table.length:] for r, s in zip(rows, slots)]) if rows \
+        else torch.zeros(0, dtype=torch.long, device=device)
     if not groups:
-        return AttentionPlan(n, slot_mapping.to(device), [])
+        return AttentionPlan(slot_mapping.to(device), [])
     # Rows pad to the longest query of their group, so decode rows (1 query) must not share a
     # group with 8-token verify rows or a prompt chunk: bucket by query length (powers of two).
     buckets: dict[int, list[int]] = {}
@@ -93,8 +93,9 @@ def plan_attention(rows: list[Row], device, *, groups: bool = True) -> Attention
         else:
             buckets.setdefault(1 << (r.q_len - 1).bit_length(), []).append(i)
     sets += buckets.values()
-    return AttentionPlan(n, slot_mapping.to(device),
-                         [_group([rows[i] for i in g], [starts[i] for i in g], n, device) for g in sets])
+    return AttentionPlan(slot_mapping.to(device),
+                         [_group([rows[i] for i in g], [starts[i] for i in g], [slots[i] for i in g], n, device)
+                          for g in sets])
 
 
 def paged_attention(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:

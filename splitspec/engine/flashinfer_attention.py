@@ -21,16 +21,19 @@ class AttentionBackendError(RuntimeError):
     """The requested attention backend cannot run here."""
 
 
-def check_available(device: torch.device):
+def require_flashinfer(device: torch.device, flag: str, error: type[Exception] = AttentionBackendError):
+    """The `flashinfer` module, or `error` saying what `flag flashinfer` is missing here."""
     if device.type != "cuda" or not torch.cuda.is_available():
-        raise AttentionBackendError("--attention-backend flashinfer needs a CUDA device (use --device cuda on a GPU "
-                                    "machine, or --attention-backend torch)")
+        raise error(f"{flag} flashinfer needs a CUDA device (use --device cuda on a GPU machine, or {flag} torch)")
     try:
         import flashinfer
     except ImportError as exc:  # pragma: no cover - depends on the install
-        raise AttentionBackendError("--attention-backend flashinfer needs FlashInfer: "
-                                    "pip install 'splitspec[cuda]'") from exc
+        raise error(f"{flag} flashinfer needs FlashInfer: pip install 'splitspec[cuda]'") from exc
     return flashinfer
+
+
+def check_available(device: torch.device):
+    return require_flashinfer(device, "--attention-backend")
 
 
 class FlashInferPlan:

@@ -117,10 +117,6 @@ class EngineLoop:
             self._cv.notify()
         self._thread.join(timeout)
 
-    @property
-    def pending(self) -> int:
-        return len(self._items)
-
     def _has_batch(self) -> bool:
         return self._batcher is not None and self._batcher.has_work()
 
