@@ -24,5 +24,5 @@ RUN pip install ".${EXTRAS:+[$EXTRAS]}" && splitspec --help > /dev/null
 # Models are mounted read-only at run time (compose.yaml), never baked in.
 RUN useradd --create-home --uid 1000 splitspec && mkdir /models && chown splitspec /models
 USER splitspec
-EXPOSE 50050 50051 50052
+EXPOSE 50050 50051 50052 8000 9100
 CMD ["splitspec", "--help"]

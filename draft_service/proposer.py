@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import torch
 
 from splitspec.engine.sample import SamplingParams, make_generator, probs_from_logits, sample_from_probs
-from splitspec.engine.tree import Tree
-
 from splitspec.engine.kv_pool import KVPool
+from splitspec.engine.tree import Tree
+from splitspec.ngram import NgramIndex
 
 from .dflash import DFlashDraft, DraftCache, append_context, draft_blocks, ensure_room
 
@@ -136,31 +136,25 @@ def propose_batch(model: DFlashDraft, items: list[tuple]) -> list[Proposal | Exc
 
 
 class NgramProposer(_Tokens):
-    """Prompt lookup (vLLM's `ngram`, transformers' prompt_lookup_num_tokens): find the most
-    recent earlier occurrence of the sequence's last n tokens (longest n first) and propose
-    the tokens that followed it."""
+    """Prompt lookup through the draft service (the gateway's `auto` method runs the same
+    lookup itself, without a round trip)."""
 
     def __init__(self, *, num_draft_tokens: int = 8, min_n: int = 1, max_n: int = 4):
         if num_draft_tokens < 1:
             raise ProposerError(f"num_draft_tokens={num_draft_tokens} must be >= 1")
-        self.width, self.min_n, self.max_n = num_draft_tokens, min_n, max_n
-        self.tokens: list[int] = []
+        self.width = num_draft_tokens
+        self.index = NgramIndex(min_n, max_n)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.index.tokens
 
     def open(self, prompt_ids: list[int], prompt_hidden=None) -> None:
-        self.tokens = list(prompt_ids)
+        self.index.extend(list(prompt_ids))
 
     def propose(self, base_len: int, new_ids: list[int], new_hidden=None) -> Proposal:
         t0 = time.perf_counter()
-        self._commit(base_len, new_ids)
-        ids = lookup(self.tokens, self.width - 1, self.min_n, self.max_n)
+        self._check_len(base_len, new_ids)
+        self.index.extend(new_ids)
+        ids, _ = self.index.match(self.width - 1)
         return Proposal(Tree.chain(ids), None, (time.perf_counter() - t0) * 1e3)
-
-
-def lookup(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
-    L = len(tokens)
-    for n in range(min(max_n, L - 1), min_n - 1, -1):
-        suffix = tokens[L - n:]
-        for start in range(L - n - 1, -1, -1):
-            if tokens[start:start + n] == suffix:
-                return tokens[start + n:start + n + k]
-    return []

@@ -19,6 +19,7 @@ import torch
 
 from splitspec.engine.batching import take_fifo
 from splitspec.engine.loop import Deliveries, EngineLoop
+from splitspec.metrics import step_kind
 
 from .dflash import DFlashDraft, append_context, ensure_room
 from .proposer import DFlashProposer, Proposal, propose_batch
@@ -53,6 +54,8 @@ class DraftScheduler:
         self.closed: set[int] = set()         # ... and that were closed meanwhile
         self.forwards = 0
         self.rows = 0
+        self.busy_ms = 0.0                    # time spent in those forwards
+        self.on_forward = None      # (kind, rows, tokens, forward_ms) after each forward, for metrics
         engine.attach(self)
 
     async def open(self, proposer: DFlashProposer, prompt: list[int], hidden: torch.Tensor) -> None:
@@ -102,10 +105,12 @@ class DraftScheduler:
                 self.in_flight.add(id(w.proposer))
         start = time.perf_counter()
         results = self._run(picked)
+        forward_ms = (time.perf_counter() - start) * 1e3
         done = Deliveries()
         with self.lock:
             self.forwards += 1
             self.rows += len(picked)
+            self.busy_ms += forward_ms
             for w, res in zip(picked, results):
                 self.in_flight.discard(id(w.proposer))
                 if id(w.proposer) in self.closed:
@@ -118,6 +123,9 @@ class DraftScheduler:
                 else:
                     done.resolve(w.loop, w.future, Drafted(res, queue_ms, len(picked)) if w.kind == "propose" else None)
         done.flush()
+        if self.on_forward is not None and picked:
+            tokens = sum(self._demand(w)[0] for w in picked)
+            self.on_forward(step_kind(w.kind for w in picked), len(picked), tokens, forward_ms)
 
     def _run(self, picked: list[Work]) -> list:
         results: list = [None] * len(picked)

@@ -21,6 +21,8 @@ import torch
 
 from splitspec import logs
 from splitspec.flags import apply_env
+from splitspec.metrics import add_metrics_flag, serve_engine_metrics
+from splitspec.security import add_tls_flags, server_credentials
 from splitspec.serving import ProtocolError, Server, add_lenient_servicer, end_session_with, read_message, run_main
 from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from splitspec.wire import (WireError, check_token_ids, sampling_from_pb, tensor_from_pb, tensor_to_pb,
@@ -106,6 +108,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         if st.scheduler is not None:
             info.forward_passes = st.scheduler.forwards
             info.batched_steps = st.scheduler.rows
+            info.busy_ms = st.scheduler.busy_ms
         return info
 
     def _ready_state(self) -> DraftState | None:
@@ -274,7 +277,22 @@ def build_parser() -> argparse.ArgumentParser:
     a("--max-message-mb", type=int, default=64, help="largest gRPC message, either direction")
     a("--drain-timeout-s", type=float, default=30.0, help="on SIGTERM, how long in-flight sessions may run")
     a("--log-level", default="info", choices=list(logs.LEVELS), help="JSON log lines at this level and above")
+    add_metrics_flag(p)
+    add_tls_flags(p)
     return apply_env(p)
+
+
+def metrics_state(state: DraftState) -> dict:
+    """What the metrics exporter reads at scrape time. n-gram sessions count as running but
+    never reach the engine."""
+    if state.engine is None:
+        return {}
+    out = dict(running=state.active)
+    if state.pool is not None:
+        out.update(kv_blocks_used=state.pool.used_blocks, kv_blocks_free=state.pool.free_blocks)
+    if state.scheduler is not None:
+        out.update(forwards=state.scheduler.forwards, rows=state.scheduler.rows)
+    return out
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -326,7 +344,8 @@ async def serve(args: argparse.Namespace, *, started=None) -> None:
     target_path = Path(args.target_model_path) if args.target_model_path else None
     target_cfg = ModelConfig.from_dir(target_path) if target_path else None
     state = DraftState(args, args.method, target_cfg, tokenizer_hash(target_path) if target_path else "")
-    server = Server([SERVICE], max_message_mb=args.max_message_mb)
+    server = Server([SERVICE], max_message_mb=args.max_message_mb, credentials=server_credentials(args))
+    metrics = serve_engine_metrics(args, lambda: metrics_state(state), log)
     add_lenient_servicer(server.grpc, SERVICE, DraftServicer(state, server), {
         "Session": ("stream_stream", draft_pb2.DraftRequest, draft_pb2.DraftResponse),
         "GetInfo": ("unary_unary", common_pb2.GetInfoRequest, draft_pb2.DraftInfo)})
@@ -344,6 +363,8 @@ async def serve(args: argparse.Namespace, *, started=None) -> None:
         if state.model is not None:
             state.scheduler = DraftScheduler(state.model, max_batched_tokens=args.max_num_batched_tokens,
                                              engine=engine)
+            if metrics is not None:
+                state.scheduler.on_forward = metrics.on_forward
         state.engine = engine
         info = {"block_size": state.block_size}
         if state.model is not None:

@@ -21,14 +21,18 @@ class BackendError(Exception):
         self.backend = backend
 
 
-def make_channel(address: str, max_message_mb: int = 64, reconnect_max_s: float = 5.0) -> grpc.aio.Channel:
+def make_channel(address: str, max_message_mb: int = 64, reconnect_max_s: float = 5.0,
+                 credentials: grpc.ChannelCredentials | None = None) -> grpc.aio.Channel:
     """`dns:///name:port` (or plain host:port) resolves to every replica; round_robin then
     spreads sessions over them, one stream per RPC. Reconnects to a lost backend back off from
-    0.1 s to reconnect_max_s (gRPC's default would wait up to 120 s)."""
+    0.1 s to reconnect_max_s (gRPC's default would wait up to 120 s). With `credentials`
+    (splitspec/security.py) the channel speaks TLS / mTLS."""
     ms = int(reconnect_max_s * 1000)
     options = channel_options(max_message_mb, round_robin=True) + [
         ("grpc.initial_reconnect_backoff_ms", min(100, ms)), ("grpc.min_reconnect_backoff_ms", min(100, ms)),
         ("grpc.max_reconnect_backoff_ms", ms)]
+    if credentials is not None:
+        return grpc.aio.secure_channel(address, credentials, options=options)
     return grpc.aio.insecure_channel(address, options=options)
 
 
@@ -187,9 +191,10 @@ class _Client:
     backend = "backend"
     stub_cls = session_cls = None
 
-    def __init__(self, address: str, max_message_mb: int = 64, reconnect_max_s: float = 5.0):
+    def __init__(self, address: str, max_message_mb: int = 64, reconnect_max_s: float = 5.0,
+                 credentials: grpc.ChannelCredentials | None = None):
         self.address = address
-        self.channel = make_channel(address, max_message_mb, reconnect_max_s)
+        self.channel = make_channel(address, max_message_mb, reconnect_max_s, credentials)
         self.stub = self.stub_cls(self.channel)
 
     def session(self, timeout_s: float | None = None):

@@ -3,14 +3,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-METHODS = ("dflash", "ngram", "none")
-ALGORITHMS = {"DFLASH": "dflash", "NGRAM": "ngram", "NONE": "none"}
+METHODS = ("auto", "dflash", "ngram", "none")
+ALGORITHMS = {"AUTO": "auto", "DFLASH": "dflash", "NGRAM": "ngram", "NONE": "none"}
 DRAFT_SAMPLING = ("greedy", "sample")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    method: str = "none"            # default for requests that do not choose
+    method: str = "none"            # default for requests that do not choose ("auto" when a draft is configured)
     num_steps: int = 7              # draft depth per branch
     eagle_topk: int = 1             # branching factor; 1 = chain
     num_draft_tokens: int = 8       # verify width: root + drafted nodes

@@ -24,19 +24,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
-from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from splitspec.v1 import common_pb2
+from splitspec.ngram import NgramIndex
 
 from .backends import BackendError, DraftSession, TargetClient, TargetSession
 from .generation import Stats
+from .plan import Plan
+from .policy import AutoPolicy, FixedPolicy
 from .request import Request
-from .speculative import record_step, trim_chain
+from .spec_loop import DraftLost, RemoteDraft, SpeculativeLoop
 
 # Codes from a target that mean "this replica (or our connection to it) is gone": fail over.
 REPLICA_LOST = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED})
@@ -99,17 +99,11 @@ class Health:
             self._task.cancel()
 
 
-@dataclass
-class Plan:
-    """What the servicer decided for a request before any backend call."""
-    method: str                                     # wanted: "dflash", "ngram" or "none"
-    layer_ids: list[int]                            # target layers the draft needs (dflash)
-    speculative: common_pb2.SpeculativeParams | None
-    tokenizer_hash: str = ""
-
-
-class DraftLost(Exception):
-    """Internal: the draft failed this step; the request goes on without it."""
+def refuses_client_params(exc: BackendError) -> bool:
+    """A draft's INVALID_ARGUMENT about `open.speculative` (the client's own parameters, passed
+    through): the client's error. Anything else (a prompt past the draft's context, say) only
+    costs speed: the request goes on without the draft."""
+    return exc.code == grpc.StatusCode.INVALID_ARGUMENT and exc.message.startswith("open.speculative")
 
 
 class ResilientSource:
@@ -126,9 +120,13 @@ class ResilientSource:
         self.target: TargetSession | None = None
         self.draft: DraftSession | None = None
         self.client: TargetClient | None = None
-
+        # One policy for the whole request: what it learned survives a target failover.
+        self.policy = (AutoPolicy(backends.measurements, max_k=plan.max_k) if plan.method == "auto"
+                       else FixedPolicy(plan.method))
     # -- lifecycle -------------------------------------------------------------------------
     async def close(self) -> None:
+        if self.plan.method == "auto":
+            self.log.debug("auto_policy", steps=dict(self.stats.steps_by_method), **self.b.measurements.snapshot())
         for s in (self.target, self.draft):
             if s is not None:
                 await s.close()
@@ -192,7 +190,7 @@ class ResilientSource:
 
     # -- one target session ----------------------------------------------------------------
     def _want_draft(self) -> bool:
-        if self.plan.method == "none" or self.b.draft is None:
+        if self.b.draft is None:
             return False
         if not self.b.draft_health.healthy:
             self._fallback("the draft is unhealthy (reconnecting)", count=True)
@@ -222,82 +220,49 @@ class ResilientSource:
             self.b.draft_health.mark_failed(reason)
         self._fallback(reason)
 
-    async def _draft_call(self, coro, timeout_s: float):
+    async def _draft_call(self, coro, timeout_s: float, *, client_errors: bool = False):
+        """Await a draft call; a failure drops the draft (DraftLost). With `client_errors` (the
+        Open, which carries the client's parameters), a refusal of those parameters is the
+        client's error and ends the request with it instead."""
         try:
             async with asyncio.timeout(timeout_s):     # unlike wait_for, never swallows a cancel
                 return await coro
         except BackendError as exc:
             if exc.backend != "draft":
                 raise
+            if client_errors and refuses_client_params(exc):
+                self._drop_draft()
+                raise BackendError(exc.code, f"the draft refused this request: {exc.message}", "draft") from None
             self._draft_failed(exc)
         except asyncio.TimeoutError as exc:
             self._draft_failed(exc)
         raise DraftLost()
 
-    async def _attempt(self) -> AsyncIterator[list[int]]:
-        req, stats, plan = self.req, self.stats, self.plan
-        prefix = req.prompt_ids + self.history
-        remaining = req.max_new_tokens - len(self.history)
-        if remaining <= 0:
-            return
-        use_draft = self._want_draft()
-        if use_draft:
-            stats.method = plan.method
-        elif not self.history:
-            stats.method = "none"
-        width = plan.speculative.num_draft_tokens if plan.speculative is not None else 0
-        layer_ids = plan.layer_ids if use_draft else []
-        t = time.perf_counter()
-        opened = await self.target.open(req.request_id, prefix, req.sampling, hidden_layer_ids=layer_ids,
-                                        max_new_tokens=remaining + width)
-        stats.model_ms += opened.forward_ms
-        stats.queue_ms += opened.queue_ms
-        stats.verify_ms += (time.perf_counter() - t) * 1e3
-        stats.hidden_state_bytes += len(opened.hidden.data)
-        yield [opened.first_token_id]
-        generated, length = 1, opened.length
+    async def _open_draft(self, opened, prefix: list[int]) -> RemoteDraft | None:
+        """The draft session of this attempt, or None (the fallback is logged and counted)."""
+        plan, req = self.plan, self.req
+        self.draft = self.b.draft.session(self.timeout_s())
+        try:
+            answer = await self._draft_call(self.draft.open(
+                req.request_id, prefix, opened.hidden if plan.layer_ids else None, plan.speculative,
+                req.sampling, plan.tokenizer_hash), 4 * self.cfg.draft_timeout_ms / 1e3,   # Open also prefills
+                client_errors=True)
+        except DraftLost:
+            return None
+        return RemoteDraft(self.draft, answer.method, answer.num_draft_tokens, bool(plan.layer_ids))
 
-        step_s = self.cfg.draft_timeout_ms / 1e3
-        if use_draft and generated < remaining:
-            try:
-                self.draft = self.b.draft.session(self.timeout_s())
-                t = time.perf_counter()
-                await self._draft_call(self.draft.open(
-                    req.request_id, prefix, opened.hidden if layer_ids else None, plan.speculative,
-                    req.sampling, plan.tokenizer_hash), 4 * step_s)     # Open also prefills the draft
-                stats.draft_ms += (time.perf_counter() - t) * 1e3
-                new_ids, new_hidden = [opened.first_token_id], None
-                while generated < remaining:
-                    t = time.perf_counter()
-                    prop = await self._draft_call(self.draft.propose(length, new_ids, new_hidden), step_s)
-                    t_draft = time.perf_counter()
-                    stats.draft_ms += (t_draft - t) * 1e3
-                    stats.model_ms += prop.draft_ms
-                    stats.queue_ms += prop.queue_ms
-                    probs = prop.draft_probs if prop.HasField("draft_probs") else None
-                    tree, probs = trim_chain(prop.tree, probs, remaining - generated - 1)
-                    verified = await self.target.verify(stats.verify_steps, length, tree, probs)
-                    stats.verify_ms += (time.perf_counter() - t_draft) * 1e3
-                    stats.model_ms += verified.forward_ms
-                    stats.queue_ms += verified.queue_ms
-                    stats.hidden_state_bytes += len(verified.hidden.data)
-                    record_step(stats, len(tree.token_ids), verified.num_accepted,
-                                len(verified.committed_token_ids))
-                    new_ids = list(verified.committed_token_ids)
-                    new_hidden = verified.hidden if layer_ids else None
-                    length = verified.length
-                    generated += len(new_ids)
-                    yield new_ids
-            except DraftLost:
-                pass                        # go on target-only on the same session, below
-        if generated < remaining:
-            t = time.perf_counter()
-            async for tok in self.target.decode(remaining - generated):
-                now = time.perf_counter()
-                stats.verify_ms += (now - t) * 1e3
-                stats.model_ms += tok.forward_ms
-                stats.queue_ms += tok.queue_ms
-                stats.verify_steps += 1
-                stats.committed += 1
-                yield [tok.token_id]
-                t = time.perf_counter()
+    def _attempt(self) -> AsyncIterator[list[int]]:
+        plan = self.plan
+        remote = plan.speculative is not None and self._want_draft()
+        if remote or plan.local_ngram:
+            self.stats.method = plan.method
+        elif not self.history:
+            self.stats.method = "none"
+        width = plan.speculative.num_draft_tokens if plan.speculative is not None else 0
+        loop = SpeculativeLoop(
+            self.target, self.req, self.stats, self.policy, measurements=self.b.measurements,
+            draft_call=self._draft_call, open_draft=self._open_draft if remote else None,
+            layer_ids=plan.layer_ids if remote else [],
+            ngram=NgramIndex(1, 4) if plan.local_ngram else None,
+            max_width=max(width, plan.max_k + 1), step_timeout_s=self.cfg.draft_timeout_ms / 1e3)
+        return loop.steps(self.history)

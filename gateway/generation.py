@@ -1,7 +1,6 @@
 """One request, start to finish. A *token source* is an async generator that yields lists of
-newly committed tokens: `failover.ResilientSource.steps` (Open, then Propose on the draft ->
-Verify on the target per step, or Decode on the target without a draft; surviving the loss of
-either). `stream_response` consumes it: it applies eos / stop tokens / stop strings / max_new_tokens,
+newly committed tokens: `failover.ResilientSource.steps` (the speculative loop of `spec_loop.py`,
+surviving the loss of the draft or of the target replica). `stream_response` consumes it: it applies eos / stop tokens / stop strings / max_new_tokens,
 detokenizes incrementally and turns the tokens into Chunk messages, then one Complete."""
 from __future__ import annotations
 
@@ -32,6 +31,8 @@ class Stats:
     draft_fallbacks: int = 0
     target_failovers: int = 0
     time_to_first_token_ms: float = 0.0
+    steps: list[tuple[str, int, int]] = field(default_factory=list)   # (method, k drafted, accepted) per step
+    steps_by_method: dict[str, int] = field(default_factory=dict)
     started: float = field(default_factory=time.perf_counter)   # when the request arrived
 
     def to_pb(self) -> gateway_pb2.SpeculativeStats:
@@ -43,7 +44,16 @@ class Stats:
             wire_ms=max(0.0, self.draft_ms + self.verify_ms - self.model_ms - self.queue_ms),
             queue_ms=self.queue_ms,
             hidden_state_bytes=self.hidden_state_bytes, draft_fallbacks=self.draft_fallbacks,
-            target_failovers=self.target_failovers, time_to_first_token_ms=self.time_to_first_token_ms)
+            target_failovers=self.target_failovers, time_to_first_token_ms=self.time_to_first_token_ms,
+            steps_by_method=self.steps_by_method,
+            steps=[gateway_pb2.SpeculativeStep(method=m, k=k, accepted=a) for m, k, a in self.steps])
+
+    @property
+    def steps_by_k(self) -> dict[int, int]:
+        out: dict[int, int] = {}
+        for _, k, _ in self.steps:
+            out[k] = out.get(k, 0) + 1
+        return out
 
 
 async def stream_response(req: Request, steps: AsyncIterator[list[int]], tokenizer,
@@ -72,14 +82,16 @@ async def stream_response(req: Request, steps: AsyncIterator[list[int]], tokeniz
             text.append(stops.feed(detok.flush()))
             if not stops.stopped:
                 text.append(stops.flush())
+            if stops.stopped:
+                finish = "stop"      # a stop string held back behind a longer candidate
         if not stats.time_to_first_token_ms:
             stats.time_to_first_token_ms = (time.perf_counter() - stats.started) * 1e3
         yield gateway_pb2.GenerateResponse(chunk=gateway_pb2.Chunk(token_ids=ids, text="".join(text)))
         if finish:
             break
     if finish is None:   # the source ended on its own: only at the context limit
-        finish = "length"
         tail = stops.feed(detok.flush()) + ("" if stops.stopped else stops.flush())
+        finish = "stop" if stops.stopped else "length"
         if tail:
             yield gateway_pb2.GenerateResponse(chunk=gateway_pb2.Chunk(text=tail))
     yield gateway_pb2.GenerateResponse(complete=gateway_pb2.Complete(

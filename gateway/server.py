@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import contextlib
 import itertools
+import time
 from pathlib import Path
 
 import grpc
@@ -17,13 +18,20 @@ from tokenizers import Tokenizer
 
 from splitspec import logs
 from splitspec.flags import ListFlag, apply_env
+from splitspec.metrics import add_metrics_flag, new_registry, start_exporter
+from splitspec.security import (ApiKeyInterceptor, ApiKeys, add_api_key_flags, add_tls_flags, client_credentials,
+                                load_api_keys, server_credentials)
 from splitspec.serving import Server, Unparsable, add_lenient_servicer
-from splitspec.v1 import common_pb2, draft_pb2, gateway_pb2, gateway_pb2_grpc, target_pb2
+from splitspec.v1 import draft_pb2, gateway_pb2, gateway_pb2_grpc, target_pb2
 
 from .backends import BackendError, DraftClient, TargetClient
 from .config import ALGORITHMS, DRAFT_SAMPLING, GatewayConfig, SpeculativeConfig
-from .failover import Health, Plan, ResilientSource
+from .failover import Health, ResilientSource
+from .plan import plan_request
+from .policy import Measurements
 from .generation import Stats, stream_response
+from .http_server import start_http
+from .metrics import GatewayMetrics
 from .request import ModelLimits, RequestError, parse_request
 
 SERVICE = "splitspec.v1.Generation"
@@ -66,17 +74,18 @@ class Backends:
     start-up. A failed backend is skipped by new requests until a health probe brings it back
     (gateway/failover.py)."""
 
-    def __init__(self, cfg: GatewayConfig, log=None):
+    def __init__(self, cfg: GatewayConfig, log=None, credentials: grpc.ChannelCredentials | None = None):
         self.cfg = cfg
         self.log = log or logs.get_logger()
-        self.targets = [TargetClient(a, cfg.max_message_mb, cfg.reconnect_max_s) for a in cfg.targets]
+        self.targets = [TargetClient(a, cfg.max_message_mb, cfg.reconnect_max_s, credentials) for a in cfg.targets]
         self._next = itertools.cycle(range(len(self.targets)))
         self._health = {id(c): Health("target", c.address, c.channel, self.log,
                                       max_backoff_s=cfg.reconnect_max_s) for c in self.targets}
-        self.draft = DraftClient(cfg.draft, cfg.max_message_mb, cfg.reconnect_max_s) if cfg.draft else None
+        self.draft = DraftClient(cfg.draft, cfg.max_message_mb, cfg.reconnect_max_s, credentials) if cfg.draft else None
         self.draft_health = Health("draft", cfg.draft or "", self.draft.channel if self.draft else None, self.log,
                                    max_backoff_s=cfg.reconnect_max_s, verify=self._recheck_draft)
         self.draft_info: draft_pb2.DraftInfo | None = None
+        self.measurements = Measurements()     # what the auto policy of every request learns from
         self.info: target_pb2.TargetInfo | None = None
         self.tokenizer: Tokenizer | None = None
         self.limits: ModelLimits | None = None
@@ -175,11 +184,12 @@ def add_servicer(servicer: "GenerationServicer", server: grpc.aio.Server) -> Non
 
 
 class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
-    def __init__(self, backends: Backends, server: Server):
+    def __init__(self, backends: Backends, server: Server, metrics=None):
         self.backends = backends
         self.server = server
         self.cfg = backends.cfg
         self.active = 0
+        self.metrics = metrics      # gateway/metrics.GatewayMetrics with --metrics-port, else None
 
     async def GetModelInfo(self, request, context):
         await self._ready(context)
@@ -192,17 +202,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
             max_new_tokens_cap=self.cfg.max_new_tokens_cap)
 
     def _default_method(self) -> str:
-        return self.cfg.speculative.method if self.backends.draft is not None else "none"
-
-    def _method(self, req) -> str:
-        """What this request runs (reported in its stats): speculation needs a draft, and dflash
-        needs a draft service that has a DFlash model; otherwise the nearest thing that works."""
-        method = req.speculative.method
-        if method == "none" or self.backends.draft_info is None:
-            return "none"
-        if method == "dflash" and self.backends.draft_info.method != "dflash":
-            return "ngram"
-        return method
+        return self.cfg.speculative.method
 
     async def _ready(self, context) -> None:
         if self.backends.limits is None or not self.server.serving:
@@ -214,6 +214,8 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
         await self._ready(context)
         try:
             req = parse_request(request, self.cfg, self.backends.limits, self.backends.tokenizer)
+            plan = plan_request(req.speculative, request.speculative, has_draft=self.backends.draft is not None,
+                                draft=self.backends.draft_info, target=self.backends.info)
         except RequestError as exc:
             logs.get_logger(request_id=request.request_id).info("request_refused", code=exc.code.name,
                                                                  message=str(exc))
@@ -227,7 +229,11 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
                  method=req.speculative.method, deadline_s=context.time_remaining())
         self.active += 1
         stats = Stats()
-        source = ResilientSource(self.backends, req, stats, self._plan(req), log,
+        marks = [] if self.metrics is not None else None    # (time, tokens) per chunk, for the metrics
+        failure = None
+        if marks is not None:
+            self.metrics.waiting.inc()
+        source = ResilientSource(self.backends, req, stats, plan, log,
                                  timeout_s=context.time_remaining)   # the client's deadline, propagated
         complete, finished = None, False
         try:
@@ -240,6 +246,10 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
                     if resp.HasField("complete"):
                         complete = resp.complete
                         break
+                    if marks is not None:
+                        if not marks:
+                            self.metrics.waiting.dec()
+                        marks.append((time.perf_counter(), len(resp.chunk.token_ids)))
                     await context.write(resp)
             await source.close()        # free both sessions before telling the client we are done
             await context.write(gateway_pb2.GenerateResponse(complete=complete))
@@ -247,6 +257,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
         except BackendError as exc:
             source.cancel()
             code = exc.code
+            failure = code.name
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 left = context.time_remaining()
                 code = grpc.StatusCode.DEADLINE_EXCEEDED if left is not None and left <= 0.05 \
@@ -257,10 +268,12 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
             await context.abort(code, str(exc))
         except asyncio.CancelledError:
             source.cancel()       # the client went away (cancel or deadline): free both sessions now
+            failure = "CANCELLED"
             log.info("request_cancelled", completion_tokens=len(source.history))
             raise
         except Exception as exc:  # a bug here must fail this request only
             source.cancel()
+            failure = "CANCELLED" if context.cancelled() or context.done() else "INTERNAL"
             if context.cancelled() or context.done():
                 log.info("request_cancelled", completion_tokens=len(source.history))
                 return
@@ -270,22 +283,30 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
             if not finished:
                 source.cancel()   # whatever ended the request early, never leave a session open
             self.active -= 1
+            if marks is not None:
+                self._record(req, stats, complete if finished else None, failure, marks, len(source.history))
         log.info("request_finished", finish_reason=complete.finish_reason,
                  completion_tokens=complete.usage.completion_tokens, method=complete.stats.method,
                  draft_fallbacks=stats.draft_fallbacks, target_failovers=stats.target_failovers,
                  ttft_ms=round(complete.stats.time_to_first_token_ms, 1))
 
-    def _plan(self, req) -> Plan:
-        method = self._method(req)
-        if method == "none":
-            return Plan("none", [], None)
-        spec = req.speculative
-        layer_ids = list(self.backends.draft_info.target_layer_ids) if method == "dflash" else []
-        params = common_pb2.SpeculativeParams(
-            method=method, num_steps=spec.num_steps, topk=spec.eagle_topk,
-            num_draft_tokens=min(spec.num_draft_tokens, spec.num_steps + 1),
-            draft_sampling=spec.draft_sampling)
-        return Plan(method, layer_ids, params, self.backends.info.tokenizer_hash)
+    def _record(self, req, stats, complete, failure, marks, history_len) -> None:
+        try:
+            self._record_metrics(req, stats, complete, failure, marks, history_len)
+        except Exception:  # noqa: BLE001 - a metrics bug must never fail or hide a request's outcome
+            logs.get_logger(request_id=req.request_id).exception("metrics_record_failed")
+
+    def _record_metrics(self, req, stats, complete, failure, marks, history_len) -> None:
+        if not marks:
+            self.metrics.waiting.dec()
+        if complete is not None:
+            self.metrics.request_ended(stats, prompt_tokens=len(req.prompt_ids), chunk_marks=marks,
+                                       completion_tokens=complete.usage.completion_tokens,
+                                       finish_reason=complete.finish_reason)
+        else:
+            self.metrics.request_ended(stats, prompt_tokens=len(req.prompt_ids), chunk_marks=marks,
+                                       completion_tokens=min(history_len, req.max_new_tokens),
+                                       code=failure or "UNKNOWN")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -301,8 +322,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--max-new-tokens-cap", type=int, default=2048, help="largest max_new_tokens a request may ask for")
     a("--default-max-new-tokens", type=int, default=256, help="max_new_tokens when a request does not set it")
     a("--max-sessions", type=int, default=256, help="concurrent requests; more get RESOURCE_EXHAUSTED")
-    a("--speculative-algorithm", default="NONE", type=str.upper, choices=list(ALGORITHMS),
-      help="default method for requests that do not choose one")
+    a("--speculative-algorithm", default=None, type=str.upper, choices=list(ALGORITHMS),
+      help="default method for requests that do not choose one (default: AUTO with --draft, else NONE; "
+           "AUTO picks drafter and draft length per step)")
     a("--speculative-num-steps", type=int, default=7, help="draft depth per branch")
     a("--speculative-eagle-topk", type=int, default=1, help="branching factor per step (1 = chain)")
     a("--speculative-num-draft-tokens", type=int, default=8, help="verify width: root + drafted tokens")
@@ -323,6 +345,12 @@ def build_parser() -> argparse.ArgumentParser:
       help="how many times one request may move to another target replica before failing UNAVAILABLE")
     a("--drain-timeout-s", type=float, default=30.0, help="on SIGTERM, how long in-flight requests may run")
     a("--log-level", default="info", choices=list(logs.LEVELS), help="JSON log lines at this level and above")
+    add_metrics_flag(p)
+    a("--http-port", type=int, default=0,
+      help="serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /health) "
+           "on this port of --host (0: off)")
+    add_tls_flags(p)
+    add_api_key_flags(p)
     return apply_env(p)
 
 
@@ -337,7 +365,10 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     for name in ("max_prompt_tokens", "target_failover_attempts"):
         if getattr(args, name) < 0:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 0")
-    spec = SpeculativeConfig(method=ALGORITHMS[args.speculative_algorithm],
+    method = ALGORITHMS[args.speculative_algorithm or ("AUTO" if args.draft else "NONE")]
+    if method == "dflash" and not args.draft:
+        method = "none"         # logged as speculation_without_draft at start-up
+    spec = SpeculativeConfig(method=method,
                              num_steps=args.speculative_num_steps, eagle_topk=args.speculative_eagle_topk,
                              num_draft_tokens=args.speculative_num_draft_tokens,
                              draft_sampling=args.speculative_draft_sampling)
@@ -356,14 +387,19 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
 
 async def serve(args: argparse.Namespace, cfg: GatewayConfig) -> None:
     log = logs.get_logger()
-    server = Server([SERVICE], max_message_mb=cfg.max_message_mb)
-    backends = Backends(cfg)
-    add_servicer(GenerationServicer(backends, server), server.grpc)
+    keys = ApiKeys(load_api_keys(args))
+    server = Server([SERVICE], max_message_mb=cfg.max_message_mb, credentials=server_credentials(args),
+                    interceptors=(ApiKeyInterceptor(keys),) if keys else ())
+    backends = Backends(cfg, credentials=client_credentials(args))
+    servicer = GenerationServicer(backends, server, metrics=gateway_metrics(args, lambda: servicer.active, log))
+    add_servicer(servicer, server.grpc)
     port = await server.start(args.host, args.port)
-    log.info("listening", host=args.host, port=port, targets=list(cfg.targets), draft=cfg.draft)
-    if cfg.speculative.method != "none" and not cfg.draft:
-        log.warning("speculation_without_draft", detail=f"--speculative-algorithm "
-                    f"{cfg.speculative.method.upper()} needs --draft; requests decode target-only")
+    log.info("listening", host=args.host, port=port, targets=list(cfg.targets), draft=cfg.draft,
+             tls=server.credentials is not None, api_keys=len(keys))      # how many, never which
+    http = await start_http(servicer, keys, args, log) if args.http_port else None
+    if args.speculative_algorithm == "DFLASH" and not cfg.draft:
+        log.warning("speculation_without_draft", detail="--speculative-algorithm DFLASH needs --draft; "
+                    "requests that do not choose a method decode target-only")
     async def startup():
         await backends.connect(log)
         log.info("serving", model_id=backends.info.model_id, vocab_size=backends.info.vocab_size,
@@ -372,9 +408,24 @@ async def serve(args: argparse.Namespace, cfg: GatewayConfig) -> None:
                  draft_method=backends.draft_info.method if backends.draft_info else None,
                  default_method=cfg.speculative.method)
     try:
-        await server.run(startup(), args.drain_timeout_s)
+        await server.run(startup(), args.drain_timeout_s, on_drain=http.drain if http else None)
     finally:
+        if http is not None:
+            await http.stop()
         await backends.close()
+
+
+def gateway_metrics(args, running, log) -> GatewayMetrics | None:
+    """The gateway's exporter on --metrics-port (None when off); `running` reads the number of
+    requests in flight at scrape time."""
+    if not args.metrics_port:
+        return None
+    registry = new_registry()
+    metrics = GatewayMetrics(registry)
+    metrics.running.set_function(running)
+    port = start_exporter(registry, args.host, args.metrics_port)
+    log.info("metrics_listening", host=args.host, port=port)
+    return metrics
 
 
 def main(argv=None) -> None:

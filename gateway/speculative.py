@@ -1,8 +1,5 @@
-"""Pieces of the speculative step (DESIGN §3, "One speculative step"): Open on the target
-(prefill, b0 and the prompt's features), Open on the draft with those features, then per step
-Propose on the draft -> Verify on the target -> the committed tokens, the accepted drafts and
-the bonus. The loop itself is `failover.ResilientSource._attempt`, which also survives a lost
-draft or target."""
+"""Wire-level pieces of the speculative step (the loop itself is `spec_loop.py`): trimming a
+proposal to the chosen width, joining feature rows owed to the draft, and the per-step stats."""
 from __future__ import annotations
 
 from splitspec.acceptance import count_accepted
@@ -23,8 +20,22 @@ def trim_chain(tree: common_pb2.TokenTree, probs: common_pb2.Tensor | None, n: i
     return tree, probs
 
 
-def record_step(stats: Stats, drafted: int, accepted: int, committed: int) -> None:
+def concat_rows(tensors: list[common_pb2.Tensor]) -> common_pb2.Tensor | None:
+    """Row-wise concatenation of [n_i, d] tensors of one dtype, without decoding them."""
+    if not tensors:
+        return None
+    if len(tensors) == 1:
+        return tensors[0]
+    first = tensors[0]
+    return common_pb2.Tensor(data=b"".join(t.data for t in tensors), dtype=first.dtype,
+                             shape=[sum(t.shape[0] for t in tensors), *first.shape[1:]])
+
+
+def record_step(stats: Stats, method: str, drafted: int, accepted: int, committed: int) -> None:
     stats.verify_steps += 1
     stats.draft_tokens += drafted
     stats.committed += committed
-    count_accepted(stats.accepted_per_position, drafted, accepted)
+    stats.steps.append((method, drafted, accepted))
+    stats.steps_by_method[method] = stats.steps_by_method.get(method, 0) + 1
+    if drafted:
+        count_accepted(stats.accepted_per_position, drafted, accepted)

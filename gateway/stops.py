@@ -17,15 +17,20 @@ class StopMatcher:
         if self.stopped or not self.stops:
             return "" if self.stopped else text
         self.buffer += text
-        hits = [i for i in (self.buffer.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            out = self.buffer[:min(hits)]
+        hit = self._first_hit()
+        # Text that could still become a stop string starting earlier than the hit (or than
+        # anything, without a hit) is held back: a longer stop may yet start before it.
+        held = len(self.buffer) - self._partial_len()
+        if hit is not None and hit <= held:
+            out = self.buffer[:hit]
             self.buffer, self.stopped = "", True
             return out
-        keep = self._partial_len()
-        out = self.buffer[:len(self.buffer) - keep]
-        self.buffer = self.buffer[len(self.buffer) - keep:]
+        out, self.buffer = self.buffer[:held], self.buffer[held:]
         return out
+
+    def _first_hit(self) -> int | None:
+        hits = [i for i in (self.buffer.find(s) for s in self.stops) if i >= 0]
+        return min(hits) if hits else None
 
     def _partial_len(self) -> int:
         """Length of the longest suffix of the buffer that is a proper prefix of a stop string."""
@@ -38,6 +43,9 @@ class StopMatcher:
         return best
 
     def flush(self) -> str:
-        """End of generation without a match: the held-back tail is ordinary text."""
-        out, self.buffer = self.buffer, ""
+        """End of generation: a stop string held back behind a possible longer one is final now;
+        otherwise the held-back tail is ordinary text."""
+        hit = self._first_hit() if self.stops else None
+        out, self.buffer = (self.buffer if hit is None else self.buffer[:hit]), ""
+        self.stopped = self.stopped or hit is not None
         return out

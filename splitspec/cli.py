@@ -3,6 +3,8 @@
     splitspec up [--prompt TEXT]              start target (+ draft) + gateway locally; serve, or run one prompt
     splitspec generate --gateway H:P PROMPT   stream one generation from a running gateway
     splitspec health H:P                      grpc.health.v1 check (exit 0 when SERVING); for container health checks
+    splitspec certs --out DIR                 a dev CA and service certificates for TLS / mTLS
+    splitspec scaleout --check                two replicas of target and draft behind DNS names, in a namespace
     splitspec loadtest --gateway H:P ...      N concurrent streams for T seconds: failures, p50/p99, tokens/s, memory
     splitspec train-target ...                train the default target model (splitspec.train.target)
     splitspec train-draft ...                 train a DFlash draft for a target (splitspec.train.draft)
@@ -18,21 +20,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from splitspec import up_ops
 from splitspec.flags import apply_env
 
-DEFAULT_TARGET = "models/splitspec-code-target"
-DEFAULT_DRAFT = "models/splitspec-code-draft"
-DEFAULT_GATEWAY_PORT = 50050
-
-
-def _model_dir(given: str | None, default: str) -> Path | None:
-    """The given folder, else the default one under the working directory or the source tree."""
-    if given:
-        return Path(given)
-    for root in (Path.cwd(), Path(__file__).resolve().parent.parent):
-        if (root / default / "config.json").is_file():
-            return root / default
-    return None
+from splitspec.defaults import DEFAULT_DRAFT, DEFAULT_GATEWAY_PORT, DEFAULT_TARGET
+from splitspec.defaults import model_dir as _model_dir
 
 
 def add_sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -45,7 +37,7 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     a("--stop", action="append", default=[], help="stop string (repeatable); not printed")
     a("--stop-token-id", type=int, action="append", default=[], help="stop token id (repeatable)")
     a("--ignore-eos", action="store_true", help="keep generating past the model's eos")
-    a("--method", default="", choices=["", "dflash", "ngram", "none"],
+    a("--method", default="", choices=["", "auto", "dflash", "ngram", "none"],
       help="speculative method (default: the gateway's)")
 
 
@@ -67,8 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--device", default="cpu", help="target device: cpu, cuda or cuda:N")
     a("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="target dtype")
     a("--sampling-backend", default="torch", choices=["torch", "flashinfer"], help="target sampling kernels")
-    a("--speculative-algorithm", default=None, type=str.upper, choices=["DFLASH", "NGRAM", "NONE"],
-      help="gateway default method (default: DFLASH when a draft model is found, else NGRAM)")
+    a("--speculative-algorithm", default="AUTO", type=str.upper, choices=["AUTO", "DFLASH", "NGRAM", "NONE"],
+      help="gateway default method: AUTO picks drafter (DFlash when a draft model is found, n-gram) and "
+           "draft length per step")
     a("--speculative-num-draft-tokens", type=int, default=8, help="verify width: root + drafted tokens")
     a("--speculative-draft-sampling", default="greedy", choices=["greedy", "sample"],
       help="greedy drafts (target-only verification) or sampled drafts with min(1, p/q)")
@@ -84,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
            "machine (0: torch's default)")
     a("--prompt", default=None, help="stream one generation for this prompt, print stats, stop everything")
     add_sampling_flags(up)
+    up_ops.add_up_flags(up)
     apply_env(up)
 
     gen = sub.add_parser("generate", help="stream one generation from a running gateway")
@@ -93,12 +87,20 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--request-id", default="", help="shows in the services' logs (default: generated)")
     gen.add_argument("--timeout-s", type=float, default=None, help="deadline for the whole generation")
     add_sampling_flags(gen)
+    up_ops.add_client_flags(gen)
+    up_ops.add_api_key_flag(gen)
     apply_env(gen)
 
     health = sub.add_parser("health", help="grpc.health.v1 check: exit 0 when SERVING")
     health.add_argument("address", help="host:port")
     health.add_argument("--service", default="", help="service name (default: the whole server)")
     health.add_argument("--timeout-s", type=float, default=3.0)
+    up_ops.add_client_flags(health)
+    apply_env(health)       # a container's SPLITSPEC_TLS_* serve its health check too
+
+    from splitspec import certs, scaleout
+    certs.add_parser(sub)
+    scaleout.add_parser(sub)
 
     from splitspec import loadtest
     loadtest.build_parser(sub.add_parser("loadtest", help="N concurrent streams for T seconds against a gateway; "
@@ -119,14 +121,16 @@ def _sampling(args) -> dict:
 
 
 def run_generation(address: str, prompt, sampling: dict, *, request_id: str = "",
-                   timeout_s: float | None = None, out=sys.stdout, err=sys.stderr) -> int:
+                   timeout_s: float | None = None, out=sys.stdout, err=sys.stderr, credentials=None,
+                   api_key: str | None = None) -> int:
     """Stream text to `out`, stats to `err`; returns an exit code."""
     import grpc
 
     from splitspec.client import build_request, format_stats, stream
     t = time.perf_counter()
     try:
-        for resp in stream(address, build_request(prompt, request_id=request_id, **sampling), timeout_s):
+        for resp in stream(address, build_request(prompt, request_id=request_id, **sampling), timeout_s,
+                           credentials=credentials, api_key=api_key):
             if resp.HasField("chunk"):
                 out.write(resp.chunk.text)
                 out.flush()
@@ -144,15 +148,19 @@ def cmd_generate(args) -> int:
     if (args.prompt is None) == (args.token_ids is None):
         raise SystemExit("splitspec generate: give a prompt or --token-ids, not both")
     prompt = args.prompt if args.token_ids is None else [int(x) for x in args.token_ids.split(",") if x]
+    from splitspec.security import channel_credentials
     return run_generation(args.gateway, prompt, _sampling(args), request_id=args.request_id,
-                          timeout_s=args.timeout_s)
+                          timeout_s=args.timeout_s, api_key=args.api_key,
+                          credentials=channel_credentials(args.tls_cert, args.tls_key, args.tls_ca))
 
 
 def cmd_health(args) -> int:
     from grpc_health.v1 import health_pb2
 
     from splitspec.launch import health_status
-    status = health_status(args.address, args.service, args.timeout_s)
+    from splitspec.security import channel_credentials
+    status = health_status(args.address, args.service, args.timeout_s,
+                           channel_credentials(args.tls_cert, args.tls_key, args.tls_ca))
     name = "UNREACHABLE" if status is None else health_pb2.HealthCheckResponse.ServingStatus.Name(status)
     print(name)
     return 0 if status == health_pb2.HealthCheckResponse.SERVING else 1
@@ -185,7 +193,7 @@ def cmd_up(args) -> int:
     draft = _model_dir(args.draft_model_path, DEFAULT_DRAFT) if (args.draft_model_path or default_target) else None
     if draft is not None and not (draft / "config.json").is_file():
         raise SystemExit(f"--draft-model-path {draft}: no config.json there")
-    algorithm = args.speculative_algorithm or ("DFLASH" if draft is not None else "NGRAM")
+    algorithm = args.speculative_algorithm
     if draft is None:
         print("note: no DFlash draft for this target (pass --draft-model-path): the draft service runs "
               "model-free ngram (prompt lookup); train one with `splitspec train-draft`", file=sys.stderr)
@@ -198,6 +206,7 @@ def cmd_up(args) -> int:
     if gateway_port == DEFAULT_GATEWAY_PORT and not port_available(args.host, gateway_port):
         gateway_port = 0
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="splitspec-up-"))
+    creds = up_ops.client_credentials(args)     # mTLS with --tls-dir: up's own health checks and --prompt
     procs = []
     # SIGTERM, and SIGINT even where a non-interactive shell ignores it, must still reach the
     # `finally` below, or the services would outlive `up`.
@@ -207,11 +216,13 @@ def cmd_up(args) -> int:
         target = start_service("target", ["--model-path", str(model), "--device", args.device,
                                           "--dtype", args.dtype, "--sampling-backend", args.sampling_backend,
                                           "--torch-threads", str(args.target_torch_threads),
-                                          "--verify-torch-threads", str(args.target_verify_torch_threads)],
-                               log_dir=log_dir, host=args.host, port=args.target_port or None)
+                                          "--verify-torch-threads", str(args.target_verify_torch_threads),
+                                          *up_ops.service_args(args, "target")],
+                               log_dir=log_dir, host=args.host, port=args.target_port or None, credentials=creds)
         procs.append(target)
         print(f"target  {target.address}  loading {model} (logs: {target.log_path})", file=sys.stderr)
-        drafter = start_service("draft", draft_args, log_dir=log_dir, host=args.host, port=args.draft_port or None)
+        drafter = start_service("draft", [*draft_args, *up_ops.service_args(args, "draft")], log_dir=log_dir,
+                                host=args.host, port=args.draft_port or None, credentials=creds)
         procs.append(drafter)
         print(f"draft   {drafter.address}  loading {draft or 'ngram'} (logs: {drafter.log_path})", file=sys.stderr)
         target.wait_healthy(args.startup_timeout_s)
@@ -220,13 +231,16 @@ def cmd_up(args) -> int:
                                             "--speculative-algorithm", algorithm,
                                             "--speculative-num-draft-tokens", str(args.speculative_num_draft_tokens),
                                             "--speculative-num-steps", str(args.speculative_num_draft_tokens - 1),
-                                            "--speculative-draft-sampling", args.speculative_draft_sampling],
-                                log_dir=log_dir, host=args.host, port=gateway_port or None)
+                                            "--speculative-draft-sampling", args.speculative_draft_sampling,
+                                            *(gw_ops := up_ops.gateway_args(args, args.host))],
+                                log_dir=log_dir, host=args.host, port=gateway_port or None, credentials=creds)
         procs.append(gateway)
         gateway.wait_healthy(args.startup_timeout_s)
         print(f"gateway {gateway.address}  serving (logs: {gateway.log_path})", file=sys.stderr)
+        up_ops.print_endpoints(args, gw_ops, sys.stderr)
         if args.prompt is not None:
-            return run_generation(gateway.address, args.prompt, _sampling(args))
+            return run_generation(gateway.address, args.prompt, _sampling(args), credentials=creds,
+                                  api_key=up_ops.env_api_key())
         print(f"ready: splitspec generate --gateway {gateway.address} \"def fibonacci(n):\"   (Ctrl-C stops)",
               file=sys.stderr)
         while all(p.proc.poll() is None for p in procs):
@@ -260,8 +274,9 @@ def main(argv=None) -> None:
         from splitspec.bench.ceiling import main as ceiling_main
         sys.exit(ceiling_main(argv[1:]))
     args = build_parser().parse_args(argv)
+    from splitspec import certs, scaleout
     sys.exit({"up": cmd_up, "generate": cmd_generate, "health": cmd_health,
-              "loadtest": cmd_loadtest}[args.command](args))
+              "loadtest": cmd_loadtest, "certs": certs.main, "scaleout": scaleout.main}[args.command](args))
 
 
 if __name__ == "__main__":

@@ -28,10 +28,15 @@ def build_request(prompt: str | list[int], *, max_new_tokens: int | None = None,
     return req
 
 
-def stream(address: str, request: gateway_pb2.GenerateRequest,
-           timeout_s: float | None = None) -> Iterator[gateway_pb2.GenerateResponse]:
-    with grpc.insecure_channel(address) as ch:
-        yield from gateway_pb2_grpc.GenerationStub(ch).Generate(request, timeout=timeout_s)
+def stream(address: str, request: gateway_pb2.GenerateRequest, timeout_s: float | None = None, *,
+           credentials: grpc.ChannelCredentials | None = None,
+           api_key: str | None = None) -> Iterator[gateway_pb2.GenerateResponse]:
+    """Stream a Generate; over TLS with `credentials` (splitspec.security.channel_credentials),
+    with `authorization: Bearer api_key` metadata when the gateway wants a key."""
+    metadata = [("authorization", f"Bearer {api_key}")] if api_key else None
+    with (grpc.secure_channel(address, credentials) if credentials is not None
+          else grpc.insecure_channel(address)) as ch:
+        yield from gateway_pb2_grpc.GenerationStub(ch).Generate(request, timeout=timeout_s, metadata=metadata)
 
 
 def format_stats(complete: gateway_pb2.Complete, elapsed_s: float) -> str:

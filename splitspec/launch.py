@@ -32,9 +32,12 @@ def port_available(host: str, port: int) -> bool:
         return True
 
 
-def health_status(address: str, service: str = "", timeout_s: float = 1.0) -> int | None:
-    """grpc.health.v1 Check; the status enum, or None when nothing answers."""
-    with grpc.insecure_channel(address) as ch:
+def health_status(address: str, service: str = "", timeout_s: float = 1.0,
+                  credentials: grpc.ChannelCredentials | None = None) -> int | None:
+    """grpc.health.v1 Check (over TLS with `credentials`); the status enum, or None when
+    nothing answers."""
+    with (grpc.secure_channel(address, credentials) if credentials is not None
+          else grpc.insecure_channel(address)) as ch:
         try:
             return health_pb2_grpc.HealthStub(ch).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout_s).status
@@ -48,6 +51,7 @@ class ServiceProcess:
     address: str
     proc: subprocess.Popen
     log_path: Path
+    credentials: grpc.ChannelCredentials | None = None     # for the health checks of a TLS service
 
     @property
     def port(self) -> int:
@@ -65,7 +69,7 @@ class ServiceProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with code {self.proc.returncode} before serving; "
                                    f"last log lines ({self.log_path}):\n{self.log_tail()}")
-            if health_status(self.address) == health_pb2.HealthCheckResponse.SERVING:
+            if health_status(self.address, credentials=self.credentials) == health_pb2.HealthCheckResponse.SERVING:
                 return
             time.sleep(0.2)
         raise TimeoutError(f"{self.name} at {self.address} not SERVING after {timeout_s:g} s; "
@@ -84,8 +88,10 @@ class ServiceProcess:
 
 
 def start_service(name: str, args: list[str], *, log_dir: Path, host: str = "127.0.0.1",
-                  port: int | None = None, env: dict | None = None) -> ServiceProcess:
-    """Run `python -m <module of name> --host H --port P *args` with its logs in log_dir/name.log."""
+                  port: int | None = None, env: dict | None = None,
+                  credentials: grpc.ChannelCredentials | None = None) -> ServiceProcess:
+    """Run `python -m <module of name> --host H --port P *args` with its logs in log_dir/name.log.
+    `credentials`: what health checks dial it with when it serves TLS."""
     port = port or free_port(host)
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
@@ -93,4 +99,4 @@ def start_service(name: str, args: list[str], *, log_dir: Path, host: str = "127
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env={**os.environ, **(env or {})})
-    return ServiceProcess(name, f"{host}:{port}", proc, log_path)
+    return ServiceProcess(name, f"{host}:{port}", proc, log_path, credentials)

@@ -137,14 +137,19 @@ def server_options(max_message_mb: int) -> list[tuple]:
 class Server:
     """A grpc.aio server with health and reflection for `services` (full names, e.g.
     "splitspec.v1.Target"). Health starts NOT_SERVING; call `set_serving(True)` once the
-    service can take work (weights loaded and warmed up)."""
+    service can take work (weights loaded and warmed up). `credentials` (grpc server
+    credentials, splitspec/security.py) serve TLS instead of plaintext; `interceptors` run
+    before every handler (the gateway's API-key check)."""
     services: list[str]
     max_message_mb: int = 64
+    credentials: grpc.ServerCredentials | None = None
+    interceptors: tuple = ()
     grpc: grpc.aio.Server = field(init=False)
     health: health.aio.HealthServicer = field(init=False)
 
     def __post_init__(self):
-        self.grpc = grpc.aio.server(options=server_options(self.max_message_mb))
+        self.grpc = grpc.aio.server(options=server_options(self.max_message_mb),
+                                    interceptors=list(self.interceptors) or None)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         names = [*self.services, health.SERVICE_NAME, reflection.SERVICE_NAME]
@@ -158,7 +163,10 @@ class Server:
         for name in ("", *self.services):
             await self.health.set(name, NOT_SERVING)
         try:
-            bound = self.grpc.add_insecure_port(_address(host, port))
+            if self.credentials is not None:
+                bound = self.grpc.add_secure_port(_address(host, port), self.credentials)
+            else:
+                bound = self.grpc.add_insecure_port(_address(host, port))
         except RuntimeError:
             bound = 0
         if bound == 0:

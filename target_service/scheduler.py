@@ -32,6 +32,7 @@ from splitspec.engine.batching import take_fifo
 from splitspec.engine.kv_pool import BlockTable, KVPool
 from splitspec.engine.loop import Deliveries, EngineLoop
 from splitspec.engine.sample import SamplingParams, make_generator
+from splitspec.metrics import step_kind
 from splitspec.engine.tree import Tree
 
 from .model import CausalLM
@@ -124,6 +125,10 @@ class Scheduler:
         self.accepting = True
         self.forwards = 0           # batched forwards run
         self.rows = 0               # steps run in them (mean batch size = rows / forwards)
+        self.busy_ms = 0.0          # time spent in those forwards
+        # Called on the engine thread after each forward (kind, rows, tokens, forward_ms) when
+        # --metrics-port is on; None costs nothing.
+        self.on_forward = None
         engine.attach(self)
 
     # --- what GetInfo reports ---------------------------------------------------------------
@@ -327,6 +332,7 @@ class Scheduler:
         with self.lock:
             self.forwards += 1
             self.rows += len(picked)
+            self.busy_ms += forward_ms
             for (session, _), work, out in zip(picked, works, outputs):
                 session.in_flight = False
                 if session.state == "closed":
@@ -336,6 +342,8 @@ class Scheduler:
                     continue        # its waiter left while the step ran (a Decode stream stopped early)
                 self._deliver(done, session, out, start, end, forward_ms, len(picked), tokens)
         done.flush()
+        if self.on_forward is not None:
+            self.on_forward(step_kind(w.kind for w in works), len(picked), tokens, forward_ms)
 
     def _deliver(self, done: Deliveries, session: Session, out, start: float, end: float, forward_ms: float,
                  rows: int, tokens: int) -> None:

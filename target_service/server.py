@@ -17,6 +17,8 @@ import grpc
 
 from splitspec import logs
 from splitspec.flags import apply_env
+from splitspec.metrics import add_metrics_flag, serve_engine_metrics
+from splitspec.security import add_tls_flags, server_credentials
 from splitspec.serving import (IdleError, ProtocolError, Server, UnparsableError, add_lenient_servicer,
                                end_session_with, read_message, run_main)
 from splitspec.v1 import common_pb2, target_pb2, target_pb2_grpc
@@ -100,7 +102,7 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
             running_sessions=len(sched.running), waiting_sessions=len(sched.waiting),
             max_queued_requests=sched.max_queued, kv_block_size=sched.pool.block_size,
             kv_blocks_used=sched.pool.used_blocks, kv_blocks_free=sched.pool.free_blocks,
-            forward_passes=sched.forwards, batched_steps=sched.rows,
+            forward_passes=sched.forwards, batched_steps=sched.rows, busy_ms=sched.busy_ms,
             max_num_batched_tokens=sched.max_batched_tokens)
 
     async def _scheduler(self, context) -> Scheduler:
@@ -166,7 +168,7 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
         session.wire_dtype = wire_dtype
         opened = target_pb2.TargetOpened(session_id=session.session_id, first_token_id=step.out.committed[0],
                                           length=session.length, forward_ms=step.forward_ms,
-                                          queue_ms=step.queue_ms, batch_size=step.batch_size)
+                                          queue_ms=step.queue_ms, batch_size=step.batch_size, batch_tokens=step.batch_tokens)
         if step.out.hidden is not None:
             opened.hidden.CopyFrom(tensor_to_pb(step.out.hidden, wire_dtype))
         return session, target_pb2.TargetResponse(opened=opened)
@@ -175,7 +177,7 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
         async for step in sched.decode(session, msg.n):
             tok = target_pb2.TargetToken(token_id=step.out.committed[0], length=step.length,
                                          forward_ms=step.forward_ms, queue_ms=step.queue_ms,
-                                         batch_size=step.batch_size)
+                                         batch_size=step.batch_size, batch_tokens=step.batch_tokens)
             if msg.return_hidden and step.out.hidden is not None:
                 tok.hidden.CopyFrom(tensor_to_pb(step.out.hidden, session.wire_dtype))
             await context.write(target_pb2.TargetResponse(token=tok))
@@ -190,7 +192,7 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
         verified = target_pb2.TargetVerified(
             step=msg.step, committed_token_ids=step.out.committed, length=session.length,
             num_accepted=step.out.result.num_accepted, forward_ms=step.forward_ms,
-            queue_ms=step.queue_ms, batch_size=step.batch_size)
+            queue_ms=step.queue_ms, batch_size=step.batch_size, batch_tokens=step.batch_tokens)
         if step.out.hidden is not None:
             verified.hidden.CopyFrom(tensor_to_pb(step.out.hidden, session.wire_dtype))
         return target_pb2.TargetResponse(verified=verified)
@@ -237,7 +239,18 @@ def build_parser() -> argparse.ArgumentParser:
     a("--drain-timeout-s", type=float, default=30.0,
       help="on SIGTERM, how long in-flight sessions may run before the server stops")
     a("--log-level", default="info", choices=list(logs.LEVELS), help="JSON log lines at this level and above")
+    add_metrics_flag(p)
+    add_tls_flags(p)
     return apply_env(p)
+
+
+def metrics_state(state: TargetState) -> dict:
+    """What the metrics exporter reads at scrape time (no lock: lengths and counters only)."""
+    sched = state.scheduler
+    if sched is None:
+        return {}
+    return dict(running=len(sched.running), waiting=len(sched.waiting), kv_blocks_used=sched.pool.used_blocks,
+                kv_blocks_free=sched.pool.free_blocks, forwards=sched.forwards, rows=sched.rows)
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -266,8 +279,9 @@ async def serve(args: argparse.Namespace, *, load=_load, started=None) -> None:
     """Listen at once (health NOT_SERVING), load and warm up on the engine thread, then go
     SERVING. `load` and `started` (called with the Server once listening) are seams for tests."""
     log = logs.get_logger()
-    server = Server([SERVICE], max_message_mb=args.max_message_mb)
+    server = Server([SERVICE], max_message_mb=args.max_message_mb, credentials=server_credentials(args))
     state = TargetState(args)
+    metrics = serve_engine_metrics(args, lambda: metrics_state(state), log)
     add_lenient_servicer(server.grpc, SERVICE, TargetServicer(state, server), {
         "Session": ("stream_stream", target_pb2.TargetRequest, target_pb2.TargetResponse),
         "GetInfo": ("unary_unary", common_pb2.GetInfoRequest, target_pb2.TargetInfo)})
@@ -295,6 +309,8 @@ async def serve(args: argparse.Namespace, *, load=_load, started=None) -> None:
                           attention=args.attention_backend, verify_threads=args.verify_torch_threads)
         load_s = time.perf_counter() - t
         warm_ms = await sched.warmup()
+        if metrics is not None:
+            sched.on_forward = metrics.on_forward
         state.scheduler = sched
         log.info("serving", model_id=state.model_id, architecture=cfg.architecture, layers=cfg.num_hidden_layers,
                  vocab_size=cfg.vocab_size, max_context=max_context, dtype=str(sched.dtype).removeprefix("torch."),

@@ -127,3 +127,38 @@ def test_drain_fits_in_the_stop_grace_period():
         args = parse(SERVICES[name]["command"])
         grace = int(str(SERVICES[name]["stop_grace_period"]).rstrip("s"))
         assert args.drain_timeout_s < grace
+
+
+def test_tls_override_sets_real_flags_for_services_and_their_health_checks(tmp_path):
+    """compose.tls.yaml configures mTLS and API keys through SPLITSPEC_* variables: each one is a
+    flag of the service (and the TLS ones of `splitspec health`, which the health checks run in
+    the same environment), and its files are the ones `splitspec certs` writes."""
+    import argparse
+
+    from splitspec import certs, cli
+    from splitspec.flags import apply_env, env_name
+    override = yaml.safe_load((ROOT / "compose.tls.yaml").read_text())["services"]
+    assert set(override) == set(SERVICES)
+    written = {p.name for p in [*certs.write_dev_certs(tmp_path).values()]} | \
+        {f"{n}-key.pem" for n in certs.SERVICES} | {"api-keys.txt"}
+    sub = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for name, svc in override.items():
+        env = svc["environment"]
+        parser = parser_for(SERVICES[name]["command"][0])
+        known = {env_name(a) for a in parser._actions if a.option_strings and a.dest != "help"}
+        assert set(env) <= known, set(env) - known
+        assert {v.rsplit("/", 1)[1] for v in env.values()} <= written
+        assert svc["volumes"] == ["./certs:/certs:ro"]
+        args = apply_env(parser_for(SERVICES[name]["command"][0]), env).parse_args(SERVICES[name]["command"][1:])
+        assert args.tls_cert == env["SPLITSPEC_TLS_CERT"] and args.tls_ca == env["SPLITSPEC_TLS_CA"]
+        health = apply_env(sub.choices["health"], env).parse_args(SERVICES[name]["healthcheck"]["test"][3:])
+        assert (health.tls_cert, health.tls_key, health.tls_ca) == (
+            env["SPLITSPEC_TLS_CERT"], env["SPLITSPEC_TLS_KEY"], env["SPLITSPEC_TLS_CA"])
+    assert override["gateway"]["environment"]["SPLITSPEC_API_KEY_FILE"].endswith("api-keys.txt")
+
+
+def test_metrics_and_http_are_on_in_compose():
+    for name, svc in SERVICES.items():
+        assert parse(svc["command"]).metrics_port == 9100, name
+    gw = parse(SERVICES["gateway"]["command"])
+    assert gw.http_port == 8000 and "8000:8000" in SERVICES["gateway"]["ports"]

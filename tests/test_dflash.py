@@ -12,7 +12,8 @@ from scipy import stats as sstats
 
 from draft_service.dflash import (DFlashConfig, DraftCache, default_target_layer_ids, draft_block,
                                   load_draft, new_draft, save_draft)
-from draft_service.proposer import DFlashProposer, NgramProposer, ProposerError, lookup
+from draft_service.proposer import DFlashProposer, NgramProposer, ProposerError
+from splitspec.ngram import lookup
 from splitspec.speculate import speculative_generate
 from target_service.config import ConfigError
 from target_service.engine import TargetSequence, generate

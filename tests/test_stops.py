@@ -54,3 +54,11 @@ def test_any_chunking_matches_a_search_over_the_whole_text(text, stops, cuts):
     out, stopped = run(chunks, stops)
     assert (out, stopped) == expected(text, stops)
     assert not any(s in out for s in stops)
+
+
+def test_a_longer_stop_starting_earlier_wins_over_a_shorter_one_already_complete():
+    # "a" is complete after the first chunk, but "\naa" (which starts earlier) may still come.
+    assert run(["\na", "a"], ["a", "\naa"]) == ("", True)
+    assert run(["\na", "b"], ["a", "\naa"]) == ("\n", True)
+    # Generation ends while held back: the complete shorter stop is final.
+    assert run(["\na"], ["a", "\naa"]) == ("\n", True)

@@ -13,6 +13,9 @@
     ngram-grpc     (d) n-gram (prompt lookup) speculation through the gRPC stack.
     hf             (e) Hugging Face transformers `generate` on the same weights.
     hf-pld         (f) transformers prompt-lookup decoding (`prompt_lookup_num_tokens`).
+    auto-grpc      (g) method "auto" through the services: per step the gateway picks DFlash, its own
+                       n-gram index or a target-only step, and the draft length, by expected
+                       committed tokens per second (gateway/cost_model.py).
 
 Every run generates exactly max_new_tokens tokens (eos is ignored), so every configuration does
 the same amount of work on the same prompts.
@@ -50,9 +53,11 @@ CONFIGS = {c.key: c for c in (
     ConfigInfo("ngram-grpc", "d", "grpc", "ngram", True, "n-gram (prompt lookup) speculation through the services"),
     ConfigInfo("hf", "e", "hf", "none", False, "transformers generate on the same weights"),
     ConfigInfo("hf-pld", "f", "hf", "ngram", True, "transformers prompt-lookup decoding"),
+    ConfigInfo("auto-grpc", "g", "grpc", "auto", True,
+               "auto: the gateway picks DFlash, n-gram or none and the draft length per step"),
 )}
 # Configurations whose drafts can be greedy or sampled at temperature > 0.
-DRAFT_SAMPLING_CONFIGS = ("dflash-grpc", "dflash-inproc")
+DRAFT_SAMPLING_CONFIGS = ("dflash-grpc", "dflash-inproc", "auto-grpc")
 
 
 @dataclass
@@ -69,6 +74,8 @@ class Sample:
     draft_ms: float | None = None
     verify_ms: float | None = None
     wire_ms: float | None = None
+    queue_ms: float | None = None          # steps' waits in the services' batch queues
+    steps_by_method: dict = field(default_factory=dict)   # auto: steps per drafter that ran
     hidden_state_bytes: int | None = None
     method_ran: str = ""
     draft_fallbacks: int = 0
@@ -146,7 +153,8 @@ class GatewayRunner:
         return Sample(tokens=tokens, wall_s=wall, ttft_s=times[0], step_sizes=sizes[1:], step_times=times,
                       accepted_per_position=list(st.accepted_per_position), verify_steps=st.verify_steps,
                       committed=round(st.accept_length * st.verify_steps), draft_tokens=st.draft_tokens,
-                      draft_ms=st.draft_ms, verify_ms=st.verify_ms, wire_ms=st.wire_ms,
+                      draft_ms=st.draft_ms, verify_ms=st.verify_ms, wire_ms=st.wire_ms, queue_ms=st.queue_ms,
+                      steps_by_method=dict(st.steps_by_method),
                       hidden_state_bytes=st.hidden_state_bytes, method_ran=st.method,
                       draft_fallbacks=st.draft_fallbacks, start_s=t0)
 
@@ -255,9 +263,9 @@ class HFRunner:
 
 # ------------------------------------------------------------------------------ service counters
 
-def service_counters(address: str | None, kind: str) -> tuple[int, int] | None:
-    """(forward_passes, batched_steps) from the GetInfo of a target or draft service; None when
-    the address is unknown or the service does not answer."""
+def service_counters(address: str | None, kind: str) -> tuple[int, int, float] | None:
+    """(forward_passes, batched_steps, busy_ms) from the GetInfo of a target or draft service;
+    None when the address is unknown or the service does not answer."""
     if not address:
         return None
     stub_class = target_pb2_grpc.TargetStub if kind == "target" else draft_pb2_grpc.DraftStub
@@ -266,10 +274,17 @@ def service_counters(address: str | None, kind: str) -> tuple[int, int] | None:
             info = stub_class(ch).GetInfo(common_pb2.GetInfoRequest(), timeout=30)
     except grpc.RpcError:
         return None
-    return info.forward_passes, info.batched_steps
+    return info.forward_passes, info.batched_steps, info.busy_ms
 
 
-def mean_batch(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+def busy_share(before, after, wall_s: float) -> float | None:
+    """Share of wall time the service spent in forwards between two `service_counters` readings."""
+    if before is None or after is None or wall_s <= 0:
+        return None
+    return (after[2] - before[2]) / 1e3 / wall_s
+
+
+def mean_batch(before, after) -> float | None:
     """Mean steps per forward between two `service_counters` readings; None with no forwards."""
     if before is None or after is None or after[0] <= before[0]:
         return None

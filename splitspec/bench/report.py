@@ -19,7 +19,7 @@ FORMATS = {"tokens_per_s": "{:.1f}", "tokens_per_s_median": "{:.1f}", "speedup":
            # concurrency sweep and mixed run
            "speedup_vs_1_stream": "{:.2f}", "latency_ms_p50": "{:.0f}", "latency_ms_p99": "{:.0f}",
            "ttft_ms_p99": "{:.1f}", "itl_ms_p99": "{:.2f}", "target_batch_mean": "{:.2f}",
-           "draft_batch_mean": "{:.2f}", "long_ttft_ms": "{:.1f}", "itl_ms_p50_outside": "{:.2f}",
+           "draft_batch_mean": "{:.2f}", "speedup_vs_target": "{:.2f}", "long_ttft_ms": "{:.1f}", "itl_ms_p50_outside": "{:.2f}",
            "itl_ms_p99_outside": "{:.2f}", "itl_ms_p50_during": "{:.2f}", "itl_ms_p99_during": "{:.2f}",
            "itl_p99_during_over_p50_outside": "{:.2f}"}
 
@@ -187,11 +187,15 @@ def summarize(name: str, key: str, samples: list[Sample], *, prompt_ids: list[li
         draft_ms = sum(s.draft_ms for s in samples)
         verify_ms = sum(s.verify_ms for s in samples)
         wire_ms = sum(s.wire_ms for s in samples)
+        queue_ms = sum(s.queue_ms or 0.0 for s in samples)
         split = {"total": wall * 1e3 / steps, "draft": draft_ms / steps, "verify": verify_ms / steps,
-                 "wire": wire_ms / steps, "other": (wall * 1e3 - draft_ms - verify_ms) / steps}
+                 "wire": wire_ms / steps, "queue": queue_ms / steps,
+                 "other": (wall * 1e3 - draft_ms - verify_ms) / steps}
     elif steps:
-        split = {"total": wall * 1e3 / steps, "draft": None, "verify": None, "wire": None, "other": None}
+        split = {"total": wall * 1e3 / steps, "draft": None, "verify": None, "wire": None, "queue": None,
+                 "other": None}
     entry["per_step_ms"] = split
+    entry["steps_by_method"] = method_mix(samples)
     if info.kind == "grpc" and info.speculative and steps:
         # The prompt's features go to the draft once, at Open; each verify step then sends the
         # rows of the root and the accepted nodes, i.e. tau rows. Bytes per row = total / all rows.
@@ -242,12 +246,30 @@ MAIN_COLUMNS = [
     ("draft", lambda e: fmt((e["per_step_ms"] or {}).get("draft"), "{:.1f}")),
     ("verify", lambda e: fmt((e["per_step_ms"] or {}).get("verify"), "{:.1f}")),
     ("wire", lambda e: fmt((e["per_step_ms"] or {}).get("wire"), "{:.1f}")),
+    ("queue", lambda e: fmt((e["per_step_ms"] or {}).get("queue"), "{:.1f}")),
     ("gateway/other", lambda e: fmt((e["per_step_ms"] or {}).get("other"), "{:.1f}")),
     ("hidden B/step", lambda e: fmt(e["hidden_state_bytes_per_step"], FORMATS["hidden_state_bytes_per_step"])),
     ("ideal", lambda e: fmt(e["ideal_speedup"], FORMATS["ideal_speedup"])),
     ("efficiency", lambda e: fmt(e["efficiency"], FORMATS["efficiency"])),
     ("= baseline", lambda e: "–" if e["greedy_matches"] is None else f"{e['greedy_matches']}/{e['requests']}"),
+    ("steps dflash/ngram/none", lambda e: mix_cell(e.get("steps_by_method"))),
 ]
+
+
+def method_mix(samples) -> dict | None:
+    """Steps per drafter over the samples (auto: what the policy chose), None when not reported."""
+    out: dict[str, int] = {}
+    for s in samples:
+        for m, n in (getattr(s, "steps_by_method", None) or {}).items():
+            out[m] = out.get(m, 0) + n
+    return out or None
+
+
+def mix_cell(mix: dict | None) -> str:
+    if not mix:
+        return "–"
+    total = sum(mix.values())
+    return "/".join(f"{100 * mix.get(m, 0) / total:.0f}" for m in ("dflash", "ngram", "none")) + " %"
 
 
 def _cell(key: str):
@@ -258,7 +280,9 @@ CONCURRENCY_COLUMNS = [
     ("streams", lambda c: str(c["streams"])),
     ("configuration", lambda c: c["name"]),
     ("requests", lambda c: str(c["requests"])),
+    ("T", lambda c: f"{c['temperature']:g}"),
     ("tok/s (aggregate)", _cell("tokens_per_s")),
+    ("× target", _cell("speedup_vs_target")),
     ("× 1 stream", _cell("speedup_vs_1_stream")),
     ("latency p50 ms", _cell("latency_ms_p50")),
     ("latency p99 ms", _cell("latency_ms_p99")),
@@ -268,6 +292,10 @@ CONCURRENCY_COLUMNS = [
     ("ITL p99 ms", _cell("itl_ms_p99")),
     ("target batch", _cell("target_batch_mean")),
     ("draft batch", _cell("draft_batch_mean")),
+    ("busy target/draft/both", lambda c: "/".join(fmt(c.get(k), "{:.0%}") for k in ("target_busy", "draft_busy", "overlap"))),
+    ("step ms draft/verify/wire/queue", lambda c: "/".join(fmt((c.get("per_step_ms") or {}).get(k), "{:.1f}")
+                                                          for k in ("draft", "verify", "wire", "queue"))),
+    ("steps dflash/ngram/none", lambda c: mix_cell(c.get("steps_by_method"))),
     ("= baseline", lambda c: "–" if c["greedy_matches"] is None else f"{c['greedy_matches']}/{c['requests']}"),
 ]
 
@@ -353,11 +381,18 @@ def markdown(results: dict) -> str:
             lines += ["", "**Mismatches:**", ""] + [f"- {n}" for n in notes]
     if results.get("concurrency"):
         c0 = results["concurrency"][0]
-        lines += ["", f"## Concurrency ({temperature_title(c0['temperature'], c0.get('top_p'))}, "
-                      f"{c0['max_new_tokens']} new tokens per request)", ""]
+        temps = sorted({c["temperature"] for c in results["concurrency"]})
+        title = " and ".join(temperature_title(t, next(c.get("top_p") for c in results["concurrency"]
+                                                       if c["temperature"] == t)) for t in temps)
+        lines += ["", f"## Concurrency ({title}, {c0['max_new_tokens']} new tokens per request)", ""]
         lines += table([c for c, _ in CONCURRENCY_COLUMNS],
                        [[f(c) for _, f in CONCURRENCY_COLUMNS] for c in results["concurrency"]])
-        lines += ["", "× 1 stream = tok/s ÷ the same configuration's at 1 stream; ITL = gap between a "
+        lines += ["", "× target = tok/s ÷ target-only's at the same streams and temperature; "
+                  "× 1 stream = tok/s ÷ the same configuration's at 1 stream; step ms = per step, the "
+                  "Propose and Verify round trips, their part outside both models, and their waits in "
+                  "the services' batch queues; busy = share of the point's wall time each service spent "
+                  "in forwards (Δ busy_ms from GetInfo), both = at least this share had both running at "
+                  "once (target + draft − 1); ITL = gap between a "
                   "request's consecutive chunks ÷ the later chunk's tokens, pooled over the point's "
                   "requests; target / draft batch = steps per batched forward the service ran during "
                   "the point (Δ batched_steps ÷ Δ forward_passes from its GetInfo; – when the bench "

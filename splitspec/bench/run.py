@@ -20,10 +20,10 @@ from datetime import datetime, timezone
 from itertools import chain, cycle, islice
 from pathlib import Path
 
-from .configs import (CONFIGS, DRAFT_SAMPLING_CONFIGS, GatewayRunner, HFRunner, InprocRunner, mean_batch,
+from .configs import (CONFIGS, DRAFT_SAMPLING_CONFIGS, GatewayRunner, HFRunner, InprocRunner, busy_share, mean_batch,
                       service_counters)
 from .prompts import default_prompts, digest, load_jsonl
-from .report import markdown, metadata, percentile, split_gaps, summarize, token_gaps, write_json
+from .report import markdown, metadata, method_mix, percentile, split_gaps, summarize, token_gaps, write_json
 
 DEFAULT_CONFIGS = ",".join(CONFIGS)
 GRPC = [k for k, c in CONFIGS.items() if c.kind == "grpc"]
@@ -60,8 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
       help="verify width: root + drafted tokens (default: the draft's block size, else 8)")
     a("--seed", type=int, default=0, help="request i of repeat r uses seed + 1000 r + i at temperature > 0")
     a("--concurrency", default="1,4,16,64", help="stream counts of the concurrency sweep ('' to skip)")
-    a("--sweep-configs", default="target,dflash-grpc,ngram-grpc", help="configurations in the sweep")
+    a("--sweep-configs", default="target,dflash-grpc,ngram-grpc,auto-grpc", help="configurations in the sweep")
+    a("--sweep-temperatures", default=None,
+      help="temperatures of the sweep, comma-separated (default: the first of --temperatures); drafts greedy")
     a("--sweep-requests", type=int, default=8, help="requests per sweep point: max(this, streams)")
+    a("--sweep-repeats", type=int, default=1,
+      help="times each sweep point runs, the configurations taking turns (medians are reported)")
     a("--mixed-run", action="store_true",
       help="after the sweep: one long prompt's prefill among --mixed-streams decoding streams; reports "
            "the long request's TTFT and the decoders' ITL during that prefill and outside it")
@@ -105,7 +109,7 @@ class Bench:
     # -------------------------------------------------------------- setup
 
     def resolve(self) -> None:
-        from splitspec.cli import DEFAULT_DRAFT, DEFAULT_TARGET, _model_dir
+        from splitspec.defaults import DEFAULT_DRAFT, DEFAULT_TARGET, model_dir as _model_dir
         a = self.args
         self.target_path = _model_dir(a.target_model_path, DEFAULT_TARGET)
         if self.target_path is not None and not (self.target_path / "config.json").is_file():
@@ -374,39 +378,65 @@ class Bench:
         return entries, baseline_outputs
 
     def sweep(self, baseline_outputs: dict) -> list[dict]:
+        """Every (streams, temperature) point runs each configuration back to back, --sweep-repeats
+        times in turn, so that a slow minute of this shared machine hits them alike: a point
+        reports the median tok/s of its repeats, and × target the median of the repeats' paired
+        ratios."""
         a = self.args
         keys = [k for k in _csv(a.sweep_configs) if k in self.configs and CONFIGS[k].kind == "grpc"]
         if not self.levels or not keys:
             return []
-        temperature = self.temperatures[0]
+        temps = [float(t) for t in _csv(a.sweep_temperatures)] if a.sweep_temperatures else self.temperatures[:1]
         out = []
-        for level in self.levels:
+        for level, temperature in ((lv, t) for t in temps for lv in self.levels):
+            reps = {key: [] for key in keys}
+            for rep in range(max(1, a.sweep_repeats)):
+                for key in keys:
+                    reps[key].append(self._sweep_point(key, level, temperature, baseline_outputs))
             for key in keys:
-                info = CONFIGS[key]
-                runner = GatewayRunner(self.gateway, info.method, self.width, "greedy", a.timeout_s)
-                self.runners.append(runner)
-                n = max(level, a.sweep_requests)
-                jobs = [(j % len(self.prompt_ids), self.params(temperature, a.seed + 500_000 + j)) for j in range(n)]
-                before = self.counters()
-                t0 = time.perf_counter()
-                with ThreadPoolExecutor(level) as pool:
-                    results = list(pool.map(lambda job: runner.run(self.prompt_ids[job[0]], a.max_new_tokens, job[1]),
-                                            jobs))
-                wall = time.perf_counter() - t0
-                batch = self.batch_means(before, self.counters())
-                tokens = sum(len(s.tokens) for s in results)
-                matches = None
-                if temperature == 0 and baseline_outputs:
-                    matches = sum(1 for (i, _), s in zip(jobs, results) if baseline_outputs.get(i) == s.tokens)
-                out.append({"name": key, "config": key, "streams": level, "requests": n,
-                            "temperature": temperature, "top_p": a.top_p if temperature > 0 else None,
-                            "max_new_tokens": a.max_new_tokens, "tokens": tokens, "wall_s": wall,
-                            "tokens_per_s": tokens / wall,
-                            **latencies(results), **batch, "greedy_matches": matches})
-                log(f"concurrency {level} {key}: {tokens / wall:.1f} tok/s, target batch "
-                    f"{_fmt(batch['target_batch_mean'])}, draft batch {_fmt(batch['draft_batch_mean'])}")
+                runs = reps[key]
+                point = dict(sorted(runs, key=lambda p: p["tokens_per_s"])[len(runs) // 2])
+                point["tokens_per_s_runs"] = [p["tokens_per_s"] for p in runs]
+                if "target" in reps:
+                    ratios = sorted(p["tokens_per_s"] / t["tokens_per_s"] for p, t in zip(runs, reps["target"]))
+                    point["speedup_vs_target"] = ratios[len(ratios) // 2]
+                    point["speedup_vs_target_runs"] = [p["tokens_per_s"] / t["tokens_per_s"]
+                                                       for p, t in zip(runs, reps["target"])]
+                out.append(point)
         add_speedup_vs_1_stream(out)
         return out
+
+    def _sweep_point(self, key: str, level: int, temperature: float, baseline_outputs: dict) -> dict:
+        a = self.args
+        info = CONFIGS[key]
+        runner = GatewayRunner(self.gateway, info.method, self.width, "greedy", a.timeout_s)
+        self.runners.append(runner)
+        n = max(level, a.sweep_requests)
+        jobs = [(j % len(self.prompt_ids), self.params(temperature, a.seed + 500_000 + j)) for j in range(n)]
+        before = self.counters()
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(level) as pool:
+            results = list(pool.map(lambda job: runner.run(self.prompt_ids[job[0]], a.max_new_tokens, job[1]),
+                                    jobs))
+        wall = time.perf_counter() - t0
+        after = self.counters()
+        batch = self.batch_means(before, after)
+        busy = {f"{k}_busy": busy_share(before[k], after[k], wall) for k in ("target", "draft")}
+        if busy["target_busy"] is not None and busy["draft_busy"] is not None:
+            # Both services ran forwards at once for at least this share of the point.
+            busy["overlap"] = max(0.0, busy["target_busy"] + busy["draft_busy"] - 1.0)
+        tokens = sum(len(s.tokens) for s in results)
+        matches = None
+        if temperature == 0 and baseline_outputs:
+            matches = sum(1 for (i, _), s in zip(jobs, results) if baseline_outputs.get(i) == s.tokens)
+        log(f"concurrency {level} T={temperature:g} {key}: {tokens / wall:.1f} tok/s, target batch "
+            f"{_fmt(batch['target_batch_mean'])}, draft batch {_fmt(batch['draft_batch_mean'])}")
+        return {"name": key, "config": key, "streams": level, "requests": n,
+                "temperature": temperature, "top_p": a.top_p if temperature > 0 else None,
+                "max_new_tokens": a.max_new_tokens, "tokens": tokens, "wall_s": wall,
+                "tokens_per_s": tokens / wall, "per_step_ms": step_split(results),
+                "steps_by_method": method_mix(results), "speedup_vs_target": None,
+                **latencies(results), **batch, **busy, "greedy_matches": matches}
 
     def counters(self) -> dict:
         return {"target": service_counters(self.target_address, "target"),
@@ -548,10 +578,21 @@ def latencies(results: list) -> dict:
             "itl_ms_p50": percentile(itl, 50), "itl_ms_p99": percentile(itl, 99)}
 
 
+def step_split(results: list) -> dict | None:
+    """Mean ms per step of a sweep point's requests: draft / verify round trips, their wire part
+    and their waits in the services' queues."""
+    steps = sum(s.verify_steps for s in results)
+    if not steps or any(s.draft_ms is None for s in results):
+        return None
+    return {k: sum(getattr(s, f"{k}_ms") or 0.0 for s in results) / steps
+            for k in ("draft", "verify", "wire", "queue")}
+
+
 def add_speedup_vs_1_stream(points: list[dict]) -> None:
-    one = {p["config"]: p["tokens_per_s"] for p in points if p["streams"] == 1}
+    one = {(p["config"], p["temperature"]): p["tokens_per_s"] for p in points if p["streams"] == 1}
     for p in points:
-        p["speedup_vs_1_stream"] = p["tokens_per_s"] / one[p["config"]] if one.get(p["config"]) else None
+        b = one.get((p["config"], p["temperature"]))
+        p["speedup_vs_1_stream"] = p["tokens_per_s"] / b if b else None
 
 
 def wait_started(events: list[threading.Event], futures: list, deadline: float) -> None:

@@ -39,11 +39,11 @@ from draft_service.dflash import DFlashDraft, default_target_layer_ids, new_draf
 from target_service.config import ModelConfig
 from target_service.kv_cache import KVCache
 from target_service.model import apply_rope, rope_cos_sin
+from splitspec.defaults import DEFAULT_TARGET
 from splitspec.engine.sample import SamplingParams, probs_from_logits
 
 from .draft_objective import Anchors, Teacher, objective, sample_anchors
 
-DEFAULT_TARGET = "models/splitspec-code-target"
 DEFAULT_OUT = "models/splitspec-code-draft"
 DEFAULT_RUN_DIR = "runs/draft"
 MASK_TOKEN = "<|mask|>"

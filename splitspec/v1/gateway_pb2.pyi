@@ -38,7 +38,14 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class SpeculativeStats(_message.Message):
-    __slots__ = ("method", "verify_steps", "accept_length", "accepted_per_position", "draft_tokens", "draft_ms", "verify_ms", "wire_ms", "hidden_state_bytes", "draft_fallbacks", "target_failovers", "time_to_first_token_ms", "queue_ms")
+    __slots__ = ("method", "verify_steps", "accept_length", "accepted_per_position", "draft_tokens", "draft_ms", "verify_ms", "wire_ms", "hidden_state_bytes", "draft_fallbacks", "target_failovers", "time_to_first_token_ms", "queue_ms", "steps_by_method", "steps")
+    class StepsByMethodEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     METHOD_FIELD_NUMBER: _ClassVar[int]
     VERIFY_STEPS_FIELD_NUMBER: _ClassVar[int]
     ACCEPT_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +59,8 @@ class SpeculativeStats(_message.Message):
     TARGET_FAILOVERS_FIELD_NUMBER: _ClassVar[int]
     TIME_TO_FIRST_TOKEN_MS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_BY_METHOD_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
     method: str
     verify_steps: int
     accept_length: float
@@ -65,7 +74,19 @@ class SpeculativeStats(_message.Message):
     target_failovers: int
     time_to_first_token_ms: float
     queue_ms: float
-    def __init__(self, method: _Optional[str] = ..., verify_steps: _Optional[int] = ..., accept_length: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[int] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., wire_ms: _Optional[float] = ..., hidden_state_bytes: _Optional[int] = ..., draft_fallbacks: _Optional[int] = ..., target_failovers: _Optional[int] = ..., time_to_first_token_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ...) -> None: ...
+    steps_by_method: _containers.ScalarMap[str, int]
+    steps: _containers.RepeatedCompositeFieldContainer[SpeculativeStep]
+    def __init__(self, method: _Optional[str] = ..., verify_steps: _Optional[int] = ..., accept_length: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[int] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., wire_ms: _Optional[float] = ..., hidden_state_bytes: _Optional[int] = ..., draft_fallbacks: _Optional[int] = ..., target_failovers: _Optional[int] = ..., time_to_first_token_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., steps_by_method: _Optional[_Mapping[str, int]] = ..., steps: _Optional[_Iterable[_Union[SpeculativeStep, _Mapping]]] = ...) -> None: ...
+
+class SpeculativeStep(_message.Message):
+    __slots__ = ("method", "k", "accepted")
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    method: str
+    k: int
+    accepted: int
+    def __init__(self, method: _Optional[str] = ..., k: _Optional[int] = ..., accepted: _Optional[int] = ...) -> None: ...
 
 class Complete(_message.Message):
     __slots__ = ("finish_reason", "usage", "stats")

@@ -48,7 +48,7 @@ class TargetOpen(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., hidden_layer_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., hidden_dtype: _Optional[_Union[_common_pb2.DType, str]] = ...) -> None: ...
 
 class TargetOpened(_message.Message):
-    __slots__ = ("session_id", "first_token_id", "hidden", "length", "forward_ms", "queue_ms", "batch_size")
+    __slots__ = ("session_id", "first_token_id", "hidden", "length", "forward_ms", "queue_ms", "batch_size", "batch_tokens")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +56,7 @@ class TargetOpened(_message.Message):
     FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     first_token_id: int
     hidden: _common_pb2.Tensor
@@ -63,7 +64,8 @@ class TargetOpened(_message.Message):
     forward_ms: float
     queue_ms: float
     batch_size: int
-    def __init__(self, session_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., hidden: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., length: _Optional[int] = ..., forward_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., batch_size: _Optional[int] = ...) -> None: ...
+    batch_tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., hidden: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., length: _Optional[int] = ..., forward_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., batch_tokens: _Optional[int] = ...) -> None: ...
 
 class TargetDecode(_message.Message):
     __slots__ = ("n", "return_hidden")
@@ -74,20 +76,22 @@ class TargetDecode(_message.Message):
     def __init__(self, n: _Optional[int] = ..., return_hidden: _Optional[bool] = ...) -> None: ...
 
 class TargetToken(_message.Message):
-    __slots__ = ("token_id", "length", "hidden", "forward_ms", "queue_ms", "batch_size")
+    __slots__ = ("token_id", "length", "hidden", "forward_ms", "queue_ms", "batch_size", "batch_tokens")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     length: int
     hidden: _common_pb2.Tensor
     forward_ms: float
     queue_ms: float
     batch_size: int
-    def __init__(self, token_id: _Optional[int] = ..., length: _Optional[int] = ..., hidden: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., forward_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., batch_size: _Optional[int] = ...) -> None: ...
+    batch_tokens: int
+    def __init__(self, token_id: _Optional[int] = ..., length: _Optional[int] = ..., hidden: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., forward_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., batch_tokens: _Optional[int] = ...) -> None: ...
 
 class TargetVerify(_message.Message):
     __slots__ = ("step", "base_len", "tree", "draft_probs")
@@ -102,7 +106,7 @@ class TargetVerify(_message.Message):
     def __init__(self, step: _Optional[int] = ..., base_len: _Optional[int] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., draft_probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class TargetVerified(_message.Message):
-    __slots__ = ("step", "committed_token_ids", "hidden", "length", "num_accepted", "forward_ms", "queue_ms", "batch_size")
+    __slots__ = ("step", "committed_token_ids", "hidden", "length", "num_accepted", "forward_ms", "queue_ms", "batch_size", "batch_tokens")
     STEP_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +115,7 @@ class TargetVerified(_message.Message):
     FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
     step: int
     committed_token_ids: _containers.RepeatedScalarFieldContainer[int]
     hidden: _common_pb2.Tensor
@@ -119,7 +124,8 @@ class TargetVerified(_message.Message):
     forward_ms: float
     queue_ms: float
     batch_size: int
-    def __init__(self, step: _Optional[int] = ..., committed_token_ids: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., length: _Optional[int] = ..., num_accepted: _Optional[int] = ..., forward_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., batch_size: _Optional[int] = ...) -> None: ...
+    batch_tokens: int
+    def __init__(self, step: _Optional[int] = ..., committed_token_ids: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., length: _Optional[int] = ..., num_accepted: _Optional[int] = ..., forward_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., batch_tokens: _Optional[int] = ...) -> None: ...
 
 class TargetClose(_message.Message):
     __slots__ = ()
@@ -130,7 +136,7 @@ class TargetClosed(_message.Message):
     def __init__(self) -> None: ...
 
 class TargetInfo(_message.Message):
-    __slots__ = ("model_id", "architecture", "vocab_size", "hidden_size", "num_layers", "dtype", "eos_token_ids", "max_context", "tokenizer_hash", "tokenizer_json", "tokenizer_config_json", "active_sessions", "max_sessions", "kv_cache_bytes", "kv_cache_budget_bytes", "sampling_backend", "replica_id", "running_sessions", "waiting_sessions", "max_queued_requests", "kv_block_size", "kv_blocks_used", "kv_blocks_free", "forward_passes", "batched_steps", "max_num_batched_tokens")
+    __slots__ = ("model_id", "architecture", "vocab_size", "hidden_size", "num_layers", "dtype", "eos_token_ids", "max_context", "tokenizer_hash", "tokenizer_json", "tokenizer_config_json", "active_sessions", "max_sessions", "kv_cache_bytes", "kv_cache_budget_bytes", "sampling_backend", "replica_id", "running_sessions", "waiting_sessions", "max_queued_requests", "kv_block_size", "kv_blocks_used", "kv_blocks_free", "forward_passes", "batched_steps", "max_num_batched_tokens", "busy_ms")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -157,6 +163,7 @@ class TargetInfo(_message.Message):
     FORWARD_PASSES_FIELD_NUMBER: _ClassVar[int]
     BATCHED_STEPS_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BUSY_MS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     architecture: str
     vocab_size: int
@@ -183,4 +190,5 @@ class TargetInfo(_message.Message):
     forward_passes: int
     batched_steps: int
     max_num_batched_tokens: int
-    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context: _Optional[int] = ..., tokenizer_hash: _Optional[str] = ..., tokenizer_json: _Optional[bytes] = ..., tokenizer_config_json: _Optional[str] = ..., active_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., kv_cache_budget_bytes: _Optional[int] = ..., sampling_backend: _Optional[str] = ..., replica_id: _Optional[str] = ..., running_sessions: _Optional[int] = ..., waiting_sessions: _Optional[int] = ..., max_queued_requests: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., forward_passes: _Optional[int] = ..., batched_steps: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ...) -> None: ...
+    busy_ms: float
+    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context: _Optional[int] = ..., tokenizer_hash: _Optional[str] = ..., tokenizer_json: _Optional[bytes] = ..., tokenizer_config_json: _Optional[str] = ..., active_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., kv_cache_budget_bytes: _Optional[int] = ..., sampling_backend: _Optional[str] = ..., replica_id: _Optional[str] = ..., running_sessions: _Optional[int] = ..., waiting_sessions: _Optional[int] = ..., max_queued_requests: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., forward_passes: _Optional[int] = ..., batched_steps: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., busy_ms: _Optional[float] = ...) -> None: ...

@@ -1,0 +1,86 @@
+"""The arithmetic of the adaptive policy (`method = "auto"`), as plain functions: how many tokens a
+step of k drafted tokens commits on average, what that step costs, and which (drafter, k) gives
+the most committed tokens per second. `policy.py` feeds it what the gateway measured.
+
+A step's cost is modelled on what the services report about their batched forwards:
+
+    target forward_ms  ≈  a  +  b · rows  +  c · tokens
+
+(a: fixed per forward; b: per session row, mostly reading that row's KV context; c: per query
+token). The gateway does not choose the batch alone: every running session makes the same kind
+of choice, so a verify of width w is priced as if all `rows` sessions of the current batch sent
+width w (a + rows · (b + c · w)). That is what the forward will cost when the policy is applied
+by everyone, and it is why, under heavy load, wide verifies price themselves out and the policy
+drafts less or not at all; with one session it reduces to "how much does one more token of
+width cost".
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+
+def expected_tokens(accept: Sequence[float], k: int) -> float:
+    """Tokens committed on average by a verify of a k-token chain: the bonus token always, plus
+    draft i when drafts 1..i are all accepted. accept[i] = P(draft i+1 accepted | drafts
+    1..i accepted); positions past the end of `accept` reuse its last value."""
+    total, p = 1.0, 1.0
+    for i in range(k):
+        p *= accept[min(i, len(accept) - 1)] if accept else 0.0
+        total += p
+    return total
+
+
+@dataclass(frozen=True)
+class Costs:
+    """What a step costs now, in milliseconds (see the module doc)."""
+    fixed_ms: float                 # a
+    row_ms: float                   # b
+    token_ms: float                 # c
+    rows: float                     # sessions' rows in a target forward now (>= 1)
+    verify_overhead_ms: float       # a Verify round trip beyond its forward: wire, (de)serialisation, queue
+    decode_overhead_ms: float       # the same for one streamed Decode token (small: the stream never waits)
+    draft_ms: dict[str, float] = field(default_factory=dict)   # per drafter: what getting a proposal costs
+
+    def forward_ms(self, width: int) -> float:
+        return self.fixed_ms + self.rows * (self.row_ms + self.token_ms * width)
+
+    def step_ms(self, method: str, k: int) -> float:
+        if k == 0:
+            return self.forward_ms(1) + self.decode_overhead_ms
+        return self.draft_ms.get(method, 0.0) + self.forward_ms(k + 1) + self.verify_overhead_ms
+
+
+@dataclass(frozen=True)
+class Choice:
+    method: str                     # "dflash", "ngram", or "none" (a target-only decode step)
+    k: int                          # drafted tokens to verify (0 for "none")
+    tokens: float                   # expected committed tokens
+    ms: float                       # expected step time
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.ms if self.ms > 0 else float("inf")
+
+
+def options(accept: dict[str, Sequence[float]], max_k: dict[str, int], costs: Costs, *,
+            decode: bool = True) -> list[Choice]:
+    """Every step the policy could run: a decode step (unless `decode` is False), and each
+    drafter with k = 1..max_k[method] (0 or absent: that drafter has nothing to offer now)."""
+    out = [Choice("none", 0, 1.0, costs.step_ms("none", 0))] if decode else []
+    for method, kmax in max_k.items():
+        for k in range(1, kmax + 1):
+            out.append(Choice(method, k, expected_tokens(accept.get(method, ()), k), costs.step_ms(method, k)))
+    return out
+
+
+def choose(accept: dict[str, Sequence[float]], max_k: dict[str, int], costs: Costs, *,
+           decode: bool = True) -> Choice | None:
+    """The step with the most expected committed tokens per second; on a tie, the cheaper one
+    (fewer drafted tokens, the target alone before any drafter). None only when `decode` is
+    False and no drafter offers anything."""
+    best = None
+    for c in options(accept, max_k, costs, decode=decode):
+        if best is None or c.rate > best.rate * (1 + 1e-9):
+            best = c
+    return best

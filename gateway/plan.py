@@ -1,0 +1,85 @@
+"""What a request will run, decided before any session opens: its method and widths, checked
+against what the drafters behind this gateway can do (their GetInfo). A parameter no drafter can
+honour is refused with INVALID_ARGUMENT naming the limit; it is never silently changed. With
+`method = "auto"` the numbers the client gives are upper bounds, and the stats say what ran.
+
+Only values the client set are held against the limits: the gateway's own defaults (its flags)
+are fitted to the draft it found."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from splitspec.v1 import common_pb2, draft_pb2, target_pb2
+
+from .config import SpeculativeConfig
+from .request import RequestError
+
+NGRAM_MAX_WIDTH = 64      # n-gram chains beyond this are never worth a verify
+
+
+@dataclass
+class Plan:
+    """What the servicer decided for a request before any backend call."""
+    method: str                                        # "auto", "dflash", "ngram" or "none"
+    layer_ids: list[int]                               # target layers the DFlash draft reads
+    speculative: common_pb2.SpeculativeParams | None   # what the draft session opens with (None: no draft session)
+    tokenizer_hash: str = ""
+    max_k: int = 0                                     # auto: most tokens a step may draft
+    local_ngram: bool = False                          # the gateway's own n-gram index drafts
+
+
+def plan_request(spec: SpeculativeConfig, raw: common_pb2.SpeculativeParams, *, has_draft: bool,
+                 draft: draft_pb2.DraftInfo | None, target: target_pb2.TargetInfo) -> Plan:
+    """spec: the request's values over the gateway's defaults; raw: what the client sent (to
+    know which values it set). draft: the draft's GetInfo, None while it is unreachable (the
+    request then runs without it: a fallback, not the client's error)."""
+    method = spec.method
+    if method == "none":
+        return Plan("none", [], None)
+    auto = method == "auto"
+    explicit = {name: getattr(raw, name) for name in ("num_steps", "topk", "num_draft_tokens") if raw.HasField(name)}
+    dflash_ok = draft is not None and draft.method == "dflash"
+    if not auto:
+        if not has_draft and method == "dflash":
+            raise RequestError("speculative.method = dflash, but this gateway has no draft service (--draft); "
+                               "use auto, ngram (the gateway's own prompt lookup) or none")
+        if draft is not None and method == "dflash" and not dflash_ok:
+            raise RequestError(f"speculative.method = dflash, but the draft {draft.model_id!r} serves "
+                               f"{draft.method} only; use auto, ngram or none")
+        if explicit.get("topk", 1) > 1:
+            raise RequestError(f"speculative.topk = {explicit['topk']}: the drafters behind this gateway propose "
+                               f"chains only (topk 1); use topk 1, or method auto (where topk is an upper bound)")
+    if method == "dflash" or (auto and dflash_ok):
+        limit = draft.block_size if draft is not None and draft.block_size else spec.num_draft_tokens
+        limit_name = f"the draft's block size ({limit})"
+    else:
+        limit = min(NGRAM_MAX_WIDTH, target.max_num_batched_tokens or NGRAM_MAX_WIDTH)
+        limit_name = f"the n-gram limit ({limit})"
+    if not auto:
+        for name, value in explicit.items():
+            if name == "num_draft_tokens" and value > limit:
+                raise RequestError(f"speculative.num_draft_tokens = {value} is above {limit_name}: the most a "
+                                   f"verify step can check is {limit} (root + {limit - 1} drafted tokens)")
+            if name == "num_steps" and value + 1 > limit:
+                raise RequestError(f"speculative.num_steps = {value} is above {limit_name} minus one: a chain "
+                                   f"drafts at most {limit - 1} tokens per step")
+        if "num_draft_tokens" in explicit and "num_steps" in explicit \
+                and explicit["num_draft_tokens"] > explicit["num_steps"] + 1:
+            raise RequestError(f"speculative.num_draft_tokens = {explicit['num_draft_tokens']} needs a chain of "
+                               f"{explicit['num_draft_tokens'] - 1} tokens, but num_steps = {explicit['num_steps']}")
+    width = max(2, min(spec.num_draft_tokens, spec.num_steps + 1, limit))
+    if auto:
+        remote = dflash_ok
+        params = common_pb2.SpeculativeParams(method="dflash", num_draft_tokens=limit,
+                                              draft_sampling=spec.draft_sampling) if remote else None
+        return Plan("auto", list(draft.target_layer_ids) if remote else [], params, target.tokenizer_hash,
+                    max_k=width - 1, local_ngram=True)
+    if method == "ngram" and draft is None:
+        # No draft service (or none reachable yet): the gateway's own prompt lookup honours it.
+        return Plan("ngram", [], None, max_k=width - 1, local_ngram=True)
+    if draft is None:
+        return Plan(method, [], None)      # dflash while the draft is unreachable: target-only until it is back
+    params = common_pb2.SpeculativeParams(method=method, num_steps=width - 1, topk=1, num_draft_tokens=width,
+                                          draft_sampling=spec.draft_sampling)
+    return Plan(method, list(draft.target_layer_ids) if method == "dflash" and draft is not None else [],
+                params, target.tokenizer_hash, max_k=width - 1)

@@ -1,0 +1,243 @@
+"""What the adaptive policy knows, and the per-step decision of a request.
+
+* `Acceptance`: how often the draft at each position was accepted (decayed counts), per request
+  and per drafter (the n-gram drafter per matched suffix length: a 4-token match is a far
+  better bet than a 1-token one), starting from the gateway-wide estimate so a new request does
+  not start blind.
+* `Measurements` (one per gateway, shared by its requests): the target's forward-time model
+  fitted on what the target reports with every step (forward_ms, batch_size, batch_tokens), the
+  current batch size, the round-trip overheads and the cost of a proposal, as the gateway sees
+  them.
+* `AutoPolicy` (one per request): each step, `cost_model.choose` over those numbers, bounded by
+  what the request allows; a run of target-only steps grows while the target stays the better
+  choice, and a long run is interrupted by one speculative probe so the acceptance estimates
+  and overheads stay current.
+* `FixedPolicy`: what an explicit method (dflash, ngram, none) runs: always the same step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .cost_model import Choice, Costs, choose
+
+DECAY = 0.97                 # per observation: about the last 30 steps count
+PRIOR_ACCEPT = 0.7           # before anything is measured: optimistic, so drafting gets tried
+PRIOR_WEIGHT = 2.0           # a request's estimate starts as this many steps of the gateway's
+MAX_DECODE_RUN = 16          # longest target-only run between two decisions
+PROBE_AFTER_TOKENS = 48      # target-only tokens after which one speculative step re-measures
+PROBE_EVERY = 16             # decisions after which a drafter not chosen since gets one step
+NGRAM_WATCH = 0.25           # share of recent decisions choosing n-gram above which runs stay 1 token
+
+
+class Acceptance:
+    """Decayed per-position counts: position i counts a trial when drafts 1..i were all
+    accepted (so draft i+1 was looked at), and a success when draft i+1 was accepted too."""
+
+    def __init__(self, size: int, prior: list[float] | None = None, prior_weight: float = PRIOR_WEIGHT):
+        self.trials = [0.0] * size
+        self.hits = [0.0] * size
+        self.prior = list(prior) if prior is not None else [PRIOR_ACCEPT] * size
+        self.prior_weight = prior_weight
+
+    def update(self, k: int, accepted: int) -> None:
+        for i in range(len(self.trials)):
+            self.trials[i] *= DECAY
+            self.hits[i] *= DECAY
+        for i in range(min(k, accepted + 1, len(self.trials))):
+            self.trials[i] += 1.0
+            self.hits[i] += 1.0 if i < accepted else 0.0
+
+    def rates(self) -> list[float]:
+        w = self.prior_weight
+        return [(h + w * p) / (t + w) for h, t, p in zip(self.hits, self.trials, self.prior)]
+
+
+class Ema:
+    def __init__(self, value: float | None = None, alpha: float = 0.1):
+        self.value, self.alpha = value, alpha
+
+    def add(self, x: float) -> None:
+        self.value = x if self.value is None else self.value + self.alpha * (x - self.value)
+
+    def get(self, default: float) -> float:
+        return default if self.value is None else self.value
+
+
+class ForwardModel:
+    """forward_ms ≈ a + b·rows + c·tokens, least squares over exponentially decayed sufficient
+    statistics, with a light ridge so that directions the data does not separate (one session:
+    rows is always 1) stay finite. Coefficients are kept >= 0: a negative per-token cost would
+    make wider verifies look free."""
+
+    def __init__(self, decay: float = 0.99, ridge: float = 1e-2):
+        self.decay, self.ridge = decay, ridge
+        self.xtx = np.zeros((3, 3))
+        self.xty = np.zeros(3)
+        self.n = 0.0
+        self._coef: np.ndarray | None = None
+
+    def add(self, rows: int, tokens: int, ms: float) -> None:
+        if rows <= 0 or tokens <= 0 or ms <= 0:
+            return
+        x = np.array([1.0, float(rows), float(tokens)])
+        self.xtx = self.decay * self.xtx + np.outer(x, x)
+        self.xty = self.decay * self.xty + x * ms
+        self.n = self.decay * self.n + 1.0
+        self._coef = None
+
+    def coef(self) -> tuple[float, float, float] | None:
+        if self.n < 1.0:
+            return None
+        if self._coef is None:
+            a = self.xtx + self.ridge * max(self.n, 1.0) * np.eye(3)
+            self._coef = np.clip(np.linalg.solve(a, self.xty), 0.0, None)
+        a, b, c = self._coef
+        return float(a), float(b), float(c)
+
+
+class Measurements:
+    """The gateway-wide numbers every request's policy reads (module doc)."""
+
+    def __init__(self, max_positions: int = 16):
+        self.forward = ForwardModel()
+        self.rows = Ema(alpha=0.2)
+        self.verify_overhead = Ema()
+        self.decode_overhead = Ema()
+        self.draft_ms: dict[str, Ema] = {}
+        self.max_positions = max_positions
+        self.accept: dict[tuple, Acceptance] = {}
+
+    # -- what the services reported ---------------------------------------------------------
+    def target_step(self, forward_ms: float, batch_size: int, batch_tokens: int) -> None:
+        self.forward.add(batch_size, batch_tokens, forward_ms)
+        if batch_size > 0:
+            self.rows.add(batch_size)
+
+    def verify_round_trip(self, ms: float, forward_ms: float) -> None:
+        self.verify_overhead.add(max(0.0, ms - forward_ms))
+
+    def decode_gap(self, ms: float, forward_ms: float) -> None:
+        self.decode_overhead.add(max(0.0, ms - forward_ms))
+
+    def proposal(self, method: str, ms: float) -> None:
+        self.draft_ms.setdefault(method, Ema()).add(ms)
+
+    def acceptance(self, key: tuple) -> Acceptance:
+        if key not in self.accept:
+            self.accept[key] = Acceptance(self.max_positions, prior_weight=PRIOR_WEIGHT)
+        return self.accept[key]
+
+    def snapshot(self) -> dict:
+        """The numbers behind the decisions, for a debug log line."""
+        c = self.costs()
+        return {"fixed_ms": round(c.fixed_ms, 2), "row_ms": round(c.row_ms, 2), "token_ms": round(c.token_ms, 3),
+                "rows": round(c.rows, 1), "verify_overhead_ms": round(c.verify_overhead_ms, 2),
+                "decode_overhead_ms": round(c.decode_overhead_ms, 2),
+                "draft_ms": {m: round(v, 2) for m, v in c.draft_ms.items()},
+                "accept": {"/".join(map(str, k)): [round(r, 2) for r in a.rates()[:8]] for k, a in self.accept.items()}}
+
+    # -- what a step costs now ----------------------------------------------------------------
+    def costs(self) -> Costs:
+        coef = self.forward.coef()
+        a, b, c = coef if coef is not None else (1.0, 1.0, 0.1)   # unmeasured: a decode is 10 % of a width-10 verify
+        return Costs(fixed_ms=a, row_ms=b, token_ms=c, rows=max(1.0, self.rows.get(1.0)),
+                     verify_overhead_ms=self.verify_overhead.get(0.0),
+                     decode_overhead_ms=self.decode_overhead.get(0.0),
+                     draft_ms={m: e.get(0.0) for m, e in self.draft_ms.items()})
+
+
+@dataclass
+class Offer:
+    """What the drafters can offer this step: the most tokens each can draft (0: nothing)."""
+    dflash: int = 0
+    ngram: int = 0
+    ngram_match: int = 0          # length of the matched suffix behind the n-gram offer
+
+
+class FixedPolicy:
+    """An explicit method: always that drafter at the request's full width (or always decode)."""
+
+    def __init__(self, method: str):
+        self.method = method
+        self.drafter_gone = False
+
+    def choose(self, offer: Offer, remaining: int) -> Choice:
+        k = offer.dflash if self.method == "dflash" else offer.ngram if self.method == "ngram" else 0
+        if k == 0:
+            # No drafter (the draft was lost), or no n-gram match this step.
+            self.drafter_gone = self.method == "none" or (self.method == "dflash" and offer.dflash == 0)
+            return Choice("none", 0, 1.0, 0.0)
+        return Choice(self.method, min(k, max(0, remaining - 1)), 0.0, 0.0)
+
+    def decode_run(self, remaining: int) -> int:
+        # Target-only for good: one Decode for the rest of the request; else one token, then draft again.
+        return remaining if self.drafter_gone else 1
+
+    def observe(self, choice: Choice, accepted: int, ngram_match: int = 0) -> None:
+        pass
+
+
+class AutoPolicy:
+    """method = "auto" for one request (module doc)."""
+
+    def __init__(self, measurements: Measurements, *, max_k: int):
+        self.m = measurements
+        self.max_k = max_k                      # the request's upper bound on drafted tokens
+        self.local: dict[tuple, Acceptance] = {}
+        self.decode_streak = 0                  # target-only tokens since the last speculative step
+        self.run = 1
+        self.decisions = 0
+        self.last_tried: dict[str, int] = {}    # drafter -> decision number it last ran at
+        self.ngram_chosen = Ema(0.0, alpha=0.2)  # how often an n-gram draft was worth a step lately
+
+    def _acceptance(self, key: tuple) -> Acceptance:
+        if key not in self.local:
+            shared = self.m.acceptance(key)
+            self.local[key] = Acceptance(self.m.max_positions, prior=shared.rates())
+        return self.local[key]
+
+    def _key(self, method: str, ngram_match: int) -> tuple:
+        return ("ngram", ngram_match) if method == "ngram" else (method,)
+
+    def choose(self, offer: Offer, remaining: int) -> Choice:
+        cap = min(self.max_k, max(0, remaining - 1))     # the bonus is always one of the remaining
+        max_k = {"dflash": min(offer.dflash, cap), "ngram": min(offer.ngram, cap)}
+        accept = {"dflash": self._acceptance(("dflash",)).rates(),
+                  "ngram": self._acceptance(("ngram", offer.ngram_match)).rates() if offer.ngram else []}
+        costs = self.m.costs()
+        self.decisions += 1
+        best = choose(accept, max_k, costs)
+        # Exploration: an estimate that is never re-measured can stay wrong forever (one
+        # unlucky first step would rule a drafter out for good).
+        if best.method == "none" and self.decode_streak >= PROBE_AFTER_TOKENS:
+            best = choose(accept, max_k, costs, decode=False) or best
+        for method, k in max_k.items():
+            if k and method != best.method and self.decisions - self.last_tried.setdefault(method, 0) >= PROBE_EVERY:
+                best = choose(accept, {method: k}, costs, decode=False)
+                break
+        if best.method != "none":
+            self.last_tried[best.method] = self.decisions
+        self.ngram_chosen.add(1.0 if best.method == "ngram" else 0.0)
+        return best
+
+    def decode_run(self, remaining: int) -> int:
+        """How many target-only tokens to decode before deciding again: doubling while the
+        target alone stays the better choice, so a loaded server pays few extra round trips;
+        one at a time while n-gram drafts keep being worth a step (a run cannot be cut short,
+        and a match found one token too late is a free draft lost)."""
+        if self.ngram_chosen.get(0.0) > NGRAM_WATCH:
+            return 1
+        n = min(self.run, MAX_DECODE_RUN, remaining)
+        self.run = min(self.run * 2, MAX_DECODE_RUN)
+        return n
+
+    def observe(self, choice: Choice, accepted: int, ngram_match: int = 0) -> None:
+        if choice.method == "none":
+            self.decode_streak += 1
+            return
+        self.decode_streak, self.run = 0, 1
+        key = self._key(choice.method, ngram_match)
+        self._acceptance(key).update(choice.k, accepted)
+        self.m.acceptance(key).update(choice.k, accepted)

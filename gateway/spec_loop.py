@@ -1,0 +1,182 @@
+"""The speculative loop of one request on one target session (DESIGN §3, "One speculative step").
+
+    Open on the target            -> b0 and the prompt's features
+    Open on the draft             (with those features; DFlash, or n-gram through the draft service)
+    per step, the policy chooses  (drafter, k):
+        "none"                    -> Decode a run of tokens on the target (target-only steps)
+        "ngram", "dflash"         -> a k-token chain from the drafter -> Verify on the target
+    each step's committed tokens  -> yielded to the caller, owed to the draft until its next Propose
+
+The draft is told every committed token once, in order, whatever produced it: a Propose carries
+the tokens (and their target features) committed since the previous one, so n-gram and target-only
+steps can come between two DFlash steps. The gateway's own n-gram index (`method = "auto"`) costs
+no round trip. Losing the draft (`DraftLost`, raised by the `draft_call` guard the caller passes)
+leaves the loop on the target alone, or on its own n-gram index.
+
+`failover.ResilientSource` wraps this with the recovery from a lost target replica.
+"""
+from __future__ import annotations
+
+import time
+from typing import AsyncIterator, Awaitable, Callable
+
+from splitspec.ngram import NgramIndex
+from splitspec.v1 import common_pb2
+
+from .backends import DraftSession, TargetSession
+from .cost_model import Choice
+from .generation import Stats
+from .policy import AutoPolicy, FixedPolicy, Measurements, Offer
+from .request import Request
+from .speculative import concat_rows, record_step, trim_chain
+
+
+class DraftLost(Exception):
+    """The draft failed this step (the guard already logged and counted it)."""
+
+
+class RemoteDraft:
+    """A draft session and the committed tokens (with their features, for DFlash) it has not
+    been told about yet."""
+
+    def __init__(self, session: DraftSession, method: str, width: int, needs_hidden: bool):
+        self.session, self.method, self.width, self.needs_hidden = session, method, width, needs_hidden
+        self.owed_ids: list[int] = []
+        self.owed_hidden: list[common_pb2.Tensor] = []
+
+    def owe(self, ids: list[int], hidden: common_pb2.Tensor | None) -> None:
+        self.owed_ids.extend(ids)
+        if self.needs_hidden and hidden is not None and hidden.shape:
+            self.owed_hidden.append(hidden)
+
+    def propose(self, length: int):
+        ids, hidden = self.owed_ids, concat_rows(self.owed_hidden)
+        self.owed_ids, self.owed_hidden = [], []
+        return self.session.propose(length, ids, hidden)
+
+
+class SpeculativeLoop:
+    """One attempt of a request on one target session; see the module doc. `steps()` yields
+    lists of committed tokens; the caller owns the sessions' lifetimes."""
+
+    def __init__(self, target: TargetSession, req: Request, stats: Stats, policy: AutoPolicy | FixedPolicy, *,
+                 measurements: Measurements, draft_call: Callable[[Awaitable, float], Awaitable],
+                 open_draft: Callable[[object, list[int]], Awaitable[RemoteDraft | None]] | None,
+                 layer_ids: list[int], ngram: NgramIndex | None, max_width: int, step_timeout_s: float):
+        self.target, self.req, self.stats, self.policy = target, req, stats, policy
+        self.m = measurements
+        self.draft_call, self.open_draft = draft_call, open_draft
+        self.layer_ids, self.ngram, self.max_width = layer_ids, ngram, max_width
+        self.step_s = step_timeout_s
+        self.draft: RemoteDraft | None = None
+
+    async def steps(self, history: list[int]) -> AsyncIterator[list[int]]:
+        req, stats = self.req, self.stats
+        prefix = req.prompt_ids + history
+        remaining = req.max_new_tokens - len(history)
+        if remaining <= 0:
+            return
+        t = time.perf_counter()
+        opened = await self.target.open(req.request_id, prefix, req.sampling, hidden_layer_ids=self.layer_ids,
+                                        max_new_tokens=remaining + self.max_width)
+        stats.model_ms += opened.forward_ms
+        stats.queue_ms += opened.queue_ms
+        stats.verify_ms += (time.perf_counter() - t) * 1e3
+        stats.hidden_state_bytes += len(opened.hidden.data)
+        b0 = opened.first_token_id
+        yield [b0]
+        generated, length = 1, opened.length
+        if self.ngram is not None:
+            self.ngram.extend(prefix + [b0])
+        if self.open_draft is not None and generated < remaining:
+            t = time.perf_counter()
+            self.draft = await self.open_draft(opened, prefix)
+            stats.draft_ms += (time.perf_counter() - t) * 1e3
+            if self.draft is not None:
+                self.draft.owe([b0], None)
+
+        while generated < remaining:
+            choice, ngram_ids, match = self._choose(remaining - generated)
+            if choice.method == "none":
+                async for toks in self._decode(self.policy.decode_run(remaining - generated)):
+                    generated += len(toks)
+                    length += len(toks)
+                    yield toks
+                continue
+            tree, probs = await self._draft(choice, ngram_ids, length)
+            if tree is None:                   # the draft was lost just now: decide again without it
+                continue
+            t = time.perf_counter()
+            verified = await self.target.verify(stats.verify_steps, length, tree, probs)
+            ms = (time.perf_counter() - t) * 1e3
+            stats.verify_ms += ms
+            stats.model_ms += verified.forward_ms
+            stats.queue_ms += verified.queue_ms
+            stats.hidden_state_bytes += len(verified.hidden.data)
+            self.m.target_step(verified.forward_ms, verified.batch_size, verified.batch_tokens)
+            self.m.verify_round_trip(ms, verified.forward_ms)
+            drafted = len(tree.token_ids)
+            committed = list(verified.committed_token_ids)
+            ran = Choice(choice.method, drafted, choice.tokens, choice.ms)
+            self.policy.observe(ran, verified.num_accepted, match)
+            record_step(stats, choice.method, drafted, verified.num_accepted, len(committed))
+            self._committed(committed, verified.hidden)
+            length = verified.length
+            generated += len(committed)
+            yield committed
+
+    # -- one step -----------------------------------------------------------------------------
+    def _choose(self, remaining: int) -> tuple[Choice, list[int], int]:
+        offer, ngram_ids, match = Offer(), [], 0
+        if self.draft is not None:
+            if self.draft.method == "dflash":
+                offer.dflash = self.draft.width - 1
+            else:
+                offer.ngram = self.draft.width - 1
+        if self.ngram is not None:
+            ngram_ids, match = self.ngram.match(self.max_width - 1)
+            offer.ngram, offer.ngram_match = len(ngram_ids), match
+        return self.policy.choose(offer, remaining), ngram_ids, match
+
+    async def _draft(self, choice: Choice, ngram_ids: list[int], length: int):
+        """The chain (and its draft_probs) to verify, or (None, None) when the draft was lost."""
+        if choice.method == "ngram" and self.ngram is not None:
+            return common_pb2.TokenTree(token_ids=ngram_ids[:choice.k], parents=list(range(-1, choice.k - 1))), None
+        t = time.perf_counter()
+        try:
+            prop = await self.draft_call(self.draft.propose(length), self.step_s)
+        except DraftLost:
+            self.draft = None
+            return None, None
+        ms = (time.perf_counter() - t) * 1e3
+        self.stats.draft_ms += ms
+        self.stats.model_ms += prop.draft_ms
+        self.stats.queue_ms += prop.queue_ms
+        self.m.proposal(self.draft.method, ms)
+        probs = prop.draft_probs if prop.HasField("draft_probs") else None
+        return trim_chain(prop.tree, probs, choice.k)
+
+    async def _decode(self, n: int) -> AsyncIterator[list[int]]:
+        """n target-only steps, each token yielded as it arrives."""
+        stats = self.stats
+        want_hidden = self.draft is not None and self.draft.needs_hidden
+        t = time.perf_counter()
+        async for tok in self.target.decode(n, return_hidden=want_hidden):
+            now = time.perf_counter()
+            ms = (now - t) * 1e3
+            stats.verify_ms += ms
+            stats.model_ms += tok.forward_ms
+            stats.queue_ms += tok.queue_ms
+            self.m.target_step(tok.forward_ms, tok.batch_size, tok.batch_tokens)
+            self.m.decode_gap(ms, tok.forward_ms)
+            self.policy.observe(Choice("none", 0, 1.0, 0.0), 0)
+            record_step(stats, "none", 0, 0, 1)
+            self._committed([tok.token_id], tok.hidden if want_hidden else None)
+            yield [tok.token_id]
+            t = time.perf_counter()
+
+    def _committed(self, ids: list[int], hidden: common_pb2.Tensor | None) -> None:
+        if self.ngram is not None:
+            self.ngram.extend(ids)
+        if self.draft is not None:
+            self.draft.owe(ids, hidden)

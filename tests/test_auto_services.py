@@ -1,0 +1,154 @@
+"""`speculative.method = "auto"` through the real services: the gateway picks drafter (DFlash,
+its own n-gram index, or none) and draft length per step. Greedy output must still equal
+target-only decoding, sampled output must still follow the target's distribution, and
+parameters no drafter can honour are refused before any session opens."""
+from __future__ import annotations
+
+import collections
+import itertools
+import random
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+import torch
+
+from draft_service.dflash import new_draft, save_draft
+from service_helpers import (collect, gateway_stub, running_draft, running_gateway, running_target,
+                             target_info, tiny_target_dir)
+from splitspec.client import build_request
+from splitspec.engine.sample import SamplingParams, probs_from_logits
+from splitspec.v1 import gateway_pb2
+from target_service.engine import generate
+from target_service.loader import load_model
+from test_dflash import chi_square_pvalue
+
+N_PROMPTS, N_NEW = 16, 64
+
+
+def prompts():
+    rng = random.Random(99)
+    out = []
+    for i in range(N_PROMPTS):
+        base = [rng.randrange(3, 500) for _ in range(rng.randrange(3, 10))]
+        out.append(base * 4 if i % 2 else base)      # half repeat themselves: the n-gram index finds matches
+    return out
+
+
+@pytest.fixture(scope="module")
+def target_dir():
+    return tiny_target_dir(1024)
+
+
+@pytest.fixture(scope="module")
+def model(target_dir):
+    return load_model(target_dir)
+
+
+@pytest.fixture(scope="module")
+def services(model, target_dir, tmp_path_factory):
+    draft_dir = tmp_path_factory.mktemp("draft") / "tiny-dflash"
+    save_draft(new_draft(model.cfg, num_layers=1, block_size=8, mask_token_id=2, seed=5), draft_dir)
+    logs = tmp_path_factory.mktemp("logs")
+    # No --speculative-algorithm: with a draft, the gateway's default is auto.
+    with running_target(target_dir, logs) as target, \
+            running_draft(target_dir, logs, draft_dir=draft_dir) as draft, \
+            running_gateway(target, logs, "--draft", draft.address) as gw:
+        yield target, draft, gw
+
+
+@pytest.fixture(scope="module")
+def stub(services):
+    ch, stub = gateway_stub(services[2].address)
+    yield stub
+    ch.close()
+
+
+def test_auto_is_the_default_with_a_draft(stub):
+    from splitspec.v1 import gateway_pb2 as g
+    assert stub.GetModelInfo(g.GetModelInfoRequest(), timeout=10).speculative_method == "auto"
+
+
+def test_auto_greedy_equals_target_only_using_both_drafters_and_several_k(stub, model):
+    refs = [generate(model, p, N_NEW) for p in prompts()]
+
+    def run(p):
+        return collect(stub.Generate(build_request(p, max_new_tokens=N_NEW, ignore_eos=True), timeout=300))
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(run, prompts()))
+    used = collections.Counter()
+    ks = collections.Counter()
+    for (ids, _, complete), ref in zip(results, refs):
+        assert ids == ref
+        st = complete.stats
+        assert st.method == "auto" and st.draft_fallbacks == 0
+        assert len(st.steps) == st.verify_steps == sum(st.steps_by_method.values())
+        assert sum(s.accepted + 1 for s in st.steps) == len(ids) - 1     # each step: accepted + one bonus
+        for s in st.steps:
+            assert 0 <= s.accepted <= s.k <= 7
+            used[s.method] += 1
+            ks[s.k] += 1
+    print(f"steps by drafter {dict(used)}, by k {dict(sorted(ks.items()))}")
+    assert used["dflash"] and used["ngram"], used
+    assert len([k for k in ks if k > 0]) >= 3, ks
+
+
+def exact_joint(model, prompt, params, n):
+    """Target-only probability of every n-token continuation with non-zero probability."""
+    out = {}
+    with torch.no_grad():
+        def walk(prefix, p):
+            if len(prefix) == n:
+                out[tuple(prefix)] = p
+                return
+            logits = model(torch.tensor([prompt + prefix])).logits[0, -1]
+            probs = probs_from_logits(logits, params)
+            for t in torch.nonzero(probs).flatten().tolist():
+                walk(prefix + [t], p * float(probs[t]))
+        walk([], 1.0)
+    return out
+
+
+@pytest.mark.parametrize("draft_sampling", ["greedy", "sample"])
+def test_auto_sampling_follows_the_target_distribution(stub, model, draft_sampling):
+    prompt = [7, 8, 9, 7, 8, 9, 7, 8]          # repeats: the n-gram index offers drafts too
+    n, samples = 4, 720
+    params = SamplingParams(temperature=1.0, top_k=3)
+    joint = exact_joint(model, prompt, params, n)
+
+    def run(seed):
+        req = build_request(prompt, max_new_tokens=n, ignore_eos=True, temperature=1.0, top_k=3, seed=seed)
+        req.speculative.method = "auto"
+        req.speculative.draft_sampling = draft_sampling
+        ids, _, complete = collect(stub.Generate(req, timeout=120))
+        return tuple(ids), complete.stats
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(run, range(samples)))
+    counts = collections.Counter(ids for ids, _ in results)
+    assert set(counts) <= set(joint)
+    drafted = sum(1 for _, st in results if any(s.k for s in st.steps))
+    print(f"{draft_sampling}: {drafted} of {samples} requests verified drafts; "
+          f"methods {collections.Counter(s.method for _, st in results for s in st.steps)}")
+    assert drafted > 0
+    assert chi_square_pvalue(counts, joint, samples) > 1e-3
+
+
+def test_parameters_no_drafter_can_honour_are_refused_before_any_session(stub, services):
+    for method, field, value, words in [("dflash", "topk", 3, "chains only"),
+                                        ("dflash", "num_draft_tokens", 1000, "block size (8)"),
+                                        ("dflash", "num_steps", 20, "block size")]:
+        req = build_request([5, 6, 7], max_new_tokens=8, method=method)
+        setattr(req.speculative, field, value)
+        with pytest.raises(grpc.RpcError) as err:
+            collect(stub.Generate(req, timeout=30))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"speculative.{field} = {value}" in err.value.details() and words in err.value.details()
+    assert target_info(services[0].address).active_sessions == 0
+    # With auto the same numbers are upper bounds; the stats say what ran.
+    req = build_request([5, 6, 7], max_new_tokens=16, ignore_eos=True, method="auto")
+    req.speculative.topk, req.speculative.num_draft_tokens = 3, 1000
+    ids, _, complete = collect(stub.Generate(req, timeout=60))
+    assert len(ids) == 16 and all(s.k <= 7 for s in complete.stats.steps)
+    # The target alone honours k = 0 requests exactly: method none never drafts.
+    ids, _, complete = collect(stub.Generate(build_request([5, 6, 7], max_new_tokens=8, method="none"), timeout=60))
+    assert set(complete.stats.steps_by_method) == {"none"} and all(s.k == 0 for s in complete.stats.steps)

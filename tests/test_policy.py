@@ -1,0 +1,219 @@
+"""The adaptive policy's parts as plain functions: the cost model's arithmetic against hand
+computations, the forward-time fit, the acceptance estimates, exploration, the gateway's n-gram
+index against a brute-force scan, and the request plan's refusals (parameters no drafter can
+honour are refused, never silently changed)."""
+from __future__ import annotations
+
+import grpc
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway.config import SpeculativeConfig
+from gateway.cost_model import Costs, choose, expected_tokens
+from gateway.plan import plan_request
+from gateway.policy import PROBE_EVERY, Acceptance, AutoPolicy, FixedPolicy, ForwardModel, Measurements, Offer
+from gateway.request import RequestError
+from splitspec.ngram import NgramIndex
+from splitspec.v1 import common_pb2, draft_pb2, target_pb2
+
+
+def costs(rows=1.0, token_ms=3.0, row_ms=2.0, dflash_ms=5.0, **kw):
+    return Costs(fixed_ms=10.0, row_ms=row_ms, token_ms=token_ms, rows=rows, verify_overhead_ms=0.0,
+                 decode_overhead_ms=0.0, draft_ms={"dflash": dflash_ms, "ngram": 0.0}, **kw)
+
+
+def test_expected_tokens_by_hand():
+    assert expected_tokens([0.8, 0.5], 0) == 1.0
+    assert expected_tokens([0.8, 0.5], 2) == pytest.approx(1 + 0.8 + 0.8 * 0.5)
+    assert expected_tokens([0.5], 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)   # the last rate repeats
+    assert expected_tokens([], 4) == 1.0
+
+
+def test_choose_picks_the_k_of_a_hand_computation():
+    # a = 10, b = 0, c = 3 ms, one row, a DFlash proposal 5 ms, acceptance 0.8 at every position:
+    #   none: 1 / (10 + 3)                     = 0.0769 tokens/ms
+    #   k=1: 1.8    / (5 + 10 + 3*2) = 1.8/21  = 0.0857
+    #   k=2: 2.44   / 24                      = 0.1017
+    #   k=3: 2.952  / 27                      = 0.1093
+    #   k=4: 3.3616 / 30                      = 0.1121   <- best
+    #   k=5: 3.6893 / 33                      = 0.1118
+    c = choose({"dflash": [0.8] * 8}, {"dflash": 7}, costs(row_ms=0.0))
+    assert (c.method, c.k) == ("dflash", 4)
+    assert c.tokens == pytest.approx(3.3616) and c.ms == pytest.approx(30.0)
+    # The request's bound wins over the optimum.
+    assert choose({"dflash": [0.8] * 8}, {"dflash": 2}, costs(row_ms=0.0)).k == 2
+
+
+def test_heavy_load_drafts_less_then_not_at_all():
+    # acceptance 0.5, b = 2, c = 3. One row:  none 1/15 = 0.0667; k=1 1.5/23 = 0.0652;
+    # k=2 1.75/26 = 0.0673 (best); k=3 1.875/29 = 0.0647.
+    accept = {"dflash": [0.5] * 8}
+    assert (choose(accept, {"dflash": 7}, costs(rows=1)).method, choose(accept, {"dflash": 7}, costs(rows=1)).k) \
+        == ("dflash", 2)
+    # Sixteen rows, everyone doing the same: none 1/(10 + 16*5) = 0.0111; k=1 1.5/(15 + 16*8) = 0.0105.
+    busy = choose(accept, {"dflash": 7}, costs(rows=16))
+    assert (busy.method, busy.k) == ("none", 0)
+
+
+def test_free_ngram_match_beats_a_paid_dflash_proposal_and_ties_go_to_the_cheaper():
+    c = choose({"dflash": [0.7] * 8, "ngram": [0.7] * 8}, {"dflash": 7, "ngram": 7}, costs())
+    assert c.method == "ngram"
+    # Equal rates: fewer drafted tokens (the decode step comes first of all).
+    flat = Costs(fixed_ms=1.0, row_ms=0.0, token_ms=0.0, rows=1, verify_overhead_ms=0.0, decode_overhead_ms=0.0)
+    assert choose({"ngram": [0.0] * 8}, {"ngram": 7}, flat).method == "none"
+
+
+def test_forward_model_recovers_its_coefficients():
+    fm = ForwardModel(decay=1.0, ridge=1e-6)
+    for rows in (1, 2, 4, 8, 16):
+        for width in (1, 4, 8):
+            fm.add(rows, rows * width, 6.0 + 1.5 * rows + 0.25 * rows * width)
+    a, b, c = fm.coef()
+    assert (a, b, c) == pytest.approx((6.0, 1.5, 0.25), rel=1e-3)
+
+
+def test_forward_model_with_one_session_predicts_what_it_saw():
+    fm = ForwardModel()
+    for width in (1, 8, 3, 8, 1, 5):
+        fm.add(1, width, 9.0 + 0.5 * width)
+    a, b, c = fm.coef()
+    assert a + b + c * 8 == pytest.approx(13.0, rel=0.05)
+    assert min(a, b, c) >= 0.0
+
+
+def test_acceptance_counts_the_positions_that_were_looked_at():
+    acc = Acceptance(4, prior=[0.5] * 4, prior_weight=0.0)
+    acc.update(3, 1)           # draft 1 accepted, draft 2 rejected, draft 3 never looked at
+    assert acc.trials[:3] == pytest.approx([1.0, 1.0, 0.0])
+    assert acc.hits[:3] == pytest.approx([1.0, 0.0, 0.0])
+    acc = Acceptance(4, prior=[0.5] * 4, prior_weight=2.0)
+    assert acc.rates() == [0.5] * 4
+    acc.update(2, 2)
+    assert acc.rates()[0] == pytest.approx((1 + 1.0) / 3) and acc.rates()[2] == 0.5
+
+
+def test_auto_policy_probes_a_drafter_it_stopped_choosing():
+    m = Measurements()
+    for _ in range(20):
+        m.target_step(10.0, 1, 1)
+        m.target_step(12.0, 1, 8)
+    m.proposal("dflash", 8.0)
+    policy = AutoPolicy(m, max_k=7)
+    for _ in range(5):
+        policy.observe(policy.choose(Offer(dflash=7), 100), 0)     # dflash never accepted
+    chosen = [policy.choose(Offer(dflash=7), 100) for _ in range(2 * PROBE_EVERY)]
+    for c in chosen:
+        policy.observe(c, 0)
+    methods = [c.method for c in chosen]
+    assert methods.count("none") > PROBE_EVERY and "dflash" in methods
+
+
+def test_auto_policy_decode_runs_grow_while_decoding_and_reset_after_a_draft():
+    policy = AutoPolicy(Measurements(), max_k=7)
+    assert [policy.decode_run(100) for _ in range(6)] == [1, 2, 4, 8, 16, 16]
+    assert policy.decode_run(3) == 3
+    from gateway.cost_model import Choice
+    policy.observe(Choice("dflash", 3, 0, 0), 1)
+    assert policy.decode_run(100) == 1
+
+
+def test_fixed_policy_runs_its_method_and_never_overshoots():
+    p = FixedPolicy("dflash")
+    assert (p.choose(Offer(dflash=7), 100).k, p.choose(Offer(dflash=7), 3).k) == (7, 2)
+    assert p.choose(Offer(dflash=0), 100).method == "none" and p.decode_run(50) == 50   # the draft is gone
+    q = FixedPolicy("ngram")
+    assert q.choose(Offer(ngram=0), 100).method == "none" and q.decode_run(50) == 1     # no match this step
+
+
+def brute_force(tokens, k, min_n, max_n):
+    L = len(tokens)
+    for n in range(min(max_n, L - 1), min_n - 1, -1):
+        for start in range(L - n - 1, -1, -1):
+            if tokens[start:start + n] == tokens[L - n:]:
+                return tokens[start + n:start + n + k], n
+    return [], 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 4), max_size=60), st.lists(st.integers(1, 20), max_size=4),
+       st.integers(1, 8), st.integers(1, 3), st.integers(0, 3))
+def test_ngram_index_equals_a_scan_of_the_history(tokens, cuts, k, min_n, extra):
+    index = NgramIndex(min_n, min_n + extra)
+    pos = 0
+    for cut in cuts + [len(tokens)]:        # tokens arrive in several pieces
+        index.extend(tokens[pos:pos + cut])
+        pos = min(len(tokens), pos + cut)
+        assert index.match(k) == brute_force(index.tokens, k, min_n, min_n + extra)
+    index.extend(tokens[pos:])
+    assert index.match(k) == brute_force(tokens, k, min_n, min_n + extra)
+
+
+# -- the plan ------------------------------------------------------------------------------------
+TARGET = target_pb2.TargetInfo(max_num_batched_tokens=512, tokenizer_hash="h")
+DFLASH = draft_pb2.DraftInfo(model_id="d", method="dflash", block_size=8, target_layer_ids=[1, 3])
+NGRAM_ONLY = draft_pb2.DraftInfo(model_id="n", method="ngram")
+
+
+def plan(method="dflash", draft=DFLASH, has_draft=True, **raw):
+    msg = common_pb2.SpeculativeParams(method=method, **raw)
+    spec = SpeculativeConfig(method=method, num_steps=raw.get("num_steps", 7), eagle_topk=raw.get("topk", 1),
+                             num_draft_tokens=raw.get("num_draft_tokens", 8))
+    return plan_request(spec, msg, has_draft=has_draft, draft=draft, target=TARGET)
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(topk=3), ["speculative.topk = 3", "chains only"]),
+    (dict(num_draft_tokens=1000), ["speculative.num_draft_tokens = 1000", "block size (8)"]),
+    (dict(num_steps=12), ["speculative.num_steps = 12", "block size"]),
+    (dict(num_steps=3, num_draft_tokens=8), ["num_draft_tokens = 8", "num_steps = 3"]),
+    (dict(method="dflash", draft=NGRAM_ONLY), ["serves ngram only"]),
+    (dict(method="dflash", draft=None, has_draft=False), ["no draft service"]),
+    (dict(method="ngram", draft=NGRAM_ONLY, num_draft_tokens=100), ["n-gram limit (64)"]),
+])
+def test_plan_refuses_what_no_drafter_can_honour(kw, words):
+    with pytest.raises(RequestError) as err:
+        plan(**kw)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    for w in words:
+        assert w in str(err.value)
+
+
+def test_plan_with_auto_takes_the_numbers_as_upper_bounds():
+    p = plan("auto", topk=3, num_draft_tokens=1000)
+    assert (p.method, p.max_k, p.local_ngram) == ("auto", 7, True)
+    assert p.speculative.method == "dflash" and p.speculative.num_draft_tokens == 8 and p.layer_ids == [1, 3]
+    assert plan("auto", num_draft_tokens=4).max_k == 3
+    # An n-gram-only draft service: auto drafts with the gateway's own index, no draft session.
+    p = plan("auto", draft=NGRAM_ONLY)
+    assert p.speculative is None and p.local_ngram and p.max_k == 7
+
+
+def test_plan_honours_what_it_can():
+    p = plan("dflash", num_draft_tokens=5)
+    assert p.speculative.num_draft_tokens == 5 and p.speculative.num_steps == 4 and p.speculative.topk == 1
+    assert plan("ngram", has_draft=False, draft=None).local_ngram      # prompt lookup needs no draft service
+    assert plan("none").speculative is None
+    # A draft configured but unreachable: the request runs target-only (a fallback, not the client's error).
+    assert plan("dflash", draft=None).speculative is None
+
+
+def test_a_draft_refusing_the_clients_parameters_is_the_clients_error():
+    from gateway.backends import BackendError
+    from gateway.failover import refuses_client_params
+    bad = BackendError(grpc.StatusCode.INVALID_ARGUMENT, "open.speculative.topk = 3: chains only", "draft")
+    assert refuses_client_params(bad)
+    # A prompt past the draft's context is not the client's fault: the target can still serve it.
+    assert not refuses_client_params(BackendError(grpc.StatusCode.INVALID_ARGUMENT,
+                                                  "open.prompt_token_ids has 5000 tokens", "draft"))
+    assert not refuses_client_params(BackendError(grpc.StatusCode.UNAVAILABLE, "open.speculative", "draft"))
+
+
+def test_decode_runs_stay_one_token_while_ngram_drafts_keep_paying():
+    policy = AutoPolicy(Measurements(), max_k=7)
+    for _ in range(10):
+        assert policy.choose(Offer(ngram=3, ngram_match=2), 100).method == "ngram"   # free and, so far, accepted
+    assert [policy.decode_run(100) for _ in range(3)] == [1, 1, 1]
+    for _ in range(20):
+        policy.choose(Offer(), 100)
+    assert [policy.decode_run(100) for _ in range(3)] == [1, 2, 4]
