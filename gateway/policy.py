@@ -26,8 +26,8 @@ DECAY = 0.97                 # per observation: about the last 30 steps count
 PRIOR_ACCEPT = 0.7           # before anything is measured: optimistic, so drafting gets tried
 PRIOR_WEIGHT = 2.0           # a request's estimate starts as this many steps of the gateway's
 MAX_DECODE_RUN = 16          # longest target-only run between two decisions
-PROBE_AFTER_TOKENS = 48      # target-only tokens after which one speculative step re-measures
 PROBE_EVERY = 16             # decisions after which a drafter not chosen since gets one step
+MAX_PROBE_GAP = 256          # ... growing to this while its probes keep losing
 NGRAM_WATCH = 0.25           # share of recent decisions choosing n-gram above which runs stay 1 token
 
 
@@ -186,10 +186,11 @@ class AutoPolicy:
         self.m = measurements
         self.max_k = max_k                      # the request's upper bound on drafted tokens
         self.local: dict[tuple, Acceptance] = {}
-        self.decode_streak = 0                  # target-only tokens since the last speculative step
         self.run = 1
         self.decisions = 0
         self.last_tried: dict[str, int] = {}    # drafter -> decision number it last ran at
+        self.probe_gap: dict[str, int] = {}     # drafter -> decisions between two probes of it
+        self.probing = False                    # the last choice was a probe, not the best step
         self.ngram_chosen = Ema(0.0, alpha=0.2)  # how often an n-gram draft was worth a step lately
 
     def _acceptance(self, key: tuple) -> Acceptance:
@@ -210,13 +211,18 @@ class AutoPolicy:
         self.decisions += 1
         best = choose(accept, max_k, costs)
         # Exploration: an estimate that is never re-measured can stay wrong forever (one
-        # unlucky first step would rule a drafter out for good).
-        if best.method == "none" and self.decode_streak >= PROBE_AFTER_TOKENS:
-            best = choose(accept, max_k, costs, decode=False) or best
+        # unlucky first step would rule a drafter out for good). A drafter that keeps losing
+        # is probed less and less often (16, 32, 64 … decisions).
+        natural, self.probing = best.method, False
         for method, k in max_k.items():
-            if k and method != best.method and self.decisions - self.last_tried.setdefault(method, 0) >= PROBE_EVERY:
+            gap = self.probe_gap.setdefault(method, PROBE_EVERY)
+            if k and method != best.method and self.decisions - self.last_tried.setdefault(method, 0) >= gap:
                 best = choose(accept, {method: k}, costs, decode=False)
+                self.probe_gap[method] = min(2 * gap, MAX_PROBE_GAP)
+                self.probing = True
                 break
+        if natural != "none":
+            self.probe_gap[natural] = PROBE_EVERY
         if best.method != "none":
             self.last_tried[best.method] = self.decisions
         self.ngram_chosen.add(1.0 if best.method == "ngram" else 0.0)
@@ -235,9 +241,9 @@ class AutoPolicy:
 
     def observe(self, choice: Choice, accepted: int, ngram_match: int = 0) -> None:
         if choice.method == "none":
-            self.decode_streak += 1
             return
-        self.decode_streak, self.run = 0, 1
+        if not self.probing:
+            self.run = 1        # drafting pays again: decide after every token
         key = self._key(choice.method, ngram_match)
         self._acceptance(key).update(choice.k, accepted)
         self.m.acceptance(key).update(choice.k, accepted)

@@ -217,3 +217,35 @@ def test_decode_runs_stay_one_token_while_ngram_drafts_keep_paying():
     for _ in range(20):
         policy.choose(Offer(), 100)
     assert [policy.decode_run(100) for _ in range(3)] == [1, 2, 4]
+
+
+def test_a_drafter_that_keeps_losing_is_probed_less_often():
+    m = Measurements()
+    for _ in range(20):
+        m.target_step(10.0, 1, 1)
+        m.target_step(12.0, 1, 8)
+    m.proposal("dflash", 30.0)                       # far too expensive to ever win
+    policy = AutoPolicy(m, max_k=7)
+    probes = []
+    for i in range(16 + 32 + 64 + 1):
+        c = policy.choose(Offer(dflash=7), 1000)
+        policy.observe(c, 0)
+        if c.method == "dflash":
+            probes.append(i + 1)
+    assert probes == [16, 48, 112]
+
+
+def test_a_probe_does_not_cut_the_decode_runs_short():
+    m = Measurements()
+    for _ in range(20):
+        m.target_step(10.0, 1, 1)
+        m.target_step(12.0, 1, 8)
+    m.proposal("dflash", 30.0)
+    policy = AutoPolicy(m, max_k=7)
+    runs = []
+    for _ in range(40):
+        c = policy.choose(Offer(dflash=7), 10_000)
+        policy.observe(c, 0)
+        if c.method == "none":
+            runs.append(policy.decode_run(10_000))
+    assert runs[-10:] == [16] * 10
