@@ -4,12 +4,13 @@ the most committed tokens per second. `policy.py` feeds it what the gateway meas
 
 A step's cost is modelled on what the services report about their batched forwards:
 
-    target forward_ms  ≈  a  +  b · rows  +  c · tokens
+    target forward_ms  ≈  a  +  b · rows  +  c · tokens  +  v · verify rows
 
 (a: fixed per forward; b: per session row, mostly reading that row's KV context; c: per query
-token). The gateway does not choose the batch alone: every running session makes the same kind
-of choice, so a verify of width w is priced as if all `rows` sessions of the current batch sent
-width w (a + rows · (b + c · w)). That is what the forward will cost when the policy is applied
+token; v: what a verify row costs beyond its tokens: tree mask, acceptance, rollback). The
+gateway does not choose the batch alone: every running session makes the same kind of choice,
+so a verify of width w is priced as if all `rows` sessions of the current batch sent width w
+(a + rows · (b + c · w + v)), and a decode step as a + rows · (b + c). That is what the forward will cost when the policy is applied
 by everyone, and it is why, under heavy load, wide verifies price themselves out and the policy
 drafts less or not at all; with one session it reduces to "how much does one more token of
 width cost".
@@ -41,13 +42,14 @@ class Costs:
     verify_overhead_ms: float       # a Verify round trip beyond its forward: wire, (de)serialisation, queue
     decode_overhead_ms: float       # the same for one streamed Decode token (small: the stream never waits)
     draft_ms: dict[str, float] = field(default_factory=dict)   # per drafter: what getting a proposal costs
+    verify_row_ms: float = 0.0      # v
 
-    def forward_ms(self, width: int) -> float:
-        return self.fixed_ms + self.rows * (self.row_ms + self.token_ms * width)
+    def forward_ms(self, width: int, verify: bool = True) -> float:
+        return self.fixed_ms + self.rows * (self.row_ms + self.token_ms * width + (self.verify_row_ms if verify else 0.0))
 
     def step_ms(self, method: str, k: int) -> float:
         if k == 0:
-            return self.forward_ms(1) + self.decode_overhead_ms
+            return self.forward_ms(1, verify=False) + self.decode_overhead_ms
         return self.draft_ms.get(method, 0.0) + self.forward_ms(k + 1) + self.verify_overhead_ms
 
 

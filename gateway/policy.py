@@ -66,35 +66,36 @@ class Ema:
 
 
 class ForwardModel:
-    """forward_ms ≈ a + b·rows + c·tokens, least squares over exponentially decayed sufficient
-    statistics, with a light ridge so that directions the data does not separate (one session:
-    rows is always 1) stay finite. Coefficients are kept >= 0: a negative per-token cost would
-    make wider verifies look free."""
+    """forward_ms ≈ a + b·rows + c·tokens + v·verify_rows, least squares over exponentially
+    decayed sufficient statistics, with a light ridge so that directions the data does not
+    separate (one session: rows is always 1) stay finite. Coefficients are kept >= 0: a negative
+    per-token cost would make wider verifies look free. The target reports rows and tokens, not
+    how many rows verified; the reporting session's own kind stands for all of them (the same
+    symmetric reading as the cost model's)."""
 
     def __init__(self, decay: float = 0.99, ridge: float = 1e-2):
         self.decay, self.ridge = decay, ridge
-        self.xtx = np.zeros((3, 3))
-        self.xty = np.zeros(3)
+        self.xtx = np.zeros((4, 4))
+        self.xty = np.zeros(4)
         self.n = 0.0
         self._coef: np.ndarray | None = None
 
-    def add(self, rows: int, tokens: int, ms: float) -> None:
+    def add(self, rows: int, tokens: int, ms: float, verify: bool = False) -> None:
         if rows <= 0 or tokens <= 0 or ms <= 0:
             return
-        x = np.array([1.0, float(rows), float(tokens)])
+        x = np.array([1.0, float(rows), float(tokens), float(rows) if verify else 0.0])
         self.xtx = self.decay * self.xtx + np.outer(x, x)
         self.xty = self.decay * self.xty + x * ms
         self.n = self.decay * self.n + 1.0
         self._coef = None
 
-    def coef(self) -> tuple[float, float, float] | None:
+    def coef(self) -> tuple[float, float, float, float] | None:
         if self.n < 1.0:
             return None
         if self._coef is None:
-            a = self.xtx + self.ridge * max(self.n, 1.0) * np.eye(3)
+            a = self.xtx + self.ridge * max(self.n, 1.0) * np.eye(4)
             self._coef = np.clip(np.linalg.solve(a, self.xty), 0.0, None)
-        a, b, c = self._coef
-        return float(a), float(b), float(c)
+        return tuple(float(x) for x in self._coef)
 
 
 class Measurements:
@@ -110,8 +111,8 @@ class Measurements:
         self.accept: dict[tuple, Acceptance] = {}
 
     # -- what the services reported ---------------------------------------------------------
-    def target_step(self, forward_ms: float, batch_size: int, batch_tokens: int) -> None:
-        self.forward.add(batch_size, batch_tokens, forward_ms)
+    def target_step(self, forward_ms: float, batch_size: int, batch_tokens: int, verify: bool = False) -> None:
+        self.forward.add(batch_size, batch_tokens, forward_ms, verify)
         if batch_size > 0:
             self.rows.add(batch_size)
 
@@ -133,6 +134,7 @@ class Measurements:
         """The numbers behind the decisions, for a debug log line."""
         c = self.costs()
         return {"fixed_ms": round(c.fixed_ms, 2), "row_ms": round(c.row_ms, 2), "token_ms": round(c.token_ms, 3),
+                "verify_row_ms": round(c.verify_row_ms, 2),
                 "rows": round(c.rows, 1), "verify_overhead_ms": round(c.verify_overhead_ms, 2),
                 "decode_overhead_ms": round(c.decode_overhead_ms, 2),
                 "draft_ms": {m: round(v, 2) for m, v in c.draft_ms.items()},
@@ -141,11 +143,11 @@ class Measurements:
     # -- what a step costs now ----------------------------------------------------------------
     def costs(self) -> Costs:
         coef = self.forward.coef()
-        a, b, c = coef if coef is not None else (1.0, 1.0, 0.1)   # unmeasured: a decode is 10 % of a width-10 verify
+        a, b, c, v = coef if coef is not None else (1.0, 1.0, 0.1, 0.0)   # unmeasured: drafting looks cheap, so it is tried
         return Costs(fixed_ms=a, row_ms=b, token_ms=c, rows=max(1.0, self.rows.get(1.0)),
                      verify_overhead_ms=self.verify_overhead.get(0.0),
                      decode_overhead_ms=self.decode_overhead.get(0.0),
-                     draft_ms={m: e.get(0.0) for m, e in self.draft_ms.items()})
+                     draft_ms={m: e.get(0.0) for m, e in self.draft_ms.items()}, verify_row_ms=v)
 
 
 @dataclass

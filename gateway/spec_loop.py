@@ -113,7 +113,7 @@ class SpeculativeLoop:
             stats.model_ms += verified.forward_ms
             stats.queue_ms += verified.queue_ms
             stats.hidden_state_bytes += len(verified.hidden.data)
-            self.m.target_step(verified.forward_ms, verified.batch_size, verified.batch_tokens)
+            self.m.target_step(verified.forward_ms, verified.batch_size, verified.batch_tokens, verify=True)
             self.m.verify_round_trip(ms, verified.forward_ms)
             drafted = len(tree.token_ids)
             committed = list(verified.committed_token_ids)

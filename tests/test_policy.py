@@ -68,18 +68,22 @@ def test_forward_model_recovers_its_coefficients():
     fm = ForwardModel(decay=1.0, ridge=1e-6)
     for rows in (1, 2, 4, 8, 16):
         for width in (1, 4, 8):
-            fm.add(rows, rows * width, 6.0 + 1.5 * rows + 0.25 * rows * width)
-    a, b, c = fm.coef()
-    assert (a, b, c) == pytest.approx((6.0, 1.5, 0.25), rel=1e-3)
+            verify = width > 1
+            fm.add(rows, rows * width, 6.0 + 1.5 * rows + 0.25 * rows * width + 3.0 * rows * verify, verify)
+    assert fm.coef() == pytest.approx((6.0, 1.5, 0.25, 3.0), rel=1e-3)
 
 
 def test_forward_model_with_one_session_predicts_what_it_saw():
+    # One session: a decode step 8 ms, a verify of any width about 12 ms (this CPU's shape:
+    # a verify row costs a step up, then little per token).
     fm = ForwardModel()
-    for width in (1, 8, 3, 8, 1, 5):
-        fm.add(1, width, 9.0 + 0.5 * width)
-    a, b, c = fm.coef()
-    assert a + b + c * 8 == pytest.approx(13.0, rel=0.05)
-    assert min(a, b, c) >= 0.0
+    for width in (1, 8, 3, 8, 1, 5, 2, 1):
+        fm.add(1, width, 8.0 if width == 1 else 11.5 + 0.07 * width, verify=width > 1)
+    a, b, c, v = fm.coef()
+    assert min(a, b, c, v) >= 0.0
+    assert a + b + c == pytest.approx(8.0, rel=0.05)
+    assert a + b + 2 * c + v == pytest.approx(11.64, rel=0.05)
+    assert a + b + 8 * c + v == pytest.approx(12.06, rel=0.05)
 
 
 def test_acceptance_counts_the_positions_that_were_looked_at():
