@@ -9,8 +9,11 @@ A step's cost is modelled on what the services report about their batched forwar
 (a: fixed per forward; b: per session row, mostly reading that row's KV context; c: per query
 token; v: what a verify row costs beyond its tokens: tree mask, acceptance, rollback). The
 gateway does not choose the batch alone: every running session makes the same kind of choice,
-so a verify of width w is priced as if all `rows` sessions of the current batch sent width w
-(a + rows · (b + c · w + v)), and a decode step as a + rows · (b + c). That is what the forward will cost when the policy is applied
+so a verify of width w is priced as if all `rows` sessions of the forwards it joins now sent
+width w (a + rows · (b + c · w + v)), and a decode step as if every session on the target
+decoded: streamed Decode steps put all of them in every forward, a + sessions · (b + c).
+(Sessions that draft travel draft → gateway → target and meet the target in smaller groups,
+so `rows` is what drafting measures and `sessions` what decoding would get.) That is what the forward will cost when the policy is applied
 by everyone, and it is why, under heavy load, wide verifies price themselves out and the policy
 drafts less or not at all; with one session it reduces to "how much does one more token of
 width cost".
@@ -43,9 +46,12 @@ class Costs:
     decode_overhead_ms: float       # the same for one streamed Decode token (small: the stream never waits)
     draft_ms: dict[str, float] = field(default_factory=dict)   # per drafter: what getting a proposal costs
     verify_row_ms: float = 0.0      # v
+    sessions: float = 1.0           # sessions sharing the target: the rows of an all-decode forward
 
     def forward_ms(self, width: int, verify: bool = True) -> float:
-        return self.fixed_ms + self.rows * (self.row_ms + self.token_ms * width + (self.verify_row_ms if verify else 0.0))
+        if not verify:
+            return self.fixed_ms + max(self.sessions, 1.0) * (self.row_ms + self.token_ms * width)
+        return self.fixed_ms + self.rows * (self.row_ms + self.token_ms * width + self.verify_row_ms)
 
     def step_ms(self, method: str, k: int) -> float:
         if k == 0:

@@ -25,7 +25,8 @@ from .cost_model import Choice, Costs, choose
 DECAY = 0.97                 # per observation: about the last 30 steps count
 PRIOR_ACCEPT = 0.7           # before anything is measured: optimistic, so drafting gets tried
 PRIOR_WEIGHT = 2.0           # a request's estimate starts as this many steps of the gateway's
-MAX_DECODE_RUN = 16          # longest target-only run between two decisions
+MAX_DECODE_RUN = 64          # longest target-only run between two decisions
+KEEP_DRAFT_FOR = 32          # decisions without DFlash chosen on its merits after which its session is let go
 PROBE_EVERY = 16             # decisions after which a drafter not chosen since gets one step
 MAX_PROBE_GAP = 256          # ... growing to this while its probes keep losing
 NGRAM_WATCH = 0.25           # share of recent decisions choosing n-gram above which runs stay 1 token
@@ -105,7 +106,9 @@ class Measurements:
         self.forward = ForwardModel()
         self.rows = Ema(alpha=0.2)
         self.verify_overhead = Ema()
-        self.decode_overhead = Ema()
+        self.decode_first = Ema()            # first token of a Decode: its request's round trip, beyond the forward
+        self.decode_stream = Ema()           # later tokens of a Decode stream
+        self.sessions = 1.0                  # requests in flight per target replica (set by the servicer)
         self.draft_ms: dict[str, Ema] = {}
         self.max_positions = max_positions
         self.accept: dict[tuple, Acceptance] = {}
@@ -119,8 +122,8 @@ class Measurements:
     def verify_round_trip(self, ms: float, forward_ms: float) -> None:
         self.verify_overhead.add(max(0.0, ms - forward_ms))
 
-    def decode_gap(self, ms: float, forward_ms: float) -> None:
-        self.decode_overhead.add(max(0.0, ms - forward_ms))
+    def decode_gap(self, ms: float, forward_ms: float, first: bool) -> None:
+        (self.decode_first if first else self.decode_stream).add(max(0.0, ms - forward_ms))
 
     def proposal(self, method: str, ms: float) -> None:
         self.draft_ms.setdefault(method, Ema()).add(ms)
@@ -135,19 +138,24 @@ class Measurements:
         c = self.costs()
         return {"fixed_ms": round(c.fixed_ms, 2), "row_ms": round(c.row_ms, 2), "token_ms": round(c.token_ms, 3),
                 "verify_row_ms": round(c.verify_row_ms, 2),
-                "rows": round(c.rows, 1), "verify_overhead_ms": round(c.verify_overhead_ms, 2),
+                "rows": round(c.rows, 1), "sessions": round(c.sessions, 1),
+                "verify_overhead_ms": round(c.verify_overhead_ms, 2),
                 "decode_overhead_ms": round(c.decode_overhead_ms, 2),
                 "draft_ms": {m: round(v, 2) for m, v in c.draft_ms.items()},
                 "accept": {"/".join(map(str, k)): [round(r, 2) for r in a.rates()[:8]] for k, a in self.accept.items()}}
 
     # -- what a step costs now ----------------------------------------------------------------
-    def costs(self) -> Costs:
+    def costs(self, decode_run: int = MAX_DECODE_RUN) -> Costs:
+        """decode_run: the Decode run a target-only step would be part of (its round trip is
+        shared by the run's tokens)."""
+        first, stream = self.decode_first.get(0.0), self.decode_stream.get(0.0)
         coef = self.forward.coef()
         a, b, c, v = coef if coef is not None else (1.0, 1.0, 0.1, 0.0)   # unmeasured: drafting looks cheap, so it is tried
         return Costs(fixed_ms=a, row_ms=b, token_ms=c, rows=max(1.0, self.rows.get(1.0)),
                      verify_overhead_ms=self.verify_overhead.get(0.0),
-                     decode_overhead_ms=self.decode_overhead.get(0.0),
-                     draft_ms={m: e.get(0.0) for m, e in self.draft_ms.items()}, verify_row_ms=v)
+                     decode_overhead_ms=(first + stream * (decode_run - 1)) / decode_run,
+                     draft_ms={m: e.get(0.0) for m, e in self.draft_ms.items()}, verify_row_ms=v,
+                     sessions=max(1.0, self.sessions))
 
 
 @dataclass
@@ -173,6 +181,9 @@ class FixedPolicy:
             return Choice("none", 0, 1.0, 0.0)
         return Choice(self.method, min(k, max(0, remaining - 1)), 0.0, 0.0)
 
+    def keeps_draft(self) -> bool:
+        return True
+
     def decode_run(self, remaining: int) -> int:
         # Target-only for good: one Decode for the rest of the request; else one token, then draft again.
         return remaining if self.drafter_gone else 1
@@ -193,6 +204,7 @@ class AutoPolicy:
         self.last_tried: dict[str, int] = {}    # drafter -> decision number it last ran at
         self.probe_gap: dict[str, int] = {}     # drafter -> decisions between two probes of it
         self.probing = False                    # the last choice was a probe, not the best step
+        self.last_natural: dict[str, int] = {}  # drafter -> decision number it last won on its merits
         self.ngram_chosen = Ema(0.0, alpha=0.2)  # how often an n-gram draft was worth a step lately
 
     def _acceptance(self, key: tuple) -> Acceptance:
@@ -209,7 +221,7 @@ class AutoPolicy:
         max_k = {"dflash": min(offer.dflash, cap), "ngram": min(offer.ngram, cap)}
         accept = {"dflash": self._acceptance(("dflash",)).rates(),
                   "ngram": self._acceptance(("ngram", offer.ngram_match)).rates() if offer.ngram else []}
-        costs = self.m.costs()
+        costs = self.m.costs(1 if self._watching() else MAX_DECODE_RUN)
         self.decisions += 1
         best = choose(accept, max_k, costs)
         # Exploration: an estimate that is never re-measured can stay wrong forever (one
@@ -225,6 +237,7 @@ class AutoPolicy:
                 break
         if natural != "none":
             self.probe_gap[natural] = PROBE_EVERY
+            self.last_natural[natural] = self.decisions
         if best.method != "none":
             self.last_tried[best.method] = self.decisions
         self.ngram_chosen.add(1.0 if best.method == "ngram" else 0.0)
@@ -235,11 +248,23 @@ class AutoPolicy:
         target alone stays the better choice, so a loaded server pays few extra round trips;
         one at a time while n-gram drafts keep being worth a step (a run cannot be cut short,
         and a match found one token too late is a free draft lost)."""
-        if self.ngram_chosen.get(0.0) > NGRAM_WATCH:
+        if self._watching():
             return 1
         n = min(self.run, MAX_DECODE_RUN, remaining)
         self.run = min(self.run * 2, MAX_DECODE_RUN)
         return n
+
+    def keeps_draft(self) -> bool:
+        """Whether to keep the DFlash session: feeding it costs every target-only token its
+        features on the wire. Let go once DFlash has not won on its merits for KEEP_DRAFT_FOR
+        decisions (T > 0 with greedy drafts, say); n-gram and the target go on."""
+        return self.decisions - self.last_natural.get("dflash", 0) < KEEP_DRAFT_FOR
+
+    def _watching(self) -> bool:
+        """Decode one token at a time, to catch the next n-gram match: only while n-gram drafts
+        keep paying and the target is not shared (under load, round trips cost more than the
+        matches a run misses)."""
+        return self.ngram_chosen.get(0.0) > NGRAM_WATCH and self.m.sessions < 2
 
     def observe(self, choice: Choice, accepted: int, ngram_match: int = 0) -> None:
         if choice.method == "none":

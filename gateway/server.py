@@ -204,6 +204,10 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
     def _default_method(self) -> str:
         return self.cfg.speculative.method
 
+    def _count_sessions(self) -> None:
+        """What the auto policy prices a target-only step with: the requests sharing a replica."""
+        self.backends.measurements.sessions = self.active / max(1, len(self.backends.targets))
+
     async def _ready(self, context) -> None:
         if self.backends.limits is None or not self.server.serving:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the gateway is not connected to a target yet")
@@ -228,6 +232,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
         log.info("request_started", prompt_tokens=len(req.prompt_ids), max_new_tokens=req.max_new_tokens,
                  method=req.speculative.method, deadline_s=context.time_remaining())
         self.active += 1
+        self._count_sessions()
         stats = Stats()
         marks = [] if self.metrics is not None else None    # (time, tokens) per chunk, for the metrics
         failure = None
@@ -283,6 +288,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
             if not finished:
                 source.cancel()   # whatever ended the request early, never leave a session open
             self.active -= 1
+            self._count_sessions()
             if marks is not None:
                 self._record(req, stats, complete if finished else None, failure, marks, len(source.history))
         log.info("request_finished", finish_reason=complete.finish_reason,

@@ -98,6 +98,9 @@ class SpeculativeLoop:
         while generated < remaining:
             choice, ngram_ids, match = self._choose(remaining - generated)
             if choice.method == "none":
+                if self.draft is not None and self.draft.needs_hidden and not self.policy.keeps_draft():
+                    await self.draft.session.close()      # frees the draft's cache; no features owed from now
+                    self.draft = None
                 async for toks in self._decode(self.policy.decode_run(remaining - generated)):
                     generated += len(toks)
                     length += len(toks)
@@ -161,6 +164,7 @@ class SpeculativeLoop:
         stats = self.stats
         want_hidden = self.draft is not None and self.draft.needs_hidden
         t = time.perf_counter()
+        first = True
         async for tok in self.target.decode(n, return_hidden=want_hidden):
             now = time.perf_counter()
             ms = (now - t) * 1e3
@@ -168,7 +172,8 @@ class SpeculativeLoop:
             stats.model_ms += tok.forward_ms
             stats.queue_ms += tok.queue_ms
             self.m.target_step(tok.forward_ms, tok.batch_size, tok.batch_tokens)
-            self.m.decode_gap(ms, tok.forward_ms)
+            self.m.decode_gap(ms, tok.forward_ms, first)
+            first = False
             self.policy.observe(Choice("none", 0, 1.0, 0.0), 0)
             record_step(stats, "none", 0, 0, 1)
             self._committed([tok.token_id], tok.hidden if want_hidden else None)

@@ -31,6 +31,18 @@ def tiny_target_dir(max_position_embeddings: int = 256) -> Path:
                            max_position_embeddings=max_position_embeddings)
 
 
+def repeating_prompts(n: int, seed: int, lengths: tuple[int, int], repeat: int) -> list[list[int]]:
+    """n random prompts; every other one is a short run repeated `repeat` times, so that prompt
+    lookup (n-gram) has something to find."""
+    import random
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        base = [rng.randrange(3, 500) for _ in range(rng.randrange(*lengths))]
+        out.append(base * repeat if i % 2 else base)
+    return out
+
+
 @contextlib.contextmanager
 def running(name: str, args: list[str], log_dir: Path, **kw):
     svc = start_service(name, args, log_dir=Path(log_dir), **kw)

@@ -5,8 +5,6 @@ parameters no drafter can honour are refused before any session opens."""
 from __future__ import annotations
 
 import collections
-import itertools
-import random
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -14,8 +12,8 @@ import pytest
 import torch
 
 from draft_service.dflash import new_draft, save_draft
-from service_helpers import (collect, gateway_stub, running_draft, running_gateway, running_target,
-                             target_info, tiny_target_dir)
+from service_helpers import (collect, gateway_stub, repeating_prompts, running_draft, running_gateway,
+                             running_target, target_info, tiny_target_dir)
 from splitspec.client import build_request
 from splitspec.engine.sample import SamplingParams, probs_from_logits
 from splitspec.v1 import gateway_pb2
@@ -27,12 +25,7 @@ N_PROMPTS, N_NEW = 16, 64
 
 
 def prompts():
-    rng = random.Random(99)
-    out = []
-    for i in range(N_PROMPTS):
-        base = [rng.randrange(3, 500) for _ in range(rng.randrange(3, 10))]
-        out.append(base * 4 if i % 2 else base)      # half repeat themselves: the n-gram index finds matches
-    return out
+    return repeating_prompts(N_PROMPTS, 99, (3, 10), repeat=4)
 
 
 @pytest.fixture(scope="module")
@@ -65,8 +58,7 @@ def stub(services):
 
 
 def test_auto_is_the_default_with_a_draft(stub):
-    from splitspec.v1 import gateway_pb2 as g
-    assert stub.GetModelInfo(g.GetModelInfoRequest(), timeout=10).speculative_method == "auto"
+    assert stub.GetModelInfo(gateway_pb2.GetModelInfoRequest(), timeout=10).speculative_method == "auto"
 
 
 def test_auto_greedy_equals_target_only_using_both_drafters_and_several_k(stub, model):

@@ -52,8 +52,16 @@ def test_heavy_load_drafts_less_then_not_at_all():
     assert (choose(accept, {"dflash": 7}, costs(rows=1)).method, choose(accept, {"dflash": 7}, costs(rows=1)).k) \
         == ("dflash", 2)
     # Sixteen rows, everyone doing the same: none 1/(10 + 16*5) = 0.0111; k=1 1.5/(15 + 16*8) = 0.0105.
-    busy = choose(accept, {"dflash": 7}, costs(rows=16))
+    busy = choose(accept, {"dflash": 7}, costs(rows=16, sessions=16))
     assert (busy.method, busy.k) == ("none", 0)
+
+
+def test_decode_is_priced_with_every_session_on_the_target():
+    # Drafting sessions meet the target four at a time, but if they all decoded, every forward
+    # would hold all sixteen: none 1/(10 + 16*5) = 0.0111, not 1/(10 + 4*5) = 0.0333.
+    c = costs(rows=4, sessions=16)
+    assert c.step_ms("none", 0) == pytest.approx(90.0)
+    assert c.step_ms("dflash", 2) == pytest.approx(5 + 10 + 4 * (2 + 3 * 3))
 
 
 def test_free_ngram_match_beats_a_paid_dflash_proposal_and_ties_go_to_the_cheaper():
@@ -97,12 +105,18 @@ def test_acceptance_counts_the_positions_that_were_looked_at():
     assert acc.rates()[0] == pytest.approx((1 + 1.0) / 3) and acc.rates()[2] == 0.5
 
 
-def test_auto_policy_probes_a_drafter_it_stopped_choosing():
+def measured(propose_ms: float) -> Measurements:
+    """One session's measurements: decode 10 ms, a width-8 verify 12 ms, a Propose propose_ms."""
     m = Measurements()
     for _ in range(20):
         m.target_step(10.0, 1, 1)
-        m.target_step(12.0, 1, 8)
-    m.proposal("dflash", 8.0)
+        m.target_step(12.0, 1, 8, verify=True)
+    m.proposal("dflash", propose_ms)
+    return m
+
+
+def test_auto_policy_probes_a_drafter_it_stopped_choosing():
+    m = measured(8.0)
     policy = AutoPolicy(m, max_k=7)
     for _ in range(5):
         policy.observe(policy.choose(Offer(dflash=7), 100), 0)     # dflash never accepted
@@ -115,7 +129,7 @@ def test_auto_policy_probes_a_drafter_it_stopped_choosing():
 
 def test_auto_policy_decode_runs_grow_while_decoding_and_reset_after_a_draft():
     policy = AutoPolicy(Measurements(), max_k=7)
-    assert [policy.decode_run(100) for _ in range(6)] == [1, 2, 4, 8, 16, 16]
+    assert [policy.decode_run(1000) for _ in range(8)] == [1, 2, 4, 8, 16, 32, 64, 64]
     assert policy.decode_run(3) == 3
     from gateway.cost_model import Choice
     policy.observe(Choice("dflash", 3, 0, 0), 1)
@@ -224,11 +238,7 @@ def test_decode_runs_stay_one_token_while_ngram_drafts_keep_paying():
 
 
 def test_a_drafter_that_keeps_losing_is_probed_less_often():
-    m = Measurements()
-    for _ in range(20):
-        m.target_step(10.0, 1, 1)
-        m.target_step(12.0, 1, 8)
-    m.proposal("dflash", 30.0)                       # far too expensive to ever win
+    m = measured(30.0)                               # far too expensive to ever win
     policy = AutoPolicy(m, max_k=7)
     probes = []
     for i in range(16 + 32 + 64 + 1):
@@ -240,11 +250,7 @@ def test_a_drafter_that_keeps_losing_is_probed_less_often():
 
 
 def test_a_probe_does_not_cut_the_decode_runs_short():
-    m = Measurements()
-    for _ in range(20):
-        m.target_step(10.0, 1, 1)
-        m.target_step(12.0, 1, 8)
-    m.proposal("dflash", 30.0)
+    m = measured(30.0)
     policy = AutoPolicy(m, max_k=7)
     runs = []
     for _ in range(40):
@@ -252,4 +258,15 @@ def test_a_probe_does_not_cut_the_decode_runs_short():
         policy.observe(c, 0)
         if c.method == "none":
             runs.append(policy.decode_run(10_000))
-    assert runs[-10:] == [16] * 10
+    assert runs[-10:] == [64] * 10
+
+
+def test_the_draft_session_is_let_go_when_dflash_stops_winning_on_its_merits():
+    policy = AutoPolicy(measured(30.0), max_k=7)      # a Propose far too slow to pay
+    kept = []
+    for _ in range(40):
+        c = policy.choose(Offer(dflash=7), 10_000)
+        policy.observe(c, 0)
+        kept.append(policy.keeps_draft())
+    assert kept[:31] == [True] * 31 and not any(kept[32:])
+    assert FixedPolicy("dflash").keeps_draft()

@@ -3,7 +3,6 @@
 ngram and several verify widths; the pair is checked at start-up; stale state is refused."""
 from __future__ import annotations
 
-import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -12,8 +11,8 @@ import pytest
 import torch
 
 from draft_service.dflash import new_draft, save_draft
-from service_helpers import (collect, gateway_stub, running_draft, running_gateway, running_target,
-                             tiny_target_dir)
+from service_helpers import (collect, gateway_stub, repeating_prompts, running_draft, running_gateway,
+                             running_target, tiny_target_dir)
 from splitspec.client import build_request
 from splitspec.launch import start_service
 from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
@@ -26,13 +25,7 @@ N_PROMPTS, N_NEW = 20, 64
 
 
 def prompts():
-    rng = random.Random(1234)
-    out = []
-    for i in range(N_PROMPTS):
-        base = [rng.randrange(3, 500) for _ in range(rng.randrange(2, 12))]
-        # Half the prompts repeat themselves, so prompt lookup has something to find.
-        out.append(base * 3 if i % 2 else base)
-    return out
+    return repeating_prompts(N_PROMPTS, 1234, (2, 12), repeat=3)
 
 
 @pytest.fixture(scope="module")
