@@ -188,3 +188,12 @@ def test_mixed_run(bench_run):
         m["itl_p99_during_over_p50_outside"])
     assert row["gaps during/outside"] == f"{m['itl_samples_during']}/{m['itl_samples_outside']}"
     assert "--mixed-run" in md.split("## Mixed load", 1)[1]
+
+
+def test_a_sweep_point_reports_medians_of_its_repeats_and_paired_ratios():
+    from splitspec.bench.run import median_point
+    runs = [{"tokens_per_s": 100.0, "x": 1}, {"tokens_per_s": 140.0, "x": 2}]
+    target = [{"tokens_per_s": 100.0}, {"tokens_per_s": 70.0}]
+    p = median_point(runs, target)
+    assert p["tokens_per_s"] == 120.0 and p["x"] == 1          # the lower-middle run's other fields
+    assert p["speedup_vs_target_runs"] == [1.0, 2.0] and p["speedup_vs_target"] == 1.5

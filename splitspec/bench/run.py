@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import threading
 import time
@@ -394,15 +395,7 @@ class Bench:
                 for key in keys:
                     reps[key].append(self._sweep_point(key, level, temperature, baseline_outputs))
             for key in keys:
-                runs = reps[key]
-                point = dict(sorted(runs, key=lambda p: p["tokens_per_s"])[len(runs) // 2])
-                point["tokens_per_s_runs"] = [p["tokens_per_s"] for p in runs]
-                if "target" in reps:
-                    ratios = sorted(p["tokens_per_s"] / t["tokens_per_s"] for p, t in zip(runs, reps["target"]))
-                    point["speedup_vs_target"] = ratios[len(ratios) // 2]
-                    point["speedup_vs_target_runs"] = [p["tokens_per_s"] / t["tokens_per_s"]
-                                                       for p, t in zip(runs, reps["target"])]
-                out.append(point)
+                out.append(median_point(reps[key], reps.get("target")))
         add_speedup_vs_1_stream(out)
         return out
 
@@ -576,6 +569,18 @@ def latencies(results: list) -> dict:
     return {"latency_ms_p50": percentile(e2e, 50), "latency_ms_p99": percentile(e2e, 99),
             "ttft_ms_p50": percentile(ttft, 50), "ttft_ms_p99": percentile(ttft, 99),
             "itl_ms_p50": percentile(itl, 50), "itl_ms_p99": percentile(itl, 99)}
+
+
+def median_point(runs: list[dict], target_runs: list[dict] | None) -> dict:
+    """One sweep point from its repeats: the other fields from the run with the lower-middle
+    tok/s, tok/s the median of the runs, × target the median of the paired ratios."""
+    point = dict(sorted(runs, key=lambda p: p["tokens_per_s"])[(len(runs) - 1) // 2])
+    point["tokens_per_s_runs"] = [p["tokens_per_s"] for p in runs]
+    point["tokens_per_s"] = statistics.median(point["tokens_per_s_runs"])
+    if target_runs:
+        point["speedup_vs_target_runs"] = [p["tokens_per_s"] / t["tokens_per_s"] for p, t in zip(runs, target_runs)]
+        point["speedup_vs_target"] = statistics.median(point["speedup_vs_target_runs"])
+    return point
 
 
 def step_split(results: list) -> dict | None:
