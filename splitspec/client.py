@@ -50,4 +50,6 @@ def format_stats(complete: gateway_pb2.Complete, elapsed_s: float) -> str:
     if s.draft_tokens:
         lines.append(f"draft_tokens={s.draft_tokens} accepted_per_position={list(s.accepted_per_position)} "
                      f"hidden_state_bytes={s.hidden_state_bytes}")
+    if len(s.steps_by_method) > 1 or s.method == "auto":
+        lines.append("steps by drafter: " + " ".join(f"{m}={n}" for m, n in sorted(s.steps_by_method.items())))
     return "\n".join(lines)
