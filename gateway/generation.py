@@ -41,12 +41,17 @@ class Stats:
             accept_length=self.committed / self.verify_steps if self.verify_steps else 0.0,
             accepted_per_position=self.accepted_per_position, draft_tokens=self.draft_tokens,
             draft_ms=self.draft_ms, verify_ms=self.verify_ms,
-            wire_ms=max(0.0, self.draft_ms + self.verify_ms - self.model_ms - self.queue_ms),
+            wire_ms=self.wire_ms,
             queue_ms=self.queue_ms,
             hidden_state_bytes=self.hidden_state_bytes, draft_fallbacks=self.draft_fallbacks,
             target_failovers=self.target_failovers, time_to_first_token_ms=self.time_to_first_token_ms,
             steps_by_method=self.steps_by_method,
             steps=[gateway_pb2.SpeculativeStep(method=m, k=k, accepted=a) for m, k, a in self.steps])
+
+    @property
+    def wire_ms(self) -> float:
+        """Round-trip time neither in a model nor queued: network and (de)serialisation."""
+        return max(0.0, self.draft_ms + self.verify_ms - self.model_ms - self.queue_ms)
 
     @property
     def steps_by_k(self) -> dict[int, int]:

@@ -89,19 +89,12 @@ class GatewayMetrics:
         self._speculation(stats)
 
     def _speculation(self, stats) -> None:
-        by_method = getattr(stats, "steps_by_method", None) or {}
-        by_k = getattr(stats, "steps_by_k", None) or {}
-        for method, n in by_method.items():
+        for method, n in stats.steps_by_method.items():
             self.steps.labels(method=method).inc(n)
-        if not by_method and stats.verify_steps:
-            self.steps.labels(method=stats.method).inc(stats.verify_steps)
+        by_k = stats.steps_by_k
         for k, n in by_k.items():
             self.steps_by_k.labels(k=str(k)).inc(n)
-        if by_k:
-            drafts = sum(n for k, n in by_k.items() if int(k) > 0)
-        else:       # Stats without per-k counts: every step of a request that drafted counts
-            drafts = stats.verify_steps if stats.draft_tokens else 0
-        self.drafts.inc(drafts)
+        self.drafts.inc(sum(n for k, n in by_k.items() if k > 0))
         self.draft_tokens.inc(stats.draft_tokens)
         accepted = stats.accepted_per_position
         self.accepted.inc(sum(accepted))

@@ -112,6 +112,11 @@ class Measurements:
         self.draft_ms: dict[str, Ema] = {}
         self.max_positions = max_positions
         self.accept: dict[tuple, Acceptance] = {}
+        # The exploration schedule is the gateway's, not a request's: short requests make few
+        # decisions each, and must still get a drafter re-measured now and then.
+        self.decisions = 0
+        self.last_tried: dict[str, int] = {}     # drafter -> decision number it last ran at
+        self.probe_gap: dict[str, int] = {}      # drafter -> decisions between two probes of it
 
     # -- what the services reported ---------------------------------------------------------
     def target_step(self, forward_ms: float, batch_size: int, batch_tokens: int, verify: bool = False) -> None:
@@ -200,9 +205,7 @@ class AutoPolicy:
         self.max_k = max_k                      # the request's upper bound on drafted tokens
         self.local: dict[tuple, Acceptance] = {}
         self.run = 1
-        self.decisions = 0
-        self.last_tried: dict[str, int] = {}    # drafter -> decision number it last ran at
-        self.probe_gap: dict[str, int] = {}     # drafter -> decisions between two probes of it
+        self.decisions = 0                      # this request's, for keeps_draft
         self.probing = False                    # the last choice was a probe, not the best step
         self.last_natural: dict[str, int] = {}  # drafter -> decision number it last won on its merits
         self.ngram_chosen = Ema(0.0, alpha=0.2)  # how often an n-gram draft was worth a step lately
@@ -223,23 +226,25 @@ class AutoPolicy:
                   "ngram": self._acceptance(("ngram", offer.ngram_match)).rates() if offer.ngram else []}
         costs = self.m.costs(1 if self._watching() else MAX_DECODE_RUN)
         self.decisions += 1
+        m = self.m
+        m.decisions += 1
         best = choose(accept, max_k, costs)
         # Exploration: an estimate that is never re-measured can stay wrong forever (one
         # unlucky first step would rule a drafter out for good). A drafter that keeps losing
         # is probed less and less often (16, 32, 64 … decisions).
         natural, self.probing = best.method, False
         for method, k in max_k.items():
-            gap = self.probe_gap.setdefault(method, PROBE_EVERY)
-            if k and method != best.method and self.decisions - self.last_tried.setdefault(method, 0) >= gap:
+            gap = m.probe_gap.setdefault(method, PROBE_EVERY)
+            if k and method != best.method and m.decisions - m.last_tried.setdefault(method, 0) >= gap:
                 best = choose(accept, {method: k}, costs, decode=False)
-                self.probe_gap[method] = min(2 * gap, MAX_PROBE_GAP)
+                m.probe_gap[method] = min(2 * gap, MAX_PROBE_GAP)
                 self.probing = True
                 break
         if natural != "none":
-            self.probe_gap[natural] = PROBE_EVERY
+            m.probe_gap[natural] = PROBE_EVERY
             self.last_natural[natural] = self.decisions
         if best.method != "none":
-            self.last_tried[best.method] = self.decisions
+            m.last_tried[best.method] = m.decisions
         self.ngram_chosen.add(1.0 if best.method == "ngram" else 0.0)
         return best
 
