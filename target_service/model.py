@@ -199,6 +199,13 @@ class CausalLM(nn.Module):
             self._inv_freq = rope_inv_freq(self.cfg).to(device)
         return self._inv_freq
 
+    def tap(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """The feature a draft reads for layer `layer`: transformers' `hidden_states[layer + 1]`,
+        the public DFlash/EAGLE convention. That is the layer's output, except for the last
+        layer, whose entry transformers stores after the final norm; a draft trained here must
+        read the same numbers in vLLM, SGLang or the reference loop."""
+        return self.model.norm(x) if layer == self.cfg.num_hidden_layers - 1 else x
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 cache: KVCache | None = None, mask: torch.Tensor | None = None,
                 hidden_layers: tuple[int, ...] | list[int] = (),
@@ -208,7 +215,7 @@ class CausalLM(nn.Module):
         input_ids: [B, T] (or [T]); positions: absolute positions, same shape (defaults to
         `cache.length + arange(T)`); mask: bool, True = may attend, shaped [T, past + T] or
         [B, 1, T, past + T] over (cached prefix + new tokens); causal when omitted.
-        hidden_layers: 0-based layer ids whose outputs are returned, concatenated.
+        hidden_layers: 0-based layer ids whose outputs are returned, concatenated (see `tap`).
         logits_rows: which of the T rows to project through lm_head (all by default).
         """
         if input_ids.dim() == 1:
@@ -233,7 +240,7 @@ class CausalLM(nn.Module):
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, cache, mask)
             if i in wanted:
-                wanted[i] = x
+                wanted[i] = self.tap(i, x)
         if cache is not None:
             cache.advance(T)
         h = self.model.norm(x if logits_rows is None else x[:, logits_rows])
@@ -252,7 +259,7 @@ class CausalLM(nn.Module):
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, batch, None)
             if i in wanted:
-                hidden[i] = x
+                hidden[i] = self.tap(i, x)
         if logits_index is not None:
             x = x[logits_index]
         return self.lm_head(self.model.norm(x)), hidden

@@ -142,3 +142,24 @@ def test_chunked_prefill_equals_unchunked(tiny_qwen3_model, chunk):
     assert torch.allclose(seq.cache.k[..., :n, :], ref_seq.cache.k[..., :n, :], atol=1e-5)
     assert torch.allclose(seq.cache.v[..., :n, :], ref_seq.cache.v[..., :n, :], atol=1e-5)
     assert [seq.decode().committed[0] for _ in range(6)] == [ref_seq.decode().committed[0] for _ in range(6)]
+
+
+def test_draft_taps_follow_transformers_hidden_states(models):
+    """A draft's tap of layer i is transformers' `hidden_states[i + 1]` for every i, the last
+    layer (stored after the final norm) included, in both forward paths, so a draft trained
+    here reads the same features in vLLM, SGLang or the reference loop."""
+    name, _, ours, hf = models
+    L = ours.cfg.num_hidden_layers
+    prompt = _prompt(13, ours.cfg.vocab_size, 5)
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt]), output_hidden_states=True).hidden_states
+        dense = ours(torch.tensor([prompt]), hidden_layers=tuple(range(L))).hidden[0]
+    seq = TargetSequence(ours, prompt, SamplingParams(temperature=0.0), hidden_layers=tuple(range(L)))
+    paged = seq.prefill().hidden
+    H = ours.cfg.hidden_size
+    for i in range(L):
+        want = ref[i + 1][0]
+        for got in (dense[:, i * H:(i + 1) * H], paged[:, i * H:(i + 1) * H]):
+            diff = (got - want).abs().max().item()
+            assert diff < ATOL, f"{name}: layer {i} tap differs from hidden_states[{i + 1}] by {diff}"
+    _report("taps", name, max((dense[:, -H:] - ref[L][0]).abs().max().item(), 0.0))
