@@ -61,10 +61,27 @@ class DFlashConfig:
     rope_theta: float = 10000.0
     rope_scaling: dict = field(default_factory=dict)
     max_position_embeddings: int = 4096
+    layer_types: tuple[str, ...] = ()          # per layer; empty = every layer "full_attention"
+    sliding_window: int | None = None
+    is_causal: bool | None = None              # explicit; None = causal iff the layer is sliding
+    input_embedding_scale: float = 1.0         # block embeddings (anchor and masks) are scaled by it
+
+    ARCHITECTURE = "DFlashDraftModel"
 
     @property
     def num_draft_tokens(self) -> int:
         return self.block_size - 1
+
+    def layer_type(self, i: int) -> str:
+        return self.layer_types[i] if self.layer_types else "full_attention"
+
+    def layer_causal(self, i: int) -> bool:
+        """Causal among the block's own rows. The public loaders take an explicit `is_causal`
+        first and otherwise make a layer causal iff it is a sliding one (z-lab, vLLM)."""
+        return self.is_causal if self.is_causal is not None else self.layer_type(i) == "sliding_attention"
+
+    def layer_window(self, i: int) -> int | None:
+        return self.sliding_window if self.layer_type(i) == "sliding_attention" else None
 
     @property
     def target_feature_size(self) -> int:
@@ -83,42 +100,61 @@ class DFlashConfig:
 
     @classmethod
     def from_dict(cls, raw: dict, *, block_size_means: str = "verify_width") -> "DFlashConfig":
+        return cls(**cls.fields_from_dict(raw, block_size_means))
+
+    @classmethod
+    def fields_from_dict(cls, raw: dict, block_size_means: str) -> dict:
         archs = raw.get("architectures") or []
-        if "DFlashDraftModel" not in archs:
-            raise ConfigError(f"draft config.json: architectures={archs!r}; expected ['DFlashDraftModel']")
+        if cls.ARCHITECTURE not in archs:
+            raise ConfigError(f"draft config.json: architectures={archs!r}; expected ['{cls.ARCHITECTURE}']")
         dcfg = raw.get("dflash_config") or {}
         for key in ("mask_token_id", "target_layer_ids"):
             if key not in dcfg:
                 raise ConfigError(f"draft config.json: dflash_config.{key} is missing")
-        if "block_size" not in raw:
-            raise ConfigError("draft config.json: block_size is missing")
+        if "block_size" not in raw and "block_size" not in dcfg:
+            raise ConfigError("draft config.json: block_size is missing (top level or dflash_config)")
         if block_size_means not in BLOCK_SIZE_MEANINGS:
             raise ConfigError(f"block size meaning {block_size_means!r}; expected one of {BLOCK_SIZE_MEANINGS}")
         # Checkpoints disagree on whether block_size counts the drafted tokens (7) or the
         # verify width including the last committed token (8); the caller says which.
-        stored = int(raw["block_size"])
+        stored = int(dcfg["block_size"] if "block_size" in dcfg else raw["block_size"])
         block = stored if block_size_means == "verify_width" else stored + 1
         if block < 2:
             raise ConfigError(f"draft config.json: block_size={stored} leaves no token to draft")
         heads = raw["num_attention_heads"]
         rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
         rope.setdefault("rope_type", rope.pop("type", "default"))
-        theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
-        return cls(hidden_size=raw["hidden_size"], intermediate_size=raw["intermediate_size"],
-                   num_hidden_layers=raw["num_hidden_layers"], num_attention_heads=heads,
-                   num_key_value_heads=raw.get("num_key_value_heads") or heads,
-                   head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
-                   vocab_size=raw["vocab_size"], block_size=block,
-                   mask_token_id=int(dcfg["mask_token_id"]),
-                   target_layer_ids=tuple(int(i) for i in dcfg["target_layer_ids"]),
-                   num_target_layers=int(raw.get("num_target_layers", max(dcfg["target_layer_ids"]) + 1)),
-                   rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)), rope_theta=theta,
-                   rope_scaling=rope, max_position_embeddings=int(raw.get("max_position_embeddings", 4096)))
+        theta = float(rope.pop("rope_theta", raw.get("rope_theta", 10000.0)))
+        if dcfg.get("attention_mode", "gqa") != "gqa":
+            raise ConfigError(f"draft config.json: dflash_config.attention_mode="
+                              f"{dcfg['attention_mode']!r} is not supported; only 'gqa' drafts load here")
+        layers = int(raw["num_hidden_layers"])
+        types = tuple(raw.get("layer_types") or ())
+        if types and (len(types) != layers or set(types) - {"full_attention", "sliding_attention"}):
+            raise ConfigError(f"draft config.json: layer_types={list(types)!r}; expected {layers} entries, "
+                              f"each 'full_attention' or 'sliding_attention'")
+        window = raw.get("sliding_window")
+        if "sliding_attention" in types and not (isinstance(window, int) and window > 0):
+            raise ConfigError(f"draft config.json: sliding layers need a positive sliding_window, got {window!r}")
+        causal = raw.get("is_causal", dcfg.get("causal"))
+        return dict(hidden_size=raw["hidden_size"], intermediate_size=raw["intermediate_size"],
+                    num_hidden_layers=layers, num_attention_heads=heads,
+                    num_key_value_heads=raw.get("num_key_value_heads") or heads,
+                    head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+                    vocab_size=raw["vocab_size"], block_size=block,
+                    mask_token_id=int(dcfg["mask_token_id"]),
+                    target_layer_ids=tuple(int(i) for i in dcfg["target_layer_ids"]),
+                    num_target_layers=int(raw.get("num_target_layers", max(dcfg["target_layer_ids"]) + 1)),
+                    rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)), rope_theta=theta,
+                    rope_scaling=rope, max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+                    layer_types=types, sliding_window=int(window) if window else None,
+                    is_causal=None if causal is None else bool(causal),
+                    input_embedding_scale=float(raw.get("input_embedding_scale") or 1.0))
 
     def to_dict(self) -> dict:
         """z-lab export format; block_size is written as the verify width."""
-        return {
-            "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+        out = {
+            "architectures": [self.ARCHITECTURE], "model_type": "qwen3",
             "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
             "num_hidden_layers": self.num_hidden_layers, "num_attention_heads": self.num_attention_heads,
             "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
@@ -129,6 +165,15 @@ class DFlashConfig:
             "dflash_config": {"mask_token_id": self.mask_token_id,
                               "target_layer_ids": list(self.target_layer_ids)},
         }
+        if self.layer_types:
+            out["layer_types"] = list(self.layer_types)
+        if self.sliding_window:
+            out["sliding_window"] = self.sliding_window
+        if self.is_causal is not None:
+            out["is_causal"] = self.is_causal
+        if self.input_embedding_scale != 1.0:
+            out["input_embedding_scale"] = self.input_embedding_scale
+        return out
 
 
 class DraftAttention(nn.Module):
@@ -169,8 +214,9 @@ class DraftLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, ctx_k, ctx_v, mask=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask)
+    def forward(self, x, attend):
+        """attend(self_attn, normed x) runs the attention (cached context, training layouts)."""
+        x = x + attend(self.self_attn, self.input_layernorm(x))
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -178,10 +224,12 @@ class DFlashDraft(nn.Module):
     """Draft layers + feature fusion. The target's embedding and lm_head are attached with
     `attach_target` and are not part of this module's state dict (they stay frozen)."""
 
+    layer_class = DraftLayer
+
     def __init__(self, cfg: DFlashConfig):
         super().__init__()
         self.cfg = cfg
-        self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(self.layer_class(cfg) for _ in range(cfg.num_hidden_layers))
         self.fc = nn.Linear(cfg.target_feature_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -201,7 +249,8 @@ class DFlashDraft(nn.Module):
         return rope_cos_sin(self._inv_freq, positions, dtype)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self._target["embed"])
+        x = F.embedding(ids, self._target["embed"])
+        return x if self.cfg.input_embedding_scale == 1.0 else x * self.cfg.input_embedding_scale
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return F.linear(h, self._target["lm_head"])
@@ -217,11 +266,13 @@ class DFlashDraft(nn.Module):
 
     def block_forward(self, block_ids: torch.Tensor, positions: torch.Tensor,
                       ctx_kv: list[tuple[torch.Tensor, torch.Tensor]], mask=None) -> torch.Tensor:
-        """Final normed hidden [B, T, H] of the block tokens attending to context + block."""
+        """Final normed hidden [B, T, H] of the block tokens attending to context + block.
+        mask: one bool mask for every layer, or a list of one per layer."""
         x = self.embed(block_ids)
         cos, sin = self.rope(positions, x.dtype)
-        for layer, (ck, cv) in zip(self.layers, ctx_kv):
-            x = layer(x, cos, sin, ck, cv, mask)
+        masks = mask if isinstance(mask, list) else [mask] * len(self.layers)
+        for layer, (ck, cv), m in zip(self.layers, ctx_kv, masks):
+            x = layer(x, lambda attn, u, ck=ck, cv=cv, m=m: attn(u, cos, sin, ck, cv, m))
         return self.norm(x)
 
 
@@ -280,10 +331,42 @@ def ensure_room(cache: DraftCache, n: int) -> None:
     cache.table.ensure(cache.length + n)
 
 
+def layer_masks(cfg: DFlashConfig, lengths: torch.Tensor, positions: torch.Tensor, C: int) -> list[torch.Tensor]:
+    """Per-layer bool masks [R, 1, B, C + B] (True = may attend) for blocks whose queries sit at
+    positions [R, B], over each row's `lengths` cached context keys (at 0..len-1) + the block:
+    bidirectional or causal among the block, and, for sliding layers, a symmetric window
+    (|q - k| < W) as the public loaders apply it to non-causal drafts."""
+    R, B = positions.shape
+    dev = positions.device
+    ctx_pos = torch.arange(C, device=dev)
+    ctx_ok = (ctx_pos[None] < lengths[:, None])[:, None, :].expand(R, B, C)
+    keys = torch.cat([ctx_pos[None].expand(R, C), positions], dim=1)                # [R, C + B]
+    dist = positions[:, :, None] - keys[:, None, :]                                  # q - k
+    out, made = [], {}
+    for i in range(cfg.num_hidden_layers):
+        kind = (cfg.layer_causal(i), cfg.layer_window(i))
+        if kind not in made:
+            causal, window = kind
+            blk = torch.ones(B, B, dtype=torch.bool, device=dev)
+            blk = (blk.tril() if causal else blk)[None].expand(R, B, B)
+            m = torch.cat([ctx_ok, blk], dim=2)
+            if window:
+                m = m & (dist < window) & (-dist < window)
+            made[kind] = m[:, None]
+        out.append(made[kind])
+    return out
+
+
 def draft_blocks(model: DFlashDraft, caches: list[DraftCache], last_tokens: list[int],
                  positions: list[int]) -> torch.Tensor:
     """Logits [R, B - 1, V] for the mask slots of each row's block [last_token, MASK...] at its
     position, every row attending to its own cached context: one batched forward."""
+    return model.logits(block_hidden(model, caches, last_tokens, positions)).float()
+
+
+def block_hidden(model: DFlashDraft, caches: list[DraftCache], last_tokens: list[int],
+                 positions: list[int]) -> torch.Tensor:
+    """Final normed draft hidden states [R, B - 1, H] of the mask slots (see draft_blocks)."""
     cfg = model.cfg
     p = next(model.parameters())
     R, B = len(caches), cfg.block_size
@@ -295,20 +378,29 @@ def draft_blocks(model: DFlashDraft, caches: list[DraftCache], last_tokens: list
     for r, c in enumerate(caches):
         index[r, :c.length] = c.table.slots(0, c.length)
     lengths = torch.tensor([c.length for c in caches], device=p.device)
-    ctx_ok = torch.arange(C, device=p.device)[None] < lengths[:, None]                 # [R, C]
-    mask = torch.cat([ctx_ok[:, None, :].expand(R, B, C), torch.ones(R, B, B, dtype=torch.bool, device=p.device)],
-                     dim=2)[:, None]
+    mask = layer_masks(cfg, lengths, pos, C)
     pool = caches[0].pool
     flat, shape = index.view(-1), (R, C, pool.k.shape[2], pool.k.shape[3])
     ctx = [tuple(t[i].index_select(0, flat).view(shape).transpose(1, 2) for t in (pool.k, pool.v))
            for i in range(len(model.layers))]
-    h = model.block_forward(ids, pos, ctx, mask)
-    return model.logits(h[:, 1:]).float()
+    return model.block_forward(ids, pos, ctx, mask)[:, 1:]
 
 
 def draft_block(model: DFlashDraft, cache: DraftCache, last_token: int, position: int) -> torch.Tensor:
     """Logits [B - 1, V] for the mask slots of block [last_token, MASK...] at `position`."""
     return draft_blocks(model, [cache], [last_token], [position])[0]
+
+
+def draft_classes(raw: dict) -> tuple[type, type]:
+    """(config class, model class) for a draft config.json, by its `architectures`."""
+    archs = raw.get("architectures") or []
+    if "DFlash2DraftModel" in archs:
+        from .dflash2 import DFlash2Config, DFlash2Draft
+        return DFlash2Config, DFlash2Draft
+    if "DFlashDraftModel" in archs:
+        return DFlashConfig, DFlashDraft
+    raise ConfigError(f"draft config.json: architectures={archs!r}; expected ['DFlashDraftModel'] "
+                      f"or ['DFlash2DraftModel']")
 
 
 def load_draft(path: str | Path, target_path: str | Path, *, dtype="float32", device="cpu",
@@ -317,8 +409,9 @@ def load_draft(path: str | Path, target_path: str | Path, *, dtype="float32", de
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise ConfigError(f"{cfg_file}: not found; --model-path must be a DFlash draft folder")
-    cfg = DFlashConfig.from_dict(json.loads(cfg_file.read_text()), block_size_means=block_size_means)
-    log.info("dflash_block_size", block_size=cfg.block_size, drafted_per_step=cfg.num_draft_tokens,
+    config_class, model_class = draft_classes(raw := json.loads(cfg_file.read_text()))
+    cfg = config_class.from_dict(raw, block_size_means=block_size_means)
+    log.info("dflash_block_size", architecture=cfg.ARCHITECTURE, block_size=cfg.block_size, drafted_per_step=cfg.num_draft_tokens,
              stored_as=block_size_means)
     tcfg = ModelConfig.from_dir(target_path)
     if tcfg.hidden_size != cfg.hidden_size or tcfg.vocab_size != cfg.vocab_size:
@@ -329,7 +422,7 @@ def load_draft(path: str | Path, target_path: str | Path, *, dtype="float32", de
                           f"{tcfg.num_hidden_layers} layers")
     dt, dev = parse_dtype(dtype), resolve_device(device)
     with torch.device("meta"):
-        model = DFlashDraft(cfg)
+        model = model_class(cfg)
     model = model.to_empty(device=dev).to(dt)
     load_state(model, weight_files(path))
     tfiles = weight_files(target_path)

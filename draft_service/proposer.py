@@ -16,7 +16,8 @@ from splitspec.engine.kv_pool import KVPool
 from splitspec.engine.tree import Tree
 from splitspec.ngram import NgramIndex
 
-from .dflash import DFlashDraft, DraftCache, append_context, draft_blocks, ensure_room
+from .dflash import DFlashDraft, DraftCache, append_context, block_hidden, ensure_room
+from .dflash2 import DFlash2Draft
 
 
 class ProposerError(ValueError):
@@ -88,8 +89,14 @@ class DFlashProposer(_Tokens):
         if base_len - 1 > self.cache.max_len:
             raise ProposerError(f"propose.base_len = {base_len} is past the draft's context ({self.cache.max_len} tokens)")
 
-    def finish(self, logits: torch.Tensor) -> tuple[Tree, torch.Tensor | None]:
-        """The chain (and q when sampling) from this session's block logits [B - 1, V]."""
+    def finish(self, hidden: torch.Tensor, logits: torch.Tensor) -> tuple[Tree, torch.Tensor | None]:
+        """The chain (and q when sampling) from this session's block hidden states [B - 1, H]
+        and logits [B - 1, V]."""
+        if isinstance(self.model, DFlash2Draft):
+            # The selector's q ignores the request's top-k/top-p (they shape the target's p only).
+            temp = 0.0 if self.sampling is None else self.sampling.temperature
+            chain, q = self.model.walk(hidden, logits, self.tokens[-1], self.width - 1, temp, self.generator)
+            return Tree.chain(chain), q
         logits = logits[: self.width - 1]
         if self.sampling is None:
             return Tree.chain(logits.argmax(-1).tolist()), None
@@ -126,11 +133,12 @@ def propose_batch(model: DFlashDraft, items: list[tuple]) -> list[Proposal | Exc
         append_context(model, [(items[i][0].cache, items[i][3]) for i in live])
         for i in live:
             items[i][0].tokens.extend(items[i][2])
-        logits = draft_blocks(model, [items[i][0].cache for i in live], [items[i][0].tokens[-1] for i in live],
+        hidden = block_hidden(model, [items[i][0].cache for i in live], [items[i][0].tokens[-1] for i in live],
                               [items[i][1] - 1 for i in live])
+        logits = model.logits(hidden).float()
+        trees = [items[i][0].finish(hidden[row], logits[row]) for row, i in enumerate(live)]
     ms = (time.perf_counter() - t0) * 1e3
-    for row, i in enumerate(live):
-        tree, q = items[i][0].finish(logits[row])
+    for (tree, q), i in zip(trees, live):
         out[i] = Proposal(tree, q, ms)
     return out
 

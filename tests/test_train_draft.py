@@ -161,7 +161,7 @@ def test_soft_labels_are_the_targets_next_token_distribution(target):
     tokens, _ = sequence(target, 2, 40, seed=3)
     with torch.no_grad():
         out = target(tokens, hidden_layers=(2,))
-    teacher = Teacher(target.model.norm, target.lm_head.weight)
+    teacher = Teacher(target.lm_head.weight)
     an = Anchors(torch.tensor([[4, 17, 30], [9, 10, 31]]), torch.ones(2, 3, dtype=torch.bool))
     p = soft_labels(teacher, out.hidden, an, BLOCK)
     assert p.shape == (2, 3, BLOCK - 1, target.cfg.vocab_size)
@@ -177,7 +177,7 @@ def test_distill_weight_mixes_soft_and_hard_cross_entropy(target):
     tokens, feats = sequence(target, 2, 48, seed=4)
     d = make_draft(target)
     an = sample_anchors(2, 48, 6, torch.Generator().manual_seed(2), min_anchor=4)
-    teacher = Teacher(target.model.norm, target.lm_head.weight)
+    teacher = Teacher(target.lm_head.weight)
     final = feats[..., -target.cfg.hidden_size:]          # taps (0, 1, 2): the last is the last layer
     hard = objective(d, feats, tokens, an).loss
     soft = objective(d, feats, tokens, an, teacher=teacher, final_hidden=final, distill=1.0).loss

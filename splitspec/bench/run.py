@@ -275,8 +275,9 @@ class Bench:
     def resolve_width(self) -> None:
         w = self.args.num_draft_tokens
         if w is None and self.draft_path is not None:
-            from draft_service.dflash import DFlashConfig
-            w = DFlashConfig.from_dict(json.loads((self.draft_path / "config.json").read_text())).block_size
+            from draft_service.dflash import draft_classes
+            raw = json.loads((self.draft_path / "config.json").read_text())
+            w = draft_classes(raw)[0].from_dict(raw).block_size
         self.width = w or 8
         if self.width < 2:
             raise SystemExit("--num-draft-tokens must be >= 2")

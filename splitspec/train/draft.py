@@ -274,7 +274,7 @@ def decode_step(model, ids: torch.Tensor, cache: KVCache, layer_ids) -> tuple[to
         x = x + at.o_proj(o.reshape(b, 1, at.n_heads * at.head_dim))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
         if i in layer_ids:
-            wanted[i] = x
+            wanted[i] = model.tap(i, x)
     cache.advance(1)
     logits = model.lm_head(model.model.norm(x))[:, 0]
     return logits, torch.cat([wanted[i] for i in layer_ids], -1)[:, 0]

@@ -148,9 +148,7 @@ def draft_hidden(model: DFlashDraft, features: torch.Tensor, tokens: torch.Tenso
         x = model.embed(ids)
         cos, sin = model.rope(positions, x.dtype)
         for layer, (ck, cv) in zip(model.layers, ctx_kv):
-            a = _factored_attention(layer.self_attn, layer.input_layernorm(x), cos, sin, ck, cv, allowed, B)
-            x = x + a
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = layer(x, lambda attn, u, ck=ck, cv=cv: _factored_attention(attn, u, cos, sin, ck, cv, allowed, B))
         h = model.norm(x)
     else:
         raise ValueError(f"attention={attention!r}; expected 'dense' or 'factored'")
@@ -165,18 +163,18 @@ def position_weights(block_size: int, gamma: float, device=None) -> torch.Tensor
 
 @dataclass
 class Teacher:
-    """The frozen target's head: final norm + lm_head over its last-layer hidden states."""
-    norm: torch.nn.Module
+    """The frozen target's lm_head over its last-layer tap, which is already final-normed
+    (`CausalLM.tap`, transformers' `hidden_states[L]`)."""
     lm_head: torch.Tensor         # [V, H]
 
     @classmethod
     def of(cls, target) -> "Teacher":
         """The head of a loaded target (`target_service.model.CausalLM`)."""
-        return cls(target.model.norm, target.lm_head.weight.detach())
+        return cls(target.lm_head.weight.detach())
 
     @torch.no_grad()
     def probs(self, final_hidden: torch.Tensor) -> torch.Tensor:
-        return torch.softmax(F.linear(self.norm(final_hidden), self.lm_head).float(), -1)
+        return torch.softmax(F.linear(final_hidden, self.lm_head).float(), -1)
 
 
 @dataclass
@@ -189,7 +187,7 @@ class LossOut:
 
 
 def soft_labels(teacher: Teacher, final_hidden: torch.Tensor, anchors: Anchors, block_size: int) -> torch.Tensor:
-    """p_target for every slot: [N, nA, B-1, V] from the target's last-layer hidden states
+    """p_target for every slot: [N, nA, B-1, V] from the target's last-layer taps
     final_hidden [N, C, H] at positions a … a+B-2 (position j predicts token j+1). The head runs once
     per distinct position, not once per slot."""
     N, C, _ = final_hidden.shape
