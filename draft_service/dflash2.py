@@ -226,6 +226,13 @@ def new_dflash2(base: DFlashDraft | DFlashConfig, *, conv_group_size: int = 16, 
             nn.init.normal_(p, std=0.02)
     sel = model.candidate_selector
     with torch.no_grad():
+        # The pair score is a product of three learned factors; with all of them at the usual 0.02
+        # scale its gradients start ~1e4 times smaller than the unary ones and the selector barely
+        # moves in a short warm start. Unit-scale predecessor codes and a projection that keeps
+        # the normed hidden at unit scale make the gate O(1); the successor codebook at zero keeps
+        # the starting scores exactly the unary ones.
+        nn.init.normal_(sel.predecessor_codebook, std=1.0)
+        nn.init.normal_(sel.hidden_projection.weight, std=cfg.hidden_size ** -0.5)
         sel.successor_codebook.zero_()
         for layer in model.layers:
             layer.attention_conv.reset_identity()

@@ -7,7 +7,7 @@
     splitspec scaleout --check                two replicas of target and draft behind DNS names, in a namespace
     splitspec loadtest --gateway H:P ...      N concurrent streams for T seconds: failures, p50/p99, tokens/s, memory
     splitspec train-target ...                train the default target model (splitspec.train.target)
-    splitspec train-draft ...                 train a DFlash draft for a target (splitspec.train.draft)
+    splitspec train-draft ...                 train a DFlash or DFlash2 draft for a target (splitspec.train.draft)
     splitspec bench ...                       benchmark harness (splitspec.bench; docs/benchmarks.md)
     splitspec ceiling ...                     the accept length the target allows any drafter (splitspec.bench.ceiling)
 """
@@ -107,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
                                          "latency, tokens/s, failures, memory"))
 
     sub.add_parser("train-target", add_help=False, help="train the default target model (see its --help)")
-    sub.add_parser("train-draft", add_help=False, help="train a DFlash draft for a target (see its --help)")
+    sub.add_parser("train-draft", add_help=False, help="train a DFlash or DFlash2 draft for a target (see its --help)")
     sub.add_parser("bench", add_help=False, help="benchmark the configurations side by side (see its --help)")
     sub.add_parser("ceiling", add_help=False, help="the accept length the target allows a perfect drafter "
                                                    "(see its --help)")

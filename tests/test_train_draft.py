@@ -15,7 +15,7 @@ import json
 import pytest
 import torch
 
-from draft_service.dflash import DraftCache, draft_block, load_draft, new_draft
+from draft_service.dflash import DraftCache, draft_block, load_draft, new_draft, save_draft
 from draft_service.proposer import DFlashProposer
 from splitspec.train import draft as trainer
 from splitspec.train.draft_objective import (Anchors, Teacher, block_mask, draft_hidden, objective,
@@ -213,7 +213,7 @@ def test_init_target_last_reproduces_the_targets_context_kv(target):
     from argparse import Namespace
     from target_service.model import apply_rope, rope_cos_sin
     args = Namespace(layers=1, block_size=BLOCK, intermediate_size=None, seed=0, init="target-last")
-    d = trainer.build_draft(args, target, (0, 1), 1)
+    d = trainer.new_backbone(args, target, (0, 1), 1)
     tokens, _ = sequence(target, 1, 20, seed=6)
     with torch.no_grad():
         feats = target(tokens, hidden_layers=(0, 1)).hidden
@@ -227,7 +227,7 @@ def test_init_target_last_reproduces_the_targets_context_kv(target):
     torch.testing.assert_close(v, ref_v, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(d.layers[0].mlp.up_proj.weight, target.model.layers[2].mlp.up_proj.weight)
     with pytest.raises(SystemExit, match="layer 1"):
-        trainer.build_draft(args, target, (0, 2), 1)
+        trainer.new_backbone(args, target, (0, 2), 1)
 
 
 def run_args(target_dir, tmp_path, steps, producer="process"):
@@ -319,3 +319,25 @@ def test_replay_kinds_pick_rows_by_their_recorded_temperature(tmp_path, kinds, e
     assert len(rows) == expected
     if kinds == "greedy":
         assert rows == [(0, 0), (0, 3), (1, 2)]
+
+
+def test_dflash2_trainer_warm_starts_from_dflash(target_dir, tmp_path):
+    """--arch dflash2 --init-from a DFlash draft: the export is a DFlash2 checkpoint in the public
+    layout that the draft service loads, and the card reports the selector's numbers."""
+    from draft_service.dflash2 import DFlash2Draft
+    base = tmp_path / "base"
+    save_draft(new_draft(load_model(target_dir).cfg, num_layers=1, block_size=6, mask_token_id=1,
+                         target_layer_ids=[0, 1], seed=3), base)
+    args = run_args(target_dir, tmp_path, 6) + ["--arch", "dflash2", "--init-from", str(base),
+                                                "--selector-rank", "8", "--selector-top-k", "4"]
+    assert trainer.main(args) == 0
+    out = tmp_path / "draft"
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlash2DraftModel"] and cfg["dflash_config"]["block_size"] == 6
+    assert cfg["dflash_config"]["selector_top_k"] == 4 and cfg["dflash_config"]["target_layer_ids"] == [0, 1]
+    d = load_draft(out, target_dir)
+    assert isinstance(d, DFlash2Draft)
+    m = json.loads((out / "training_metrics.json").read_text())
+    assert 0.0 <= m["eval"]["tf_topk_recall"][0] <= 1.0 and len(m["eval"]["tf_selector_acc"]) == 5
+    card = (out / "README.md").read_text()
+    assert "top-4 recall" in card and "warm start" in card

@@ -1,4 +1,4 @@
-"""Train a DFlash block-diffusion draft online against a frozen target (TorchSpec-style).
+"""Train a DFlash or DFlash2 block-diffusion draft online against a frozen target (TorchSpec-style).
 
     python -m splitspec.train.draft --target-model-path models/splitspec-code-target \\
         --out models/splitspec-code-draft --run-dir runs/draft
@@ -16,6 +16,12 @@ bottleneck is visible.
 The run is resumable (`<run-dir>/ckpt.pt`; re-run the same command), evaluates the accept length τ
 on held-out prompts with the real verification code during training, exports the draft in the
 z-lab format (`save_draft`) every few minutes and at the end, and writes a model card.
+
+`--arch dflash2` trains the DFlash2 draft (dynamic convs + candidate selector; its extra loss term is
+`dflash2_objective.py`); `--init-from` warm-starts from a trained draft. This module holds the flags,
+the draft's construction and the training loop; the data producer is `draft_data.py`, the
+objectives `draft_objective.py` / `dflash2_objective.py`, evaluation `draft_eval.py`, and
+checkpoints, export and the card `draft_export.py`.
 """
 from __future__ import annotations
 
@@ -23,25 +29,24 @@ import argparse
 import json
 import math
 import os
-import queue as queue_mod
 import random
 import shlex
 import shutil
 import sys
-import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from draft_service.dflash import DFlashDraft, default_target_layer_ids, new_draft, save_draft
-from target_service.config import ModelConfig
-from target_service.kv_cache import KVCache
-from target_service.model import apply_rope, rope_cos_sin
+from draft_service.dflash import DFlashDraft, default_target_layer_ids, new_draft
+from draft_service.dflash2 import DFlash2Draft, new_dflash2
 from splitspec.defaults import DEFAULT_TARGET
-from splitspec.engine.sample import SamplingParams, probs_from_logits
+from target_service.config import ModelConfig
 
+from .draft_data import (Producer, ProducerHandle, ProducerSpec, chunk_path, corpus_streams, decode_step,  # noqa: F401
+                         eos_ids_of, features_of, load_target, regenerate, target_tokenizer, windows)
+from .draft_eval import eval_set, full_eval, tau_eval
+from .draft_export import export, load_ckpt, machine, save_ckpt, taps_reason, write_card
 from .draft_objective import Anchors, Teacher, objective, sample_anchors
 
 DEFAULT_OUT = "models/splitspec-code-draft"
@@ -57,6 +62,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--run-dir", default=DEFAULT_RUN_DIR, help="checkpoint, cached token ids, logs, metrics")
     a("--fresh", action="store_true", help="ignore an existing checkpoint and cached data in --run-dir")
     # draft model
+    a("--arch", choices=("dflash", "dflash2"), default="dflash",
+      help="dflash: the DFlash block drafter; dflash2: DFlash plus the dynamic convs and the candidate selector")
+    a("--init-from", default=None, metavar="DRAFT",
+      help="warm start from a trained draft folder (DFlash or DFlash2); its layers, block size, taps and mask "
+           "id are used and --layers/--block-size/--target-layer-ids/--init are ignored. A DFlash draft "
+           "warm-starts a DFlash2 one: its backbone is copied, the convs start as the identity and the "
+           "selector at zero, so training starts from exactly the DFlash draft's proposals")
+    a("--conv-group-size", type=int, default=16, help="dflash2: channels sharing one dynamic conv coefficient")
+    a("--conv-kernel-size", type=int, default=2, help="dflash2: causal taps of each conv")
+    a("--selector-rank", type=int, default=64, help="dflash2: width of the selector's codebooks")
+    a("--selector-top-k", type=int, default=16, help="dflash2: unary candidates kept per position")
+    a("--selector-alpha", type=float, default=1.0, help="dflash2: weight of the selector's K-way cross-entropy")
+    a("--output-multiplier", type=float, default=1.0, help="dflash2: scale of the unary logits")
+    a("--final-logit-softcapping", type=float, default=None, help="dflash2: tanh cap of the unary logits")
     a("--layers", type=int, default=2, help="draft decoder layers")
     a("--block-size", type=int, default=8, help="verify width B: last token + B-1 drafted tokens")
     a("--target-layer-ids", default=None,
@@ -137,382 +156,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-# ---------------------------------------------------------------- target, tokenizer, corpus
-
-def load_target(path, threads: int | None = None, dtype: str = "float32", device: str = "cpu"):
-    from target_service.loader import load_model
-    if threads:
-        torch.set_num_threads(threads)
-    return load_model(path, dtype=dtype, device=device)
-
-
-def target_tokenizer(path):
-    from target_service.loader import load_tokenizer
-    return load_tokenizer(path)
-
-
-def eos_ids_of(target_cfg: ModelConfig, tok) -> tuple[int, ...]:
-    if target_cfg.eos_token_ids:
-        return tuple(target_cfg.eos_token_ids)
-    idx = tok.token_to_id("<|endoftext|>") if tok is not None else None
-    return (idx,) if idx is not None else ()
-
-
-def corpus_streams(target_path, run_dir: Path, max_files: int | None) -> dict[str, torch.Tensor]:
-    """The training corpus (splitspec.train.corpus: stdlib, held-out split by file) tokenized with
-    the target's tokenizer and packed as `<eos> doc <eos> doc …`, cached in the run folder."""
-    from target_service.loader import tokenizer_hash
-    cache = run_dir / "corpus.pt"
-    key = {"tokenizer": tokenizer_hash(target_path), "max_files": max_files}
-    if cache.is_file():
-        streams = torch.load(cache)
-        if streams.get("key") == key:
-            return streams
-    from . import corpus
-    tok = target_tokenizer(target_path)
-    eos = tok.token_to_id("<|endoftext|>")
-    train_docs, held_docs = corpus.load_corpus(max_files=max_files)
-
-    def pack(docs) -> torch.Tensor:
-        ids: list[int] = []
-        for enc in tok.encode_batch([d.text for d in docs]):
-            if eos is not None:
-                ids.append(eos)
-            ids.extend(enc.ids)
-        return torch.tensor(ids, dtype=torch.int32)
-
-    streams = {"train": pack(train_docs), "heldout": pack(held_docs),
-               "train_files": len(train_docs), "heldout_files": len(held_docs), "key": key}
-    tmp = cache.with_suffix(".tmp")
-    torch.save(streams, tmp)
-    os.replace(tmp, cache)
-    return streams
-
-
-def windows(stream: torch.Tensor, n: int, length: int, generator: torch.Generator) -> torch.Tensor:
-    """n random windows [n, length] of a packed stream (repeats the stream if it is short)."""
-    if len(stream) <= length:
-        reps = length // max(len(stream), 1) + 2
-        stream = stream.repeat(reps)
-    starts = torch.randint(0, len(stream) - length, (n,), generator=generator)
-    return torch.stack([stream[s:s + length] for s in starts.tolist()]).long()
-
-
-# ---------------------------------------------------------------- the producer
-
-@dataclass
-class ProducerSpec:
-    target_path: str
-    run_dir: str
-    layer_ids: tuple[int, ...]
-    prompt_len: int
-    seq_len: int
-    num_chunks: int                  # generation chunks of gen_batch rows
-    gen_batch: int
-    replay_batch: int
-    greedy_frac: float
-    raw_frac: float
-    temperature: float
-    top_p: float
-    seed: int
-    threads: int
-    bf16: bool
-    start_item: int = 0              # items already consumed (resume): skipped without compute
-    max_files: int | None = None
-    device: str = "cpu"
-    replay_kinds: str = "all"
-
-
-def chunk_path(run_dir, k: int) -> Path:
-    return Path(run_dir) / "data" / f"chunk_{k:05d}.pt"
-
-
-def row_kinds(spec: ProducerSpec, k: int) -> torch.Tensor:
-    """Per-row temperature of chunk k: 0 (greedy), spec.temperature, or -1 (raw corpus text)."""
-    g = torch.Generator().manual_seed(spec.seed * 7_919 + k)
-    u = torch.rand(spec.gen_batch, generator=g)
-    kinds = torch.full((spec.gen_batch,), spec.temperature)
-    kinds[u < spec.greedy_frac + spec.raw_frac] = 0.0
-    kinds[u < spec.raw_frac] = -1.0
-    return kinds
-
-
-def sample_rows(logits: torch.Tensor, temps: torch.Tensor, top_p: float, generator) -> torch.Tensor:
-    """One token per row: argmax where temps == 0, else a draw from top-p(softmax(logits / T))."""
-    out = logits.argmax(-1)
-    for t in temps[temps > 0].unique().tolist():
-        rows = (temps == t).nonzero().flatten()
-        probs = probs_from_logits(logits[rows].float(), SamplingParams(temperature=t, top_p=top_p))
-        # drawn on the CPU with a CPU generator: the same seed gives the same data on any device
-        out[rows] = torch.multinomial(probs.cpu(), 1, generator=generator).flatten().to(out.device)
-    return out
-
-
-def decode_step(model, ids: torch.Tensor, cache: KVCache, layer_ids) -> tuple[torch.Tensor, torch.Tensor]:
-    """One new token per row (ids [b]) at position cache.length through the target: the same
-    modules and arithmetic as `CausalLM.forward`, but grouped-query attention straight on the cached
-    K/V (no repeat_kv copy, no CPU flash kernel for a single query), ~2x faster per decode step on
-    CPU. Returns logits [b, V] and the features [b, len(layer_ids) * H]."""
-    b = ids.shape[0]
-    x = model.model.embed_tokens(ids)[:, None]
-    pos = torch.tensor([cache.length], device=ids.device)
-    cos, sin = rope_cos_sin(model.inv_freq(x.device), pos, x.dtype)
-    wanted = {}
-    for i, layer in enumerate(model.model.layers):
-        at = layer.self_attn
-        h = layer.input_layernorm(x)
-        q = at.q_proj(h).view(b, 1, at.n_heads, at.head_dim)
-        k = at.k_proj(h).view(b, 1, at.n_kv, at.head_dim)
-        v = at.v_proj(h).view(b, 1, at.n_kv, at.head_dim).transpose(1, 2)
-        if at.q_norm is not None:
-            q, k = at.q_norm(q), at.k_norm(k)
-        q, k = apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin)
-        K, V = cache.update(at.layer_idx, k, v)                           # [b, kv, T, D]
-        qg = q.reshape(b, at.n_kv, at.n_heads // at.n_kv, at.head_dim)   # heads grouped by KV head
-        s = torch.matmul(qg, K.transpose(-1, -2)) * (1.0 / math.sqrt(at.head_dim))
-        o = torch.matmul(torch.softmax(s.float(), -1).to(V.dtype), V)
-        x = x + at.o_proj(o.reshape(b, 1, at.n_heads * at.head_dim))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-        if i in layer_ids:
-            wanted[i] = model.tap(i, x)
-    cache.advance(1)
-    logits = model.lm_head(model.model.norm(x))[:, 0]
-    return logits, torch.cat([wanted[i] for i in layer_ids], -1)[:, 0]
-
-
-@torch.inference_mode()
-def regenerate(model, prompts: torch.Tensor, total_len: int, temps: torch.Tensor, top_p: float,
-               generator: torch.Generator, layer_ids, bf16: bool = False):
-    """The target's continuations of equal-length prompts [b, P] up to total_len tokens, all rows in
-    one batched KV cache. Returns tokens [b, total_len] and the float32 features
-    [b, total_len - 1, F] of every token the target ran (all but the last, not run yet).
-    bf16: autocast (for a float32 model); a bfloat16 model runs in bfloat16 as it is."""
-    b, P = prompts.shape
-    layer_ids = tuple(layer_ids)
-    cache = KVCache(model.cfg, total_len, batch=b, dtype=next(model.parameters()).dtype,
-                    device=prompts.device)
-    toks, feats = [prompts], []
-    with torch.autocast(prompts.device.type, dtype=torch.bfloat16, enabled=bf16):
-        out = model(prompts, cache=cache, hidden_layers=layer_ids, logits_rows=slice(-1, None))
-        feats.append(out.hidden.float())
-        nxt = sample_rows(out.logits[:, -1].float(), temps, top_p, generator)
-        for _ in range(total_len - P - 1):
-            toks.append(nxt[:, None])
-            logits, hidden = decode_step(model, nxt, cache, layer_ids)
-            feats.append(hidden[:, None].float())
-            nxt = sample_rows(logits.float(), temps, top_p, generator)
-    toks.append(nxt[:, None])
-    return torch.cat(toks, 1), torch.cat(feats, 1)
-
-
-@torch.inference_mode()
-def features_of(model, tokens: torch.Tensor, layer_ids, bf16: bool = False) -> torch.Tensor:
-    """Features [b, S - 1, F] of tokens [b, S] by one causal forward (the last token is not needed)."""
-    with torch.autocast(tokens.device.type, dtype=torch.bfloat16, enabled=bf16):
-        out = model(tokens[:, :-1], hidden_layers=layer_ids, logits_rows=slice(0, 0))
-    return out.hidden.float()
-
-
-class Producer:
-    """Iterates the deterministic item schedule (generation chunks, then seeded replay epochs) and
-    puts `(tokens [S], features [S-1, F], info)` items on a queue."""
-
-    def __init__(self, spec: ProducerSpec, put, stopped):
-        self.spec, self.put, self.stopped = spec, put, stopped
-        self.busy = 0.0
-        self.seqs = self.tokens = self.generated = 0
-        self.item = 0
-
-    def run(self) -> None:
-        spec = self.spec
-        torch.set_num_threads(spec.threads)
-        # bf16: the weights themselves in bfloat16 (autocast would re-cast the frozen weights on
-        # every call of every decode step)
-        self.model = load_target(spec.target_path, dtype="bfloat16" if spec.bf16 else "float32",
-                                 device=spec.device)
-        streams = corpus_streams(spec.target_path, Path(spec.run_dir), spec.max_files)
-        self.train_stream = streams["train"]
-        (Path(spec.run_dir) / "data").mkdir(parents=True, exist_ok=True)
-        for k in range(spec.num_chunks):
-            if self.stopped():
-                return
-            self._chunk(k)
-        epoch = 1
-        while not self.stopped():
-            g = torch.Generator().manual_seed(spec.seed * 104_729 + epoch)
-            pairs = self._replay_rows()
-            order = torch.randperm(len(pairs), generator=g).tolist()
-            for i in range(0, len(order), spec.replay_batch):
-                if self.stopped():
-                    return
-                self._replay([pairs[j] for j in order[i:i + spec.replay_batch]], epoch)
-            epoch += 1
-
-    def _kept(self, temperature: torch.Tensor) -> torch.Tensor:
-        """Rows of a cached chunk that --replay-kinds uses, by the temperature it recorded per row."""
-        greedy = temperature == 0
-        return {"all": torch.ones_like(greedy), "greedy": greedy, "sampled": ~greedy}[self.spec.replay_kinds]
-
-    def _replay_rows(self) -> list[tuple[int, int]]:
-        """(chunk, row) of every cached row the replay epochs use."""
-        spec = self.spec
-        if spec.replay_kinds == "all":
-            return [(k, r) for k in range(spec.num_chunks) for r in range(spec.gen_batch)]
-        pairs = []
-        for k in range(spec.num_chunks):
-            keep = self._kept(torch.load(chunk_path(spec.run_dir, k))["temperature"])
-            pairs += [(k, r) for r in keep.nonzero().flatten().tolist()]
-        if not pairs:
-            raise RuntimeError(f"--replay-kinds {spec.replay_kinds}: no such rows in the cached data")
-        return pairs
-
-    def _skip(self, n: int) -> bool:
-        if self.item + n <= self.spec.start_item:
-            self.item += n
-            return True
-        return False
-
-    def _chunk(self, k: int) -> None:
-        spec = self.spec
-        path = chunk_path(spec.run_dir, k)
-        if path.is_file():
-            # cached by an earlier run: a replay already, so --replay-kinds applies
-            blob = torch.load(path)
-            tokens = blob["tokens"].long()[self._kept(blob["temperature"])]
-            if self._skip(len(tokens)):
-                return
-            t0 = time.perf_counter()
-            feats = features_of(self.model, tokens.to(spec.device), spec.layer_ids).cpu()
-            self.busy += time.perf_counter() - t0
-            self._emit(tokens, feats, {"chunk": k, "kind": "cached"})
-            return
-        t0 = time.perf_counter()
-        g = torch.Generator().manual_seed(spec.seed * 1_000_003 + k)
-        kinds = row_kinds(spec, k)
-        gen_rows = (kinds >= 0).nonzero().flatten()
-        raw_rows = (kinds < 0).nonzero().flatten()
-        F = len(spec.layer_ids) * self.model.cfg.hidden_size
-        tokens = torch.zeros(spec.gen_batch, spec.seq_len, dtype=torch.long)
-        feats = torch.zeros(spec.gen_batch, spec.seq_len - 1, F)
-        if len(raw_rows):
-            tokens[raw_rows] = windows(self.train_stream, len(raw_rows), spec.seq_len, g)
-            feats[raw_rows] = features_of(self.model, tokens[raw_rows].to(spec.device), spec.layer_ids).cpu()
-        if len(gen_rows):
-            prompts = windows(self.train_stream, len(gen_rows), spec.prompt_len, g)
-            t, f = regenerate(self.model, prompts.to(spec.device), spec.seq_len, kinds[gen_rows].to(spec.device),
-                              spec.top_p, g, spec.layer_ids)
-            # items cross the process boundary as CPU tensors (no CUDA IPC); the trainer moves them
-            tokens[gen_rows], feats[gen_rows] = t.cpu(), f.cpu()
-        tmp = path.with_suffix(".tmp")
-        torch.save({"tokens": tokens.to(torch.int32), "temperature": kinds,
-                    "prompt_len": spec.prompt_len, "top_p": spec.top_p}, tmp)
-        os.replace(tmp, path)
-        self.busy += time.perf_counter() - t0
-        self.generated += len(tokens)
-        if not self._skip(len(tokens)):
-            self._emit(tokens, feats, {"chunk": k, "kind": "generated"})
-
-    def _replay(self, pairs, epoch: int) -> None:
-        if self._skip(len(pairs)):
-            return
-        t0 = time.perf_counter()
-        by_chunk: dict[int, list[int]] = {}
-        for k, r in pairs:
-            by_chunk.setdefault(k, []).append(r)
-        loaded = {k: torch.load(chunk_path(self.spec.run_dir, k))["tokens"] for k in by_chunk}
-        tokens = torch.stack([loaded[k][r] for k, r in pairs]).long()
-        feats = features_of(self.model, tokens.to(self.spec.device), self.spec.layer_ids).cpu()
-        self.busy += time.perf_counter() - t0
-        self._emit(tokens, feats, {"chunk": -1, "kind": f"replay{epoch}"})
-
-    def _emit(self, tokens, feats, info) -> None:
-        for i in range(len(tokens)):
-            if self.item < self.spec.start_item:     # resumed in the middle of a chunk
-                self.item += 1
-                continue
-            self.seqs += 1
-            self.tokens += tokens.shape[1]
-            meta = dict(info, item=self.item, producer_busy_s=self.busy, producer_seqs=self.seqs,
-                        producer_tokens=self.tokens, generated=self.generated)
-            self.item += 1
-            while not self.put((tokens[i].clone(), feats[i].clone(), meta)):
-                if self.stopped():
-                    return
-
-
-def _producer_entry(spec: ProducerSpec, q, stop) -> None:
-    """Process / thread body: run the producer, report an exception as a final item."""
-    def put(item) -> bool:
-        try:
-            q.put(item, timeout=1.0)
-            return True
-        except queue_mod.Full:
-            return False
-    try:
-        Producer(spec, put, stop.is_set).run()
-    except BaseException as e:  # noqa: BLE001 - forwarded to the trainer, which raises it
-        import traceback
-        q.put(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}", None))
-
-
-class ProducerHandle:
-    def __init__(self, spec: ProducerSpec, mode: str, queue_size: int):
-        if mode == "process":
-            import torch.multiprocessing as mp
-            ctx = mp.get_context("spawn")
-            self.q, self.stop = ctx.Queue(maxsize=queue_size), ctx.Event()
-            from splitspec.train import draft as importable   # not __main__ under `python -m`
-            self.worker = ctx.Process(target=importable._producer_entry, args=(spec, self.q, self.stop),
-                                      daemon=True)
-        else:
-            self.q, self.stop = queue_mod.Queue(maxsize=queue_size), threading.Event()
-            self.worker = threading.Thread(target=_producer_entry, args=(spec, self.q, self.stop), daemon=True)
-        self.worker.start()
-        self.wait_s = 0.0
-        self.first_s: float | None = None
-
-    def get(self, timeout: float = 1800.0):
-        t0 = time.perf_counter()
-        while True:
-            try:
-                item = self.q.get(timeout=5.0)
-                break
-            except queue_mod.Empty:
-                alive = self.worker.is_alive()
-                if not alive or time.perf_counter() - t0 > timeout:
-                    raise RuntimeError("the producer stopped without sending data"
-                                       if not alive else f"no data from the producer for {timeout:.0f}s")
-        if self.first_s is None:
-            self.first_s = time.perf_counter() - t0     # producer start-up, reported apart
-        else:
-            self.wait_s += time.perf_counter() - t0
-        if item[0] == "error":
-            raise RuntimeError(f"producer failed: {item[1]}")
-        return item
-
-    def poll(self):
-        """An item if one is ready, else None (never waits)."""
-        try:
-            item = self.q.get_nowait()
-        except queue_mod.Empty:
-            return None
-        if item[0] == "error":
-            raise RuntimeError(f"producer failed: {item[1]}")
-        return item
-
-    def close(self) -> None:
-        self.stop.set()
-        deadline = time.time() + 30
-        while self.worker.is_alive() and time.time() < deadline:
-            try:
-                self.q.get(timeout=0.2)          # unblock a put
-            except Exception:                    # noqa: BLE001 - Empty, or a tensor of a dead producer
-                pass
-            self.worker.join(timeout=0.1)
-        if self.worker.is_alive() and hasattr(self.worker, "terminate"):
-            self.worker.terminate()
-            self.worker.join(timeout=5)
-
 
 # ---------------------------------------------------------------- the draft
 
@@ -556,6 +199,36 @@ def resolve_mask_id(args, target_path) -> int:
 
 
 def build_draft(args, target, layer_ids, mask_id) -> DFlashDraft:
+    if args.init_from:
+        from draft_service.dflash import load_draft
+        draft = load_draft(args.init_from, args.target_model_path, device=args.device).requires_grad_(True)
+    else:
+        draft = new_backbone(args, target, layer_ids, mask_id)
+    if args.arch == "dflash2" and not isinstance(draft, DFlash2Draft):
+        draft = new_dflash2(draft, conv_group_size=args.conv_group_size, conv_kernel_size=args.conv_kernel_size,
+                            selector_rank=args.selector_rank, selector_top_k=args.selector_top_k,
+                            output_multiplier=args.output_multiplier,
+                            final_logit_softcapping=args.final_logit_softcapping, seed=args.seed)
+    elif args.arch == "dflash" and isinstance(draft, DFlash2Draft):
+        raise SystemExit(f"--init-from {args.init_from} is a DFlash2 draft; pass --arch dflash2")
+    check_trainable(draft.cfg, args.seq_len)
+    return draft.to(target.lm_head.weight.device).train()
+
+
+def check_trainable(cfg, seq_len: int) -> None:
+    """The training layouts build bidirectional blocks over the whole context; refuse a draft whose
+    attention they would not reproduce."""
+    for i in range(cfg.num_hidden_layers):
+        if cfg.layer_causal(i):
+            raise SystemExit(f"draft layer {i} is causal within the block; the trainer builds only "
+                             f"bidirectional blocks (is_causal: false)")
+        window = cfg.layer_window(i)
+        if window and window < seq_len + cfg.block_size:
+            raise SystemExit(f"draft layer {i} has sliding_window {window} < --seq-len + block size; "
+                             f"the trainer does not apply windows")
+
+
+def new_backbone(args, target, layer_ids, mask_id) -> DFlashDraft:
     tcfg = target.cfg
     draft = new_draft(tcfg, num_layers=args.layers, block_size=args.block_size, mask_token_id=mask_id,
                       target_layer_ids=layer_ids, intermediate_size=args.intermediate_size, seed=args.seed)
@@ -611,280 +284,6 @@ def param_count(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-# ---------------------------------------------------------------- evaluation
-
-@dataclass
-class EvalSet:
-    prompts: list[list[int]]                 # held-out prompts (never trained on)
-    tf_tokens: torch.Tensor                  # [n, P + new] target greedy continuations
-    tf_prompt_len: int
-
-
-def eval_set(target, streams, args, n: int, seed_offset: int = 0) -> EvalSet:
-    g = torch.Generator().manual_seed(args.seed * 31 + 17 + seed_offset)
-    prompts = windows(streams["heldout"], n, args.eval_prompt_len, g).to(target.lm_head.weight.device)
-    g2 = torch.Generator().manual_seed(0)
-    tf, _ = regenerate(target, prompts, args.eval_prompt_len + args.eval_new_tokens,
-                       torch.zeros(n), 1.0, g2, (0,), bf16=False)
-    return EvalSet([p.tolist() for p in prompts], tf, args.eval_prompt_len)
-
-
-@torch.inference_mode()
-def teacher_forced(draft, target, es: EvalSet, args) -> dict:
-    """Per-slot accuracy and accept-length estimate on the target's greedy continuations of held-out
-    prompts, with an anchor at every position of the continuation."""
-    tokens = es.tf_tokens
-    feats = features_of(target, tokens, draft.cfg.target_layer_ids)
-    S = tokens.shape[1]
-    pos = torch.arange(es.tf_prompt_len, S - 1)   # b0 … : the roots inference drafts from
-    correct = count = 0
-    accept, full = 0.0, 0
-    for i in range(len(tokens)):
-        an = Anchors(pos[None].to(tokens.device), torch.ones(1, len(pos), dtype=torch.bool, device=tokens.device))
-        out = objective(draft, feats[i:i + 1], tokens[i:i + 1], an, gamma=args.gamma, attention=args.attention)
-        correct = correct + out.correct
-        count = count + out.count
-        accept += out.accept_sum
-        full += out.anchors
-    acc = (correct / count.clamp(min=1)).tolist()
-    return {"tf_acc": acc, "tf_tau": 1 + accept / max(full, 1)}
-
-
-@torch.inference_mode()
-def tau_eval(draft, target, prompts: list[list[int]], args, *, temperature: float, top_p: float = 1.0,
-             sampled_draft: bool = False, eos_ids=()) -> dict:
-    """Accept length with the real loop: TargetSequence + DFlashProposer + speculative_generate."""
-    from draft_service.proposer import DFlashProposer
-    from splitspec.speculate import speculative_generate
-    from target_service.engine import TargetSequence
-    taus, steps, committed, new_tokens = [], 0, 0, 0
-    per_pos = [0] * (draft.cfg.block_size - 1)
-    t0 = time.perf_counter()
-    for i, prompt in enumerate(prompts):
-        params = SamplingParams(temperature=temperature, top_p=top_p, seed=args.seed + 1000 + i)
-        max_len = len(prompt) + args.eval_new_tokens + draft.cfg.block_size + 2
-        seq = TargetSequence(target, list(prompt), params, max_len=max_len,
-                             hidden_layers=tuple(draft.cfg.target_layer_ids))
-        draft_params = (SamplingParams(temperature=temperature, top_p=top_p, seed=args.seed + 5000 + i)
-                        if sampled_draft and temperature > 0 else None)
-        prop = DFlashProposer(draft, max_len=max_len, sampling=draft_params)
-        out, stats = speculative_generate(seq, prop, args.eval_new_tokens, eos_ids)
-        if stats.verify_steps:
-            taus.append(stats.accept_length)
-        steps += stats.verify_steps
-        committed += stats.committed
-        new_tokens += len(out)
-        for k, c in enumerate(stats.accepted_per_position[:len(per_pos)]):
-            per_pos[k] += c
-    return {"tau": sum(taus) / max(len(taus), 1), "tau_pooled": committed / max(steps, 1),
-            "verify_steps": steps, "new_tokens": new_tokens, "prompts": len(prompts),
-            "accept_rate_per_position": [c / max(steps, 1) for c in per_pos],
-            "seconds": time.perf_counter() - t0}
-
-
-def full_eval(draft, target, es: EvalSet, args, eos_ids) -> dict:
-    res = {"T0": tau_eval(draft, target, es.prompts, args, temperature=0.0, eos_ids=eos_ids),
-           "T1_greedy_draft": tau_eval(draft, target, es.prompts, args, temperature=1.0,
-                                       top_p=args.eval_top_p, eos_ids=eos_ids),
-           "T1_sampled_draft": tau_eval(draft, target, es.prompts, args, temperature=1.0,
-                                        top_p=args.eval_top_p, sampled_draft=True, eos_ids=eos_ids)}
-    res.update(teacher_forced(draft, target, es, args))
-    return res
-
-
-# ---------------------------------------------------------------- checkpoints, export, card
-
-RESUME_KEYS = ("layers", "block_size", "target_layer_ids", "num_taps", "intermediate_size", "init",
-               "prompt_len", "seq_len", "num_seqs", "greedy_frac", "regen_temperature", "regen_top_p",
-               "raw_frac", "gen_batch", "replay_batch", "max_files", "batch_seqs", "seed", "distill",
-               "replay_kinds")
-
-
-def save_ckpt(path: Path, draft, opt, state: dict, args) -> None:
-    blob = {"model": draft.state_dict(), "optimizer": opt.state_dict(), "state": state,
-            "args": vars(args), "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}
-    tmp = path.with_suffix(".tmp")
-    torch.save(blob, tmp)
-    os.replace(tmp, path)
-
-
-def load_ckpt(path: Path, draft, opt, args) -> dict:
-    blob = torch.load(path, weights_only=False, map_location="cpu")
-    diff = [k for k in RESUME_KEYS if blob["args"].get(k) != getattr(args, k)]
-    if diff:
-        raise SystemExit(f"{path}: checkpoint was made with different {', '.join(diff)}; "
-                         f"use the same settings or --fresh")
-    draft.load_state_dict(blob["model"])
-    opt.load_state_dict(blob["optimizer"])
-    torch.set_rng_state(blob["rng"]["torch"])
-    random.setstate(blob["rng"]["python"])
-    return blob["state"]
-
-
-def export(draft, out: Path, card: str | None, metrics: dict | None = None) -> None:
-    """save_draft into a sibling temp folder, then move the files in (a kill never leaves a
-    half-written model.safetensors in --out)."""
-    tmp = out.parent / (out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    save_draft(draft, tmp)
-    if card is not None:
-        (tmp / "README.md").write_text(card)
-    if metrics is not None:
-        (tmp / "training_metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
-    out.mkdir(parents=True, exist_ok=True)
-    for f in tmp.iterdir():
-        os.chmod(f, 0o644)          # safetensors writes 0600
-        os.replace(f, out / f.name)
-    tmp.rmdir()
-
-
-def machine() -> str:
-    from .evaluate import machine as m
-    return m()
-
-
-def _fmt_acc(acc) -> str:
-    return " | ".join(f"{a:.3f}" for a in acc)
-
-
-def write_card(m: dict, args, final: bool) -> str:
-    cfg = m["draft_config"]
-    B = cfg["block_size"]
-    ev = m.get("eval") or {}
-    status = ("" if final else
-              f"\n> **Provisional export** at step {m['step']:,} ({m['train_seconds'] / 60:.1f} min of "
-              f"training); the run was still going when this was written. The final card replaces this.\n")
-    if m.get("note"):
-        status += f"\n> {m['note']}\n"
-    rows = []
-    names = {"T0": "temperature 0 (greedy verification)",
-             "T1_greedy_draft": f"T=1.0, top_p={args.eval_top_p}: greedy draft + target-only verification",
-             "T1_sampled_draft": f"T=1.0, top_p={args.eval_top_p}: sampled drafts + min(1, p/q)"}
-    for key, label in names.items():
-        r = ev.get(key)
-        if r:
-            rates = " / ".join(f"{x:.2f}" for x in r["accept_rate_per_position"])
-            rows.append(f"| {label} | **{r['tau']:.2f}** | {r['tau_pooled']:.2f} | {r['verify_steps']} | {rates} |")
-    tau_table = ("| setting | τ (mean per request) | τ (pooled) | verify steps | P(slot k accepted), k = 1..%d |\n"
-                 "|---|---|---|---|---|\n" % (B - 1) + "\n".join(rows)) if rows else "(no evaluation yet)"
-    head = " | ".join(f"k={k}" for k in range(1, B))
-    acc_rows = []
-    if m.get("train_acc"):
-        acc_rows.append(f"| training (last {m['acc_window']} steps) | {_fmt_acc(m['train_acc'])} |")
-    if ev.get("tf_acc"):
-        acc_rows.append(f"| held-out, target greedy continuations | {_fmt_acc(ev['tf_acc'])} |")
-    acc_table = f"| data | {head} |\n|---|{'---|' * (B - 1)}\n" + "\n".join(acc_rows)
-    ids = cfg["dflash_config"]["target_layer_ids"]
-    data = m["data"]
-    rates = m.get("rates", {})
-    return f"""# splitspec-code-draft
-
-The default **DFlash block-diffusion draft** of splitspec for
-[`splitspec-code-target`](../splitspec-code-target/): one forward drafts a block of {B - 1} tokens
-(verify width / block size {B}), conditioned on the target's hidden states of layers {ids}
-(KV injection). Trained online against the frozen target with `splitspec/train/draft.py`.
-{status}
-## Model
-
-| | |
-|---|---|
-| parameters | {m['params']:,} (draft layers + `fc` + norms; embedding and lm_head are the target's, frozen) |
-| draft layers / hidden / intermediate | {cfg['num_hidden_layers']} / {cfg['hidden_size']} / {cfg['intermediate_size']} |
-| heads / KV heads / head dim | {cfg['num_attention_heads']} / {cfg['num_key_value_heads']} / {cfg['head_dim']} |
-| block size | {B} (`block_size` stored as the verify width: the last committed token + {B - 1} masks) |
-| mask token id | {cfg['dflash_config']['mask_token_id']} (`<\\|mask\\|>`) |
-| target layers tapped | {ids} of {cfg['num_target_layers']} (`fc`: {len(ids)} x {cfg['hidden_size']} -> {cfg['hidden_size']}) |
-| initialisation | {args.init} |
-
-Target layer taps: {m['taps_reason']}
-
-## Data
-
-The target's own continuations of training-corpus prompts (Python standard library, train split of
-`splitspec.train.corpus`; the held-out files are never used): {args.prompt_len}-token prompt windows
-continued by the target to {args.seq_len} tokens, {args.gen_batch} rows per batched forward,
-{args.greedy_frac:.0%} of the rows at temperature 0 and {1 - args.greedy_frac - args.raw_frac:.0%} at
-temperature {args.regen_temperature} (top_p {args.regen_top_p}){f', {args.raw_frac:.0%} raw corpus windows' if args.raw_frac else ''}.
-Regenerated by this run: {data['generated_seqs']:,} sequences ({data['generated_seqs'] * args.seq_len:,} tokens, cached as token ids){_cached_note(data, args)};
-sequences consumed by training: {data['consumed_seqs']:,} fresh ({data['consumed_seqs'] / max(data['generated_seqs'], args.num_seqs, 1):.2f} passes over {max(data['generated_seqs'], args.num_seqs):,})
-plus {data.get('reused_seqs', 0):,} reuses of a recent sequence with new anchors while the producer was behind
-(at most {args.max_reuse} uses per sequence).{_replay_note(args)}
-Features are computed online by the producer (target forward), never stored.
-
-## Training
-
-{m['step']:,} steps of {args.batch_seqs} sequences x {args.anchors} random anchors x {B} block tokens
-(weighted cross-entropy through the target's lm_head against {_labels(args)}, weight exp(-(k-1)/{args.gamma:g}) for slot k),
-AdamW (betas 0.9/0.95, weight decay {args.weight_decay}), peak LR {args.lr}, {args.warmup} warm-up steps,
-cosine decay to {args.min_lr_ratio} x peak{f' over a {args.max_minutes:g}-minute budget' if args.max_minutes else ''},
-gradient clipping {args.clip}, bfloat16 autocast {'on' if args.bf16 else 'off'}, seed {args.seed}.
-Wall time: {m['train_seconds'] / 60:.1f} min training, {m['total_seconds'] / 60:.1f} min end to end, on a {m['machine']}.
-Producer: {rates.get('producer_seq_s', 0):.2f} seq/s ({rates.get('producer_tok_s', 0):.0f} tokens/s) while busy;
-trainer: {rates.get('consumer_seq_s', 0):.2f} seq/s ({rates.get('consumer_blocktok_s', 0):.0f} block tokens/s) while busy,
-waiting on the producer {rates.get('consumer_wait_frac', 0):.0%} of the time.
-
-## Per-position accuracy (draft argmax = label at slot k)
-
-{acc_table}
-
-Teacher-forced accept length estimate on the held-out continuations: {ev.get('tf_tau', float('nan')):.2f}.
-
-## Accept length τ on held-out prompts
-
-{ev.get('T0', {}).get('prompts', 0)} held-out prompts ({args.eval_prompt_len}-token windows of the held-out stdlib files),
-{args.eval_new_tokens} new tokens each, measured with the real verification code
-(`splitspec.speculate.speculative_generate`, `TargetSequence`, `DFlashProposer`), float32, {B - 1} drafted tokens
-per step (τ ceiling {B}). τ = committed tokens / verify steps, averaged per request.
-
-{tau_table}
-
-## Reproduce
-
-```
-{m['command']}
-```
-
-Resumable: re-running the command continues from `{args.run_dir}/ckpt.pt` and the cached token ids
-under `{args.run_dir}/data/`. Same interpreter (the corpus is its standard library) and seed;
-the producer runs asynchronously, so results match up to floating-point differences.
-"""
-
-
-def _cached_note(data, args) -> str:
-    cached = args.num_seqs - data["generated_seqs"]
-    if cached <= 0:
-        return ""
-    return (f"; the other {cached:,} of the {args.num_seqs:,} were already cached in `{args.run_dir}/data/` "
-            f"(regenerated earlier with the settings above) and only replayed")
-
-
-def _replay_note(args) -> str:
-    kinds = getattr(args, "replay_kinds", "all")
-    return "" if kinds == "all" else (f" Replaying used only the cached "
-                                      f"{'temperature-0' if kinds == 'greedy' else 'sampled'} rows.")
-
-
-def _labels(args) -> str:
-    d = getattr(args, "distill", 0.0) or 0.0
-    if d <= 0:
-        return "the data tokens"
-    if d >= 1:
-        return "the target's next-token distribution (soft labels)"
-    return f"{d:g} x the target's next-token distribution + {1 - d:g} x the data tokens"
-
-
-def taps_reason(ids, args, target_cfg) -> str:
-    L, n = target_cfg.num_hidden_layers, len(ids)
-    default = default_target_layer_ids(L, n)
-    if list(ids) == list(default):
-        return f"default_target_layer_ids({L}, {n}) (z-lab's even spread round(1 + i(L-4)/(n-1)))."
-    return (f"{list(ids)}, chosen for a {L}-layer target instead of the default spread {default} "
-            f"(round(1 + i(L-4)/(n-1)), built for deep targets, which for L = {L} "
-            f"{'repeats layers and ' if len(set(default)) < n else ''}stops at layer {max(default)}): evenly spaced "
-            f"from an early layer (token identity and local syntax, which the draft cannot otherwise see for "
-            f"context tokens) to the last layer (the target's own next-token plan, EAGLE's single feature).")
-
-
 # ---------------------------------------------------------------- main
 
 def main(argv=None) -> int:
@@ -913,6 +312,9 @@ def main(argv=None) -> int:
     layer_ids = resolve_layer_ids(args, tcfg)
     mask_id = resolve_mask_id(args, args.target_model_path)
     draft = build_draft(args, target, layer_ids, mask_id)
+    if args.init_from:        # the warm start's own geometry wins over the flags
+        layer_ids, mask_id = tuple(draft.cfg.target_layer_ids), draft.cfg.mask_token_id
+        args.layers, args.block_size = draft.cfg.num_hidden_layers, draft.cfg.block_size
     opt = make_optimizer(draft, args)
     streams = corpus_streams(args.target_model_path, run_dir, args.max_files)
     print(f"target: {args.target_model_path} ({tcfg.num_hidden_layers} layers, hidden {tcfg.hidden_size}, "
@@ -1073,7 +475,8 @@ def train_loop(args, draft, opt, producer, state, ckpt_path, target, periodic, e
             group["lr"] = lr
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=args.bf16):
             res = objective(draft, feats, tokens, anchors, gamma=args.gamma, attention=args.attention,
-                            teacher=teacher, final_hidden=final, distill=args.distill)
+                            teacher=teacher, final_hidden=final, distill=args.distill,
+                            selector_alpha=args.selector_alpha)
         opt.zero_grad(set_to_none=True)
         res.loss.backward()
         gnorm = float(torch.nn.utils.clip_grad_norm_(draft.parameters(), args.clip))

@@ -33,7 +33,10 @@ import torch
 import torch.nn.functional as F
 
 from draft_service.dflash import DFlashDraft
+from draft_service.dflash2 import DFlash2Draft
 from target_service.model import apply_rope, repeat_kv
+
+from .dflash2_objective import SelectorOut, selector_term
 
 
 @dataclass
@@ -180,10 +183,12 @@ class Teacher:
 @dataclass
 class LossOut:
     loss: torch.Tensor            # weighted mean cross-entropy (scalar, differentiable)
-    correct: torch.Tensor         # [B-1] argmax == label counts per slot
+    correct: torch.Tensor         # [B-1] drafted token == label counts per slot (DFlash2: the selector's pick)
     count: torch.Tensor           # [B-1] valid labels per slot
     accept_sum: float             # sum over valid anchors of accepted-prefix length (teacher forced)
     anchors: int                  # anchors with a full block of labels
+    selector: SelectorOut | None = None     # DFlash2 only: its term, top-K recall, unary accuracy
+    unary_correct: torch.Tensor | None = None
 
 
 def soft_labels(teacher: Teacher, final_hidden: torch.Tensor, anchors: Anchors, block_size: int) -> torch.Tensor:
@@ -200,9 +205,12 @@ def soft_labels(teacher: Teacher, final_hidden: torch.Tensor, anchors: Anchors, 
 
 def objective(model: DFlashDraft, features: torch.Tensor, tokens: torch.Tensor, anchors: Anchors, *,
               gamma: float = 4.0, attention: str = "factored", teacher: Teacher | None = None,
-              final_hidden: torch.Tensor | None = None, distill: float = 1.0) -> LossOut:
+              final_hidden: torch.Tensor | None = None, distill: float = 1.0,
+              selector_alpha: float = 1.0) -> LossOut:
     """Weighted block loss. With `teacher` and the target's last-layer `final_hidden` [N, C, H],
-    the label is `distill` x p_target + (1 - distill) x one-hot(x_{a+k})."""
+    the label is `distill` x p_target + (1 - distill) x one-hot(x_{a+k}). A DFlash2 draft adds
+    `selector_alpha` x its selector term (`dflash2_objective`); its base loss is on the unary
+    logits after the multiplier and soft cap, as inference computes them."""
     h, labels, valid = draft_hidden(model, features, tokens, anchors, attention=attention)
     logits = model.logits(h[:, :, 1:]).float()                         # [N, nA, B-1, V]
     if teacher is not None and distill > 0:
@@ -213,14 +221,21 @@ def objective(model: DFlashDraft, features: torch.Tensor, tokens: torch.Tensor, 
             ce = distill * ce + (1 - distill) * hard
     else:
         ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none").view(labels.shape)
-    w = position_weights(model.cfg.block_size, gamma, logits.device) * valid.float()
+    pw = position_weights(model.cfg.block_size, gamma, logits.device)
+    w = pw * valid.float()
     loss = (ce * w).sum() / w.sum().clamp(min=1e-6)
+    sel = None
+    if isinstance(model, DFlash2Draft):
+        anchor_ids = tokens.gather(1, anchors.pos)
+        sel = selector_term(model, h[:, :, 1:], logits, anchor_ids, labels, valid, pw)
+        loss = loss + selector_alpha * sel.loss
     with torch.no_grad():
-        hit = (logits.argmax(-1) == labels) & valid
+        unary_hit = (logits.argmax(-1) == labels) & valid
+        hit = unary_hit if sel is None else sel.hit
         correct = hit.sum((0, 1)).float()
         count = valid.sum((0, 1)).float()
         full = valid.all(-1)
         # accepted prefix length under teacher forcing: leading run of correct slots
         run = hit.int().cumprod(-1).sum(-1).float()
         accept_sum = float(run[full].sum())
-    return LossOut(loss, correct, count, accept_sum, int(full.sum()))
+    return LossOut(loss, correct, count, accept_sum, int(full.sum()), sel, unary_hit.sum((0, 1)).float())
