@@ -1,0 +1,101 @@
+"""A DFlash2 draft through the real services: the draft service loads it (and says so), greedy
+speculation equals target-only decoding, and sampled speculation follows the target's
+distribution in both draft modes (sampled drafts are verified with the selector's q)."""
+from __future__ import annotations
+
+import collections
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+import torch
+
+from draft_service.dflash import new_draft, save_draft
+from draft_service.dflash2 import new_dflash2
+from service_helpers import collect, gateway_stub, running_draft, running_gateway, running_target, tiny_target_dir
+from splitspec.client import build_request
+from splitspec.engine.sample import SamplingParams
+from splitspec.v1 import common_pb2, draft_pb2_grpc
+from target_service.engine import generate
+from target_service.loader import load_model
+from test_auto_services import exact_joint
+from test_dflash import chi_square_pvalue
+
+
+@pytest.fixture(scope="module")
+def target_dir():
+    return tiny_target_dir(512)
+
+
+@pytest.fixture(scope="module")
+def model(target_dir):
+    return load_model(target_dir)
+
+
+@pytest.fixture(scope="module")
+def services(model, target_dir, tmp_path_factory):
+    base = new_draft(model.cfg, num_layers=1, block_size=6, mask_token_id=2, seed=5)
+    d = new_dflash2(base, selector_rank=8, selector_top_k=4, seed=5)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():     # a selector and convs that do something (init leaves them neutral)
+        d.candidate_selector.successor_codebook.normal_(0, 0.5, generator=g)
+        for layer in d.layers:
+            layer.attention_conv.kernel_projection.weight.normal_(0, 0.05, generator=g)
+    draft_dir = tmp_path_factory.mktemp("draft") / "tiny-dflash2"
+    save_draft(d, draft_dir)
+    logs = tmp_path_factory.mktemp("logs")
+    with running_target(target_dir, logs) as target, \
+            running_draft(target_dir, logs, draft_dir=draft_dir) as draft, \
+            running_gateway(target, logs, "--draft", draft.address, "--speculative-algorithm", "DFLASH") as gw:
+        yield target, draft, gw
+
+
+@pytest.fixture(scope="module")
+def stub(services):
+    ch, stub = gateway_stub(services[2].address)
+    yield stub
+    ch.close()
+
+
+def test_draft_service_reports_the_architecture(services):
+    with grpc.insecure_channel(services[1].address) as ch:
+        info = draft_pb2_grpc.DraftStub(ch).GetInfo(common_pb2.GetInfoRequest(), timeout=10)
+    assert info.method == "dflash" and info.architecture == "DFlash2DraftModel" and info.block_size == 6
+
+
+def test_greedy_dflash2_through_the_services_equals_target_only(stub, model):
+    prompts = [[5, 6, 7], [9, 9, 9, 9, 9], list(range(20, 40))]
+
+    def run(p):
+        return collect(stub.Generate(build_request(p, max_new_tokens=40, ignore_eos=True, method="dflash"),
+                                     timeout=300))
+    with ThreadPoolExecutor(3) as pool:
+        results = list(pool.map(run, prompts))
+    for (ids, _, complete), p in zip(results, prompts):
+        assert ids == generate(model, p, 40)
+        assert complete.stats.method == "dflash" and complete.stats.draft_fallbacks == 0
+        assert complete.stats.verify_steps > 0
+
+
+@pytest.mark.parametrize("draft_sampling", ["greedy", "sample"])
+def test_dflash2_sampling_follows_the_target_distribution(stub, model, draft_sampling):
+    prompt = [7, 8, 9, 7, 8]
+    n, samples = 3, 600
+    params = SamplingParams(temperature=1.0, top_k=3)
+    joint = exact_joint(model, prompt, params, n)
+
+    def run(seed):
+        req = build_request(prompt, max_new_tokens=n, ignore_eos=True, temperature=1.0, top_k=3, seed=seed,
+                            method="dflash")
+        req.speculative.draft_sampling = draft_sampling
+        ids, _, complete = collect(stub.Generate(req, timeout=120))
+        return tuple(ids), complete.stats
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(run, range(samples)))
+    counts = collections.Counter(ids for ids, _ in results)
+    assert set(counts) <= set(joint)
+    # A Propose past the gateway's draft timeout (a loaded machine) falls back to target-only
+    # steps for that request: still exact, just not drafted, so most requests, not all.
+    drafted = sum(1 for _, st in results if st.verify_steps > 0)
+    assert drafted > samples // 2, drafted
+    assert chi_square_pvalue(counts, joint, samples) > 1e-3
