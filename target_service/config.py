@@ -10,7 +10,9 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+from .hybrid_config import HYBRID_ARCHITECTURES, HybridConfig, HybridConfigError, parse_hybrid
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM") + HYBRID_ARCHITECTURES
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
 
@@ -38,6 +40,7 @@ class ModelConfig:
     mlp_bias: bool = False
     qk_norm: bool = False
     eos_token_ids: tuple[int, ...] = ()
+    hybrid: HybridConfig | None = None   # Kimi / DeepSeek-V3 families: layer kinds, MLA, KDA, MoE fields
 
     @property
     def rope_type(self) -> str:
@@ -55,6 +58,8 @@ class ModelConfig:
                     "num_attention_heads"):
             if not isinstance(raw.get(key), int) or raw[key] <= 0:
                 raise ConfigError(f"config.json: {key} must be a positive integer, got {raw.get(key)!r}")
+        if arch in HYBRID_ARCHITECTURES:
+            return cls._from_hybrid(raw, arch)
         heads = raw["num_attention_heads"]
         kv_heads = raw.get("num_key_value_heads") or heads
         if heads % kv_heads:
@@ -107,6 +112,27 @@ class ModelConfig:
             qk_norm=arch == "Qwen3ForCausalLM",
             eos_token_ids=eos_ids,
         )
+
+    @classmethod
+    def _from_hybrid(cls, raw: dict, arch: str) -> "ModelConfig":
+        try:
+            hybrid = parse_hybrid(raw, arch)
+        except HybridConfigError as exc:
+            raise ConfigError(str(exc)) from None
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
+        heads = raw["num_attention_heads"]
+        # head_dim / num_key_value_heads describe the MLA latent row (one shared "head"), so code that
+        # sizes per-token K/V from them sees the latent cache.
+        return cls(architecture=arch, vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"],
+                   intermediate_size=raw["intermediate_size"], num_hidden_layers=raw["num_hidden_layers"],
+                   num_attention_heads=heads, num_key_value_heads=1, head_dim=hybrid.kv_lora_rank,
+                   rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                   rope_theta=float(hybrid.rope.get("rope_theta", 10000.0)), rope_scaling=hybrid.rope,
+                   max_position_embeddings=int(raw.get("max_position_embeddings") or raw.get("model_max_length")
+                                               or 4096),
+                   tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+                   eos_token_ids=eos_ids, hybrid=hybrid)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "ModelConfig":

@@ -13,7 +13,8 @@ from splitspec.engine.tree import Tree
 
 from .flashinfer_backend import TorchVerifier
 from .model import CausalLM
-from .runner import Decode, Prefill, Sequence, StepOutput, Verify, run_batch
+from .pools import make_pool
+from .runner import Decode, Prefill, Sequence, StepOutput, Verify, check_hidden_stream, run_batch
 
 DEFAULT_PREFILL_CHUNK = 512
 
@@ -33,7 +34,7 @@ class TargetSequence:
     def __init__(self, model: CausalLM, prompt: list[int], params: SamplingParams | None = None, *,
                  max_len: int | None = None, hidden_layers: tuple[int, ...] = (), verifier=None,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, pool: KVPool | None = None, block_size: int = 16,
-                 attention: str = "torch"):
+                 attention: str = "torch", hidden_stream: str = ""):
         cfg = model.cfg
         params = params or SamplingParams()
         if not prompt:
@@ -45,6 +46,7 @@ class TargetSequence:
         for layer in hidden_layers:
             if not 0 <= layer < cfg.num_hidden_layers:
                 raise ValueError(f"hidden layer id {layer} is outside 0..{cfg.num_hidden_layers - 1}")
+        check_hidden_stream(model, hidden_stream)
         self.max_len = max_len or cfg.max_position_embeddings
         if len(prompt) >= self.max_len:
             raise ValueError(f"prompt has {len(prompt)} tokens; the max context is {self.max_len}")
@@ -55,12 +57,10 @@ class TargetSequence:
         p = next(model.parameters())
         self.device = p.device
         if pool is None:
-            pool = KVPool(num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads,
-                          head_dim=cfg.head_dim, num_blocks=-(-self.max_len // block_size) + 1,
-                          block_size=block_size, dtype=p.dtype, device=p.device)
+            pool = make_pool(model, num_blocks=-(-self.max_len // block_size) + 1, block_size=block_size)
         self.pool = pool
         self.seq = Sequence(self.prompt, params, make_generator(params.seed, self.device), BlockTable(pool),
-                            self.max_len, tuple(hidden_layers))
+                            self.max_len, tuple(hidden_layers), hidden_stream=hidden_stream)
 
     @property
     def tokens(self) -> list[int]:

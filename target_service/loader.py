@@ -52,38 +52,56 @@ def weight_files(path: Path) -> dict[str, Path]:
 
 
 def load_state(module: torch.nn.Module, files: dict[str, Path], *, prefix: str = "",
-               strict: bool = True, skip: tuple[str, ...] = ()) -> None:
+               strict: bool = True, skip: tuple[str, ...] = (), source=None, adapt=None,
+               ignored=None) -> None:
     """Copy tensors named `prefix + param_name` from safetensors files into `module`,
-    checking every name and shape, converting dtype on the way."""
+    checking every name and shape, converting dtype on the way. Hooks for families whose
+    checkpoints spell things their own way: source(name, files) -> the checkpoint's name of a
+    parameter; adapt(name, tensor, param) -> the tensor reshaped to the parameter;
+    ignored(checkpoint name) -> True for tensors that may be present but are not used."""
     params = dict(module.named_parameters(remove_duplicate=True))
     by_file: dict[Path, list[str]] = {}
+    names = {}
     for name in params:
         if name in skip:
             continue
-        full = prefix + name
+        full = prefix + name if source is None else source(prefix + name, files)
         if full not in files:
             raise CheckpointError(f"tensor {full!r} is missing from the checkpoint")
+        names[name] = full
         by_file.setdefault(files[full], []).append(name)
     if strict:
         # Skipped names (a tied lm_head.weight some exports store anyway) are not "unexpected".
-        known = {prefix + n for n in params} | {prefix + n for n in skip}
+        known = set(names.values()) | {prefix + n for n in skip}
         extra = sorted(n for n in files if n.startswith(prefix) and n not in known
-                       and not n.endswith("rotary_emb.inv_freq"))
+                       and not n.endswith("rotary_emb.inv_freq") and not (ignored and ignored(n)))
         if extra:
             raise CheckpointError(f"unexpected tensors in the checkpoint: {extra[:5]}")
     with torch.no_grad():
-        for fname, names in by_file.items():
+        for fname, pnames in by_file.items():
             with safe_open(fname, framework="pt") as f:
-                for name in names:
-                    t = f.get_tensor(prefix + name)
+                for name in pnames:
+                    t = f.get_tensor(names[name])
                     p = params[name]
+                    if adapt is not None:
+                        t = adapt(name, t, p)
                     if tuple(t.shape) != tuple(p.shape):
-                        raise CheckpointError(f"tensor {prefix + name!r} has shape {tuple(t.shape)}, "
+                        raise CheckpointError(f"tensor {names[name]!r} has shape {tuple(t.shape)}, "
                                               f"expected {tuple(p.shape)} from config.json")
                     p.copy_(t.to(p.dtype))
 
 
 def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> CausalLM:
+    if cfg.hybrid is not None:
+        from .hybrid import HybridLM
+        with torch.device("meta"):
+            model = HybridLM(cfg)
+        model = model.to_empty(device=device).to(dtype)
+        for p in model.fp32_parameters():
+            p.data = p.data.float()
+        if cfg.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        return model
     with torch.device("meta"):
         model = CausalLM(cfg)
     model = model.to_empty(device=device).to(dtype)
@@ -101,7 +119,12 @@ def load_model(path: str | Path, *, dtype="float32", device="cpu") -> CausalLM:
     model = build_model(cfg, parse_dtype(dtype), resolve_device(device))
     files = weight_files(path)
     skip = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
-    load_state(model, files, skip=skip)
+    if cfg.hybrid is not None:
+        from .hybrid_weights import adapt_tensor, checkpoint_name, ignored
+        load_state(model, files, skip=skip, source=checkpoint_name, adapt=adapt_tensor,
+                   ignored=lambda n: ignored(cfg, n))
+    else:
+        load_state(model, files, skip=skip)
     return model.eval().requires_grad_(False)
 
 

@@ -83,6 +83,7 @@ class PagedBatch:
     """What the attention layers need to run a ragged batch over the paged pool."""
     pool: KVPool
     plan: AttentionPlan
+    states: object = None   # a hybrid target's KDA rows (state_pool.StatePlan); None for attention-only models
 
 
 class MLP(nn.Module):

@@ -19,6 +19,7 @@ from splitspec.engine.sample import SamplingParams, sample
 from splitspec.engine.tree import Tree
 
 from .model import CausalLM, PagedBatch
+from .state_pool import StatePlan, StateRow
 from .verify import VerifyResult
 
 
@@ -33,6 +34,7 @@ class Sequence:
     max_len: int
     hidden_layers: tuple[int, ...] = ()
     tokens: list[int] = field(default_factory=list)
+    hidden_stream: str = ""             # Attention-Residuals targets: "prefix" / "attn_res"; "": the model's default
     prefilled: int = 0                  # prompt tokens whose K/V are in the pool
 
     def __post_init__(self):
@@ -118,10 +120,16 @@ def run_batch(model: CausalLM, pool: KVPool, verifier, steps: list,
         n += len(tok)
     if not rows:
         return outputs
-    layers = sorted({layer for i, *_ in live for layer in steps[i].seq.hidden_layers})
+    layers = list(dict.fromkeys(_tap_key(steps[i].seq, layer)
+                                for i, *_ in live for layer in steps[i].seq.hidden_layers))
     index = torch.tensor([r for rs in logit_rows for r in rs], dtype=torch.long, device=device)
     plan = plan_attention(rows, device, groups=attention == "torch")
+    states = None
+    if pool.states is not None:
+        states = StatePlan(pool.states, [_state_row(steps[i], start, q) for i, start, q in live], pool.states.rollback)
     if attention == "flashinfer":
+        if getattr(model.cfg, "hybrid", None) is not None:
+            raise ValueError("--attention-backend flashinfer does not run MLA / KDA layers; use torch")
         from splitspec.engine.flashinfer_attention import FlashInferPlan
         cfg = model.cfg
         plan.flashinfer = FlashInferPlan(rows, num_qo_heads=cfg.num_attention_heads,
@@ -130,22 +138,57 @@ def run_batch(model: CausalLM, pool: KVPool, verifier, steps: list,
     with torch.inference_mode():
         logits, hidden = model.forward_batch(
             torch.tensor(ids, dtype=torch.long, device=device), torch.tensor(positions, device=device),
-            PagedBatch(pool, plan), hidden_layers=layers, logits_index=index)
+            PagedBatch(pool, plan, states), hidden_layers=layers, logits_index=index)
     at = 0
-    for (i, start, q), lr in zip(live, logit_rows):
+    for row, ((i, start, q), lr) in enumerate(zip(live, logit_rows)):
         step, seq = steps[i], steps[i].seq
         step_logits = logits[at:at + len(lr)]
         at += len(lr)
         feats = None
         if seq.hidden_layers:
-            feats = torch.cat([hidden[layer][start:start + q] for layer in seq.hidden_layers], dim=-1)
+            feats = torch.cat([hidden[_tap_key(seq, layer)][start:start + q] for layer in seq.hidden_layers], dim=-1)
         base = seq.table.length
         try:
-            outputs[i] = _finish(step, step_logits, feats, verifier)
+            out = _finish(step, step_logits, feats, verifier)
+            if states is not None:
+                # The recurrent state follows the tokens that stay: all of a prefill chunk or a
+                # decode step, the accepted path of a verify (root first).
+                path = list(range(q)) if out.result is None else [0] + [n + 1 for n in out.result.accepted]
+                with torch.inference_mode():
+                    states.commit(row, path)
+            outputs[i] = out
         except Exception as exc:  # noqa: BLE001 - roll this step back; the others stand
             seq.table.truncate(base)
             outputs[i] = exc
     return outputs
+
+
+def check_hidden_stream(model, stream: str, name: str = "hidden_stream") -> None:
+    """A draft may declare which stream its taps read; only Attention-Residuals targets have two."""
+    if not stream:
+        return
+    h = getattr(model.cfg, "hybrid", None)
+    if h is None or not h.attn_res_block_size:
+        raise ValueError(f"{name} = {stream!r}: this target has no Attention Residuals, so its taps have "
+                         f"one stream; leave {name} unset")
+    if stream not in ("prefix", "attn_res"):
+        raise ValueError(f"{name} = {stream!r}: expected prefix or attn_res")
+
+
+def _tap_key(seq: Sequence, layer: int):
+    """What forward_batch is asked for: a layer id, or (layer, stream) when the session's draft
+    declared a stream of an Attention-Residuals target."""
+    return (layer, seq.hidden_stream) if seq.hidden_stream else layer
+
+
+def _state_row(step, start: int, q: int) -> StateRow:
+    """How a step's tokens chain for the KDA layers: a tree's nodes start from their parent's state."""
+    parents = None
+    if isinstance(step, Verify):
+        tp = list(step.tree.parents)
+        if tp != list(range(-1, len(tp) - 1)):
+            parents = [-1] + [p + 1 for p in tp]
+    return StateRow(step.seq.table.state, start, q, parents, verify=isinstance(step, Verify))
 
 
 def _finish(step, logits: torch.Tensor, feats: torch.Tensor | None, verifier) -> StepOutput:

@@ -36,7 +36,7 @@ from splitspec.metrics import step_kind
 from splitspec.engine.tree import Tree
 
 from .model import CausalLM
-from .runner import Decode, Prefill, Sequence, StepOutput, Verify, run_batch
+from .runner import Decode, Prefill, Sequence, StepOutput, Verify, check_hidden_stream, run_batch
 
 
 class AdmissionError(Exception):
@@ -160,7 +160,8 @@ class Scheduler:
         return await self.engine.submit("warmup", run)
 
     async def open(self, session_id: str, prompt: list[int], params: SamplingParams, *,
-                   hidden_layers: tuple[int, ...] = (), max_new_tokens: int = 0) -> tuple[Session, Step]:
+                   hidden_layers: tuple[int, ...] = (), max_new_tokens: int = 0,
+                   hidden_stream: str = "") -> tuple[Session, Step]:
         if not self.accepting:
             raise DrainingError("the target is draining (shutting down); open the session on another replica")
         if len(prompt) >= self.max_context:
@@ -170,6 +171,7 @@ class Scheduler:
             if not 0 <= layer < self.cfg.num_hidden_layers:
                 raise ValueError(f"open.hidden_layer_ids[{i}] = {layer} is outside the target's layers "
                                  f"0..{self.cfg.num_hidden_layers - 1}")
+        check_hidden_stream(self.model, hidden_stream, "open.hidden_stream")
         if max_new_tokens < 0:
             raise ValueError(f"open.max_new_tokens must be >= 0 (0: up to the context), got {max_new_tokens}")
         params.validate()
@@ -183,7 +185,7 @@ class Scheduler:
         session = Session(session_id, len(prompt), max_len, need)
         session.work = Work("prefill", loop, time.perf_counter(), future=loop.create_future())
         session.seq = Sequence(list(prompt), params, make_generator(params.seed, self.pool.k.device),
-                               BlockTable(self.pool), max_len, tuple(hidden_layers))
+                               BlockTable(self.pool), max_len, tuple(hidden_layers), hidden_stream=hidden_stream)
         with self.lock:
             self.waiting.append(session)
             self._admit()

@@ -32,7 +32,7 @@ from .loader import CheckpointError
 from .scheduler import AdmissionError, ClosedError, ContextError, DrainingError, Scheduler, StaleError
 from splitspec.engine.flashinfer_attention import AttentionBackendError
 from splitspec.engine.flashinfer_attention import check_available as check_attention_backend
-from splitspec.engine.kv_pool import KVPool
+from .pools import make_pool
 from splitspec.engine.loop import EngineLoop
 from splitspec.engine.tree import TreeError
 
@@ -164,7 +164,8 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
         wire_dtype = dtype_from_pb(msg.hidden_dtype) if msg.hidden_dtype else sched.dtype
         session, step = await sched.open(msg.session_id or uuid.uuid4().hex, prompt, params,
                                         hidden_layers=tuple(msg.hidden_layer_ids),
-                                        max_new_tokens=msg.max_new_tokens)
+                                        max_new_tokens=msg.max_new_tokens,
+                                        hidden_stream=msg.hidden_stream)
         session.wire_dtype = wire_dtype
         opened = target_pb2.TargetOpened(session_id=session.session_id, first_token_id=step.out.committed[0],
                                           length=session.length, forward_ms=step.forward_ms,
@@ -228,6 +229,11 @@ def build_parser() -> argparse.ArgumentParser:
       help="size of the paged KV pool for all sessions (blocks are touched only when used)")
     a("--kv-block-size", type=int, default=16, help="tokens per KV block")
     a("--max-context", type=int, default=0, help="longest sequence (0: the model's max_position_embeddings)")
+    a("--kda-rollback", default="snapshot", choices=["snapshot", "replay"],
+      help="hybrid (KDA) targets: how a verify undoes rejected drafts in the recurrent state: snapshot (keep the "
+           "state after every draft position until the step commits; fastest) or replay (keep each position's "
+           "k, v, gate and beta and re-run the accepted ones; (w + 1) times less memory per verify). "
+           "See docs/hybrid-targets.md")
     a("--idle-timeout-s", type=float, default=300.0,
       help="close a session that sends nothing for this long (0: never)")
     a("--max-message-mb", type=int, default=64, help="largest gRPC message, either direction")
@@ -299,10 +305,13 @@ async def serve(args: argparse.Namespace, *, load=_load, started=None) -> None:
         if max_context > cfg.max_position_embeddings:
             raise ConfigError(f"--max-context {max_context} exceeds the model's max_position_embeddings "
                              f"{cfg.max_position_embeddings}")
-        param = next(model.parameters())
-        pool = KVPool.from_budget(args.kv_cache_budget_mb * 1024 * 1024, num_layers=cfg.num_hidden_layers,
-                                  num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
-                                  block_size=args.kv_block_size, dtype=param.dtype, device=param.device)
+        if cfg.hybrid is not None and args.attention_backend != "torch":
+            raise ConfigError(f"--attention-backend {args.attention_backend} does not run {cfg.architecture}'s "
+                              f"MLA / KDA layers; use --attention-backend torch")
+        # A hybrid (KDA / MLA) target gets a pool of MLA latent rows plus one recurrent-state slot
+        # per running session (pools.py); an attention model the plain KV pool.
+        pool = make_pool(model, budget_bytes=args.kv_cache_budget_mb * 1024 * 1024, block_size=args.kv_block_size,
+                         max_sessions=args.max_running_requests, rollback=args.kda_rollback)
         sched = Scheduler(model, verifier=verifier, pool=pool, max_running=args.max_running_requests,
                           max_queued=args.max_queued_requests, max_batched_tokens=args.max_num_batched_tokens,
                           chunked_prefill_size=args.chunked_prefill_size, max_context=max_context, engine=engine,

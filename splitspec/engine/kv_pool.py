@@ -19,7 +19,8 @@ class PoolExhausted(Exception):
 
 class KVPool:
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
-                 block_size: int = 16, dtype: torch.dtype = torch.float32, device="cpu"):
+                 block_size: int = 16, dtype: torch.dtype = torch.float32, device="cpu",
+                 v_head_dim: int | None = None):
         if num_blocks < 2:
             raise ValueError(f"a KV pool needs at least 2 blocks (one is the zero block), got {num_blocks}")
         if block_size < 1:
@@ -27,7 +28,9 @@ class KVPool:
         self.block_size, self.num_blocks = block_size, num_blocks
         shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
         self.k = torch.empty(shape, dtype=dtype, device=device)
-        self.v = torch.empty(shape, dtype=dtype, device=device)
+        # An MLA target caches a latent row and a rope key slice of another width in k / v.
+        v_dim = head_dim if v_head_dim is None else v_head_dim
+        self.v = torch.empty(shape[:-1] + (v_dim,), dtype=dtype, device=device)
         self.k[:, :block_size].zero_()
         self.v[:, :block_size].zero_()
         # A stack popped from the end: low ids first, and a freed block is the next one reused,
@@ -36,6 +39,9 @@ class KVPool:
         # Blocks come and go on the engine thread, but a closing session hands its blocks back
         # from the server's thread at once.
         self._lock = threading.Lock()
+        # Per-session fixed-size state (a recurrent target's KDA state), one slot per table; None
+        # for attention-only models.
+        self.states = None
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -67,7 +73,7 @@ class KVPool:
 
     @property
     def bytes_per_block(self) -> int:
-        return self.k[:, :self.block_size].nbytes * 2
+        return self.k[:, :self.block_size].nbytes + self.v[:, :self.block_size].nbytes
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
@@ -93,6 +99,7 @@ class BlockTable:
         self.pool = pool
         self.blocks: list[int] = []
         self.length = 0
+        self.state: int | None = None       # slot in pool.states, taken on first use
 
     @property
     def capacity(self) -> int:
@@ -100,6 +107,8 @@ class BlockTable:
 
     def ensure(self, tokens: int) -> None:
         """Hold blocks for `tokens` tokens (PoolExhausted, and no change, if the pool is short)."""
+        if self.pool.states is not None and self.state is None:
+            self.state = self.pool.states.allocate()
         need = self.pool.blocks_for(tokens) - len(self.blocks)
         if need > 0:
             self.blocks.extend(self.pool.allocate(need))
@@ -124,6 +133,9 @@ class BlockTable:
     def free(self) -> None:
         self.pool.release(self.blocks)
         self.blocks, self.length = [], 0
+        if self.state is not None:
+            self.pool.states.release(self.state)
+            self.state = None
 
     def move(self, src: list[int], dst_start: int) -> None:
         """Copy the K/V of token indices `src` to `dst_start, dst_start + 1, ...` in every layer

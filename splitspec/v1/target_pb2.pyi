@@ -32,20 +32,22 @@ class TargetResponse(_message.Message):
     def __init__(self, opened: _Optional[_Union[TargetOpened, _Mapping]] = ..., token: _Optional[_Union[TargetToken, _Mapping]] = ..., verified: _Optional[_Union[TargetVerified, _Mapping]] = ..., closed: _Optional[_Union[TargetClosed, _Mapping]] = ...) -> None: ...
 
 class TargetOpen(_message.Message):
-    __slots__ = ("session_id", "prompt_token_ids", "sampling", "hidden_layer_ids", "max_new_tokens", "hidden_dtype")
+    __slots__ = ("session_id", "prompt_token_ids", "sampling", "hidden_layer_ids", "max_new_tokens", "hidden_dtype", "hidden_stream")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_LAYER_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_STREAM_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     hidden_layer_ids: _containers.RepeatedScalarFieldContainer[int]
     max_new_tokens: int
     hidden_dtype: _common_pb2.DType
-    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., hidden_layer_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., hidden_dtype: _Optional[_Union[_common_pb2.DType, str]] = ...) -> None: ...
+    hidden_stream: str
+    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., hidden_layer_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., hidden_dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., hidden_stream: _Optional[str] = ...) -> None: ...
 
 class TargetOpened(_message.Message):
     __slots__ = ("session_id", "first_token_id", "hidden", "length", "forward_ms", "queue_ms", "batch_size", "batch_tokens")

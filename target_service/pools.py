@@ -1,0 +1,46 @@
+"""The memory a target model needs per session, built for its family: a paged KV pool for
+attention models; for hybrid (KDA / MLA) models a paged pool of MLA latent rows (kv_lora_rank
+in `k`, the rope key slice in `v`, one shared row per token and MLA layer) plus a `StatePool`
+of per-session KDA state, one slot per running session."""
+from __future__ import annotations
+
+import torch
+
+from splitspec.engine.kv_pool import KVPool
+
+from .state_pool import StatePool
+
+DEFAULT_ROLLBACK = "snapshot"
+
+
+def make_pool(model, *, block_size: int = 16, num_blocks: int | None = None, budget_bytes: int | None = None,
+              max_sessions: int = 1, rollback: str = DEFAULT_ROLLBACK) -> KVPool:
+    """num_blocks, or as many as `budget_bytes` holds (KV only: the state slots come on top, sized
+    by max_sessions, and are reported apart)."""
+    cfg = model.cfg
+    p = next(model.parameters())
+    dtype, device = p.dtype, p.device
+    h = getattr(cfg, "hybrid", None)
+    if h is None:
+        kw = dict(num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim)
+    else:
+        kw = dict(num_layers=len(h.mla_layers), num_kv_heads=1, head_dim=h.kv_lora_rank,
+                  v_head_dim=h.qk_rope_head_dim)
+    if num_blocks is None:
+        elem = torch.empty((), dtype=dtype).element_size()
+        widths = kw["head_dim"] + kw.get("v_head_dim", kw["head_dim"])
+        per_block = kw["num_layers"] * kw["num_kv_heads"] * widths * elem * block_size
+        if per_block == 0:          # no MLA layer: blocks only count tokens
+            per_block = block_size
+        num_blocks = budget_bytes // per_block
+        if num_blocks < 2:
+            raise ValueError(f"a KV budget of {budget_bytes} bytes holds {num_blocks} blocks of {block_size} tokens "
+                             f"({per_block} bytes each); at least 2 are needed (--kv-cache-budget-mb)")
+    pool = KVPool(block_size=block_size, num_blocks=num_blocks, dtype=dtype, device=device, **kw)
+    if h is not None and h.kda_layers:
+        d = h.linear_head_dim
+        pool.states = StatePool(num_layers=len(h.kda_layers), num_slots=max_sessions,
+                                conv_channels=3 * h.linear_num_heads * d, conv_kernel=h.conv_kernel,
+                                heads=h.linear_num_heads, k_dim=d, v_dim=d, device=device)
+        pool.states.rollback = rollback
+    return pool

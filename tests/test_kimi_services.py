@@ -1,0 +1,136 @@
+"""Speculation on a hybrid (KDA + MLA + MoE) target through the real services: greedy n-gram and
+DFlash (taps on a KDA and on the last, MLA, layer) equal target-only greedy token for token,
+sampled speculation follows the target's distribution, and a tree verify on a chain-accepting
+session works too (the KDA state follows the accepted branch)."""
+from __future__ import annotations
+
+import collections
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from draft_service.dflash import new_draft, save_draft
+from hybrid_models import save_tiny_kimi
+from service_helpers import (VOCAB, collect, gateway_stub, repeating_prompts, running_draft, running_gateway,
+                             running_target, target_info)
+from splitspec.client import build_request
+from splitspec.engine.sample import SamplingParams
+from target_service.engine import generate
+from target_service.loader import load_model
+from test_auto_services import exact_joint
+from test_dflash import chi_square_pvalue
+
+N_NEW = 24
+
+
+def prompts():
+    return repeating_prompts(6, 7, (3, 9), repeat=3)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    return save_tiny_kimi(tmp_path_factory.mktemp("kimi") / "tiny-kimi", vocab_size=VOCAB, tokenizer=True)
+
+
+@pytest.fixture(scope="module")
+def model(target_dir):
+    return load_model(target_dir)
+
+
+@pytest.fixture(scope="module")
+def services(model, target_dir, tmp_path_factory):
+    draft_dir = tmp_path_factory.mktemp("draft") / "tiny-dflash"
+    save_draft(new_draft(model.cfg, num_layers=1, block_size=4, mask_token_id=2, target_layer_ids=(1, 3), seed=5),
+               draft_dir)
+    logs = tmp_path_factory.mktemp("logs")
+    with running_target(target_dir, logs, "--torch-threads", "1") as target, \
+            running_draft(target_dir, logs, "--torch-threads", "1", draft_dir=draft_dir) as draft, \
+            running_gateway(target, logs, "--draft", draft.address, "--speculative-algorithm", "DFLASH") as gw:
+        yield target, draft, gw
+
+
+@pytest.fixture(scope="module")
+def stub(services):
+    ch, stub = gateway_stub(services[2].address)
+    yield stub
+    ch.close()
+
+
+def test_target_reports_the_hybrid_family(services, model):
+    info = target_info(services[0].address)
+    assert info.architecture == "KimiLinearForCausalLM" and info.num_layers == model.cfg.num_hidden_layers
+
+
+@pytest.mark.parametrize("method", ["dflash", "ngram"])
+def test_greedy_speculation_equals_target_only(stub, model, method):
+    refs = [generate(model, p, N_NEW) for p in prompts()]
+
+    def run(p):
+        req = build_request(p, max_new_tokens=N_NEW, ignore_eos=True, method=method)
+        req.speculative.num_draft_tokens = 3
+        return collect(stub.Generate(req, timeout=300))
+    with ThreadPoolExecutor(3) as pool:
+        results = list(pool.map(run, prompts()))
+    verified = 0
+    for (ids, _, complete), ref in zip(results, refs):
+        assert ids == ref
+        verified += sum(1 for s in complete.stats.steps if s.k)
+    assert verified > 0
+
+
+def test_sampled_dflash_follows_the_target_distribution(stub, model):
+    prompt = [7, 8, 9, 7, 8, 9, 7]
+    n, samples = 3, 300
+    params = SamplingParams(temperature=1.0, top_k=3)
+    joint = exact_joint(model, prompt, params, n)
+
+    def run(seed):
+        req = build_request(prompt, max_new_tokens=n, ignore_eos=True, temperature=1.0, top_k=3, seed=seed,
+                            method="dflash")
+        req.speculative.num_draft_tokens = 3
+        req.speculative.draft_sampling = "sample"
+        ids, _, complete = collect(stub.Generate(req, timeout=120))
+        return tuple(ids), complete.stats
+    with ThreadPoolExecutor(6) as pool:
+        results = list(pool.map(run, range(samples)))
+    counts = collections.Counter(ids for ids, _ in results)
+    assert set(counts) <= set(joint)
+    assert sum(1 for _, st in results if any(s.k for s in st.steps)) > 0
+    assert chi_square_pvalue(counts, joint, samples) > 1e-3
+
+
+def test_tree_verify_and_stream_choice_on_the_wire(services, model):
+    import grpc
+
+    from splitspec.v1 import common_pb2, target_pb2
+    from test_bad_input import Stream, open_msg
+    address = services[0].address
+    prompt = [5, 17, 9, 33, 2]
+    g = generate(model, prompt, 5)
+    s = Stream(address)
+    try:
+        opened = s.send(open=open_msg(prompt)).recv().opened
+        assert opened.first_token_id == g[0]
+        # root -> [wrong] and root -> [g1 -> g2]: the second branch is accepted
+        tree = common_pb2.TokenTree(token_ids=[(g[1] + 1) % VOCAB, g[1], g[2]], parents=[-1, -1, 1])
+        verified = s.send(verify=target_pb2.TargetVerify(base_len=len(prompt) + 1, tree=tree)).recv().verified
+        assert list(verified.committed_token_ids) == g[1:4]
+        assert s.send(decode=target_pb2.TargetDecode(n=1)).recv().token.token_id == g[4]   # state of the branch
+    finally:
+        s.close()
+    s = Stream(address)
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            s.send(open=open_msg(prompt, hidden_layer_ids=[1], hidden_stream="attn_res")).recv()
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "open.hidden_stream" in err.value.details()
+    finally:
+        s.close()
