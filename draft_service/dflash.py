@@ -65,6 +65,7 @@ class DFlashConfig:
     sliding_window: int | None = None
     is_causal: bool | None = None              # explicit; None = causal iff the layer is sliding
     input_embedding_scale: float = 1.0         # block embeddings (anchor and masks) are scaled by it
+    aux_hidden_stream: str = ""                # Attention-Residuals targets: "prefix" / "attn_res" taps
 
     ARCHITECTURE = "DFlashDraftModel"
 
@@ -137,6 +138,9 @@ class DFlashConfig:
         if "sliding_attention" in types and not (isinstance(window, int) and window > 0):
             raise ConfigError(f"draft config.json: sliding layers need a positive sliding_window, got {window!r}")
         causal = raw.get("is_causal", dcfg.get("causal"))
+        stream = dcfg.get("aux_hidden_stream", raw.get("aux_hidden_stream", ""))
+        if stream not in ("", "prefix", "attn_res"):
+            raise ConfigError(f"draft config.json: aux_hidden_stream={stream!r}; expected 'prefix' or 'attn_res'")
         return dict(hidden_size=raw["hidden_size"], intermediate_size=raw["intermediate_size"],
                     num_hidden_layers=layers, num_attention_heads=heads,
                     num_key_value_heads=raw.get("num_key_value_heads") or heads,
@@ -149,7 +153,8 @@ class DFlashConfig:
                     rope_scaling=rope, max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
                     layer_types=types, sliding_window=int(window) if window else None,
                     is_causal=None if causal is None else bool(causal),
-                    input_embedding_scale=float(raw.get("input_embedding_scale") or 1.0))
+                    input_embedding_scale=float(raw.get("input_embedding_scale") or 1.0),
+                    aux_hidden_stream=stream)
 
     def to_dict(self) -> dict:
         """z-lab export format; block_size is written as the verify width."""
@@ -173,6 +178,8 @@ class DFlashConfig:
             out["is_causal"] = self.is_causal
         if self.input_embedding_scale != 1.0:
             out["input_embedding_scale"] = self.input_embedding_scale
+        if self.aux_hidden_stream:
+            out["dflash_config"]["aux_hidden_stream"] = self.aux_hidden_stream
         return out
 
 

@@ -34,7 +34,7 @@ from .dflash import DFlashConfig, DFlashDraft, DraftLayer
 
 DFLASH2_FIELDS = ("block_size", "conv_group_size", "conv_kernel_size", "selector_rank", "selector_top_k",
                   "output_multiplier", "final_logit_softcapping", "mask_token_id", "target_layer_ids",
-                  "attention_mode", "causal")
+                  "attention_mode", "causal", "aux_hidden_stream")
 
 
 @dataclass(frozen=True)

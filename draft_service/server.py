@@ -99,6 +99,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         if st.model is not None:
             cfg = st.model.cfg
             info.architecture = cfg.ARCHITECTURE
+            info.target_hidden_stream = cfg.aux_hidden_stream
             info.mask_token_id = cfg.mask_token_id
             info.target_layer_ids.extend(cfg.target_layer_ids)
             info.dtype = str(next(st.model.parameters()).dtype).removeprefix("torch.")

@@ -26,6 +26,7 @@ class Plan:
     tokenizer_hash: str = ""
     max_k: int = 0                                     # auto: most tokens a step may draft
     local_ngram: bool = False                          # the gateway's own n-gram index drafts
+    hidden_stream: str = ""                            # the stream the draft's taps read (Attention Residuals)
 
 
 def plan_request(spec: SpeculativeConfig, raw: common_pb2.SpeculativeParams, *, has_draft: bool,
@@ -73,7 +74,7 @@ def plan_request(spec: SpeculativeConfig, raw: common_pb2.SpeculativeParams, *, 
         params = common_pb2.SpeculativeParams(method="dflash", num_draft_tokens=limit,
                                               draft_sampling=spec.draft_sampling) if remote else None
         return Plan("auto", list(draft.target_layer_ids) if remote else [], params, target.tokenizer_hash,
-                    max_k=width - 1, local_ngram=True)
+                    max_k=width - 1, local_ngram=True, hidden_stream=draft.target_hidden_stream if remote else "")
     if method == "ngram" and draft is None:
         # No draft service (or none reachable yet): the gateway's own prompt lookup honours it.
         return Plan("ngram", [], None, max_k=width - 1, local_ngram=True)
@@ -81,5 +82,6 @@ def plan_request(spec: SpeculativeConfig, raw: common_pb2.SpeculativeParams, *, 
         return Plan(method, [], None)      # dflash while the draft is unreachable: target-only until it is back
     params = common_pb2.SpeculativeParams(method=method, num_steps=width - 1, topk=1, num_draft_tokens=width,
                                           draft_sampling=spec.draft_sampling)
-    return Plan(method, list(draft.target_layer_ids) if method == "dflash" and draft is not None else [],
-                params, target.tokenizer_hash, max_k=width - 1)
+    dflash = method == "dflash"
+    return Plan(method, list(draft.target_layer_ids) if dflash else [], params, target.tokenizer_hash,
+                max_k=width - 1, hidden_stream=draft.target_hidden_stream if dflash else "")

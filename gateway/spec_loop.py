@@ -62,11 +62,13 @@ class SpeculativeLoop:
     def __init__(self, target: TargetSession, req: Request, stats: Stats, policy: AutoPolicy | FixedPolicy, *,
                  measurements: Measurements, draft_call: Callable[[Awaitable, float], Awaitable],
                  open_draft: Callable[[object, list[int]], Awaitable[RemoteDraft | None]] | None,
-                 layer_ids: list[int], ngram: NgramIndex | None, max_width: int, step_timeout_s: float):
+                 layer_ids: list[int], ngram: NgramIndex | None, max_width: int, step_timeout_s: float,
+                 hidden_stream: str = ""):
         self.target, self.req, self.stats, self.policy = target, req, stats, policy
         self.m = measurements
         self.draft_call, self.open_draft = draft_call, open_draft
         self.layer_ids, self.ngram, self.max_width = layer_ids, ngram, max_width
+        self.hidden_stream = hidden_stream if layer_ids else ""
         self.step_s = step_timeout_s
         self.draft: RemoteDraft | None = None
 
@@ -78,7 +80,7 @@ class SpeculativeLoop:
             return
         t = time.perf_counter()
         opened = await self.target.open(req.request_id, prefix, req.sampling, hidden_layer_ids=self.layer_ids,
-                                        max_new_tokens=remaining + self.max_width)
+                                        max_new_tokens=remaining + self.max_width, hidden_stream=self.hidden_stream)
         stats.model_ms += opened.forward_ms
         stats.queue_ms += opened.queue_ms
         stats.verify_ms += (time.perf_counter() - t) * 1e3

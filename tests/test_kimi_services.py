@@ -134,3 +134,29 @@ def test_tree_verify_and_stream_choice_on_the_wire(services, model):
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "open.hidden_stream" in err.value.details()
     finally:
         s.close()
+
+
+def test_the_drafts_declared_tap_stream_reaches_the_target(services, model, target_dir, tmp_path):
+    """A draft declares the stream its taps were trained on (`aux_hidden_stream`); the draft
+    service reports it, the gateway opens the target with it, and a target without Attention
+    Residuals refuses it by name instead of serving features the draft never saw."""
+    import dataclasses
+
+    import grpc
+
+    from splitspec.v1 import common_pb2, draft_pb2_grpc
+    d = new_draft(model.cfg, num_layers=1, block_size=4, mask_token_id=2, target_layer_ids=(1, 3), seed=5)
+    d.cfg = dataclasses.replace(d.cfg, aux_hidden_stream="attn_res")
+    save_draft(d, tmp_path / "attn-res-draft")
+    with running_draft(target_dir, tmp_path, "--torch-threads", "1", draft_dir=tmp_path / "attn-res-draft") as draft, \
+            running_gateway(services[0], tmp_path, "--draft", draft.address, "--speculative-algorithm",
+                            "DFLASH") as gw:
+        with grpc.insecure_channel(draft.address) as ch:
+            info = draft_pb2_grpc.DraftStub(ch).GetInfo(common_pb2.GetInfoRequest(), timeout=10)
+        assert info.target_hidden_stream == "attn_res"
+        ch, stub = gateway_stub(gw.address)
+        with pytest.raises(grpc.RpcError) as err:
+            collect(stub.Generate(build_request([5, 6, 7], max_new_tokens=4, method="dflash"), timeout=60))
+        ch.close()
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "hidden_stream" in err.value.details() and "attn_res" in err.value.details()
