@@ -134,24 +134,33 @@ class HybridLM(nn.Module):
             streams.setdefault(layer, []).append((key, stream))
         B = self.cfg.hybrid.attn_res_block_size
         layers, last = self.model.layers, self.cfg.num_hidden_layers - 1
-        prefix = self.model.embed_tokens(input_ids)
-        blocks, hidden = [], {}
-        mix = None      # the mix the next attention reads, computed one layer ahead for the taps
+        # Block Attention Residuals (K3 report §2.2, Eq. 8-10): every sublayer reads a softmax mix,
+        # by its own pseudo-query, over the block representations: b_0 = the token embedding, each
+        # sealed block's sum of sublayer outputs, and the current block's partial sum (absent at a
+        # block's first sublayer). A block seals after every B layers.
+        blocks, partial = [self.model.embed_tokens(input_ids)], None
+        prefix = blocks[0]          # what a plain residual stream would hold: the "prefix" tap stream
+        hidden = {}
+
+        def sources():
+            return blocks if partial is None else blocks + [partial]
+
+        def add(out):
+            nonlocal partial, prefix
+            partial = out if partial is None else partial + out
+            prefix = prefix + out
+
+        mix = attn_res_mix(sources(), layers[0].self_attention_res_norm, layers[0].self_attention_res_proj)
         for i, layer in enumerate(layers):
-            if mix is None:
-                if i % B == 0:
-                    blocks.append(prefix)
-                mix = attn_res_mix(blocks + [prefix], layer.self_attention_res_norm, layer.self_attention_res_proj)
-            prefix = prefix + layer.attn(mix, positions, batch)
-            prefix = prefix + layer.ffn(attn_res_mix(blocks + [prefix], layer.mlp_res_norm, layer.mlp_res_proj))
-            if i < last:
-                nxt = layers[i + 1]
-                if (i + 1) % B == 0:
-                    blocks.append(prefix)
-                mix = attn_res_mix(blocks + [prefix], nxt.self_attention_res_norm, nxt.self_attention_res_proj)
-            else:
-                mix = attn_res_mix(blocks + [prefix], self.model.output_attn_res_norm,
-                                   self.model.output_attn_res_proj)
+            add(layer.attn(mix, positions, batch))
+            add(layer.ffn(attn_res_mix(sources(), layer.mlp_res_norm, layer.mlp_res_proj)))
+            if (i + 1) % B == 0:
+                blocks.append(partial)
+                partial = None
+            # the mix the next attention reads (the "attn_res" tap of layer i), or the output mix
+            q = (layers[i + 1].self_attention_res_norm, layers[i + 1].self_attention_res_proj) if i < last else \
+                (self.model.output_attn_res_norm, self.model.output_attn_res_proj)
+            mix = attn_res_mix(sources(), *q)
             for key, stream in streams.get(i, ()):
                 feat = prefix if stream == "prefix" else mix
                 hidden[key] = self.model.norm(mix) if i == last else feat

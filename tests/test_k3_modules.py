@@ -169,16 +169,29 @@ def test_attention_residual_mix_and_block_schedule(k3, monkeypatch):
                                @ layer.self_attention_res_proj.weight[0]) for s in srcs])   # [S, N]
         want = (logits.softmax(0)[..., None] * torch.stack(srcs)).sum(0)
     assert (got - want).abs().max() < TOL
-    seen = []
+    # Every mix reads [b_0 = embedding, sealed block sums..., the current block's partial sum]:
+    # recorded sublayer outputs rebuild each source list exactly.
+    seen, outs = [], []
     real = hybrid.attn_res_mix
-    monkeypatch.setattr(hybrid, "attn_res_mix", lambda s, n, p: seen.append(len(s)) or real(s, n, p))
+    monkeypatch.setattr(hybrid, "attn_res_mix", lambda s, n, p: seen.append([t.clone() for t in s]) or real(s, n, p))
+    for lay in k3.model.layers:
+        for name in ("attn", "ffn"):
+            f = getattr(lay, name)
+            monkeypatch.setattr(lay, name, lambda *a, f=f: outs.append(f(*a)) or outs[-1])
+    ids = torch.tensor([[5, 6, 7]])
     with torch.no_grad():
-        k3(torch.tensor([[5, 6, 7]]))
+        k3(ids)
+        emb = k3.model.embed_tokens(ids)[0]
     B, L = k3.cfg.hybrid.attn_res_block_size, k3.cfg.num_hidden_layers
-    # before each attention and each MLP: the block snapshots so far (taken before layers 0, B, 2B...)
-    # plus the running sum; once more at the end
-    want = [n for i in range(L) for n in (i // B + 2, i // B + 2)] + [(L - 1) // B + 2]
-    assert seen == want
+    assert len(seen) == 2 * L + 1 and len(outs) == 2 * L       # before every sublayer, and the output mix
+    for j, srcs in enumerate(seen):                             # j sublayers have run before mix j
+        done = j // (2 * B)                                     # blocks sealed so far
+        want = [emb] + [sum(outs[2 * B * n:2 * B * (n + 1)]) for n in range(done)]
+        if j % (2 * B):
+            want.append(sum(outs[2 * B * done:j]))
+        assert len(srcs) == len(want), j
+        for got_s, want_s in zip(srcs, want):
+            assert (got_s.reshape(want_s.shape) - want_s).abs().max() < TOL, j
 
 
 def test_tap_streams_differ_and_the_last_layer_is_normed(k3):
