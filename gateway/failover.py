@@ -34,7 +34,7 @@ from splitspec.ngram import NgramIndex
 from .backends import BackendError, DraftSession, TargetClient, TargetSession
 from .generation import Stats
 from .plan import Plan
-from .policy import AutoPolicy, FixedPolicy
+from .policy import AutoPolicy, FixedPolicy, sampling_bucket
 from .request import Request
 from .spec_loop import DraftLost, RemoteDraft, SpeculativeLoop
 
@@ -121,7 +121,9 @@ class ResilientSource:
         self.draft: DraftSession | None = None
         self.client: TargetClient | None = None
         # One policy for the whole request: what it learned survives a target failover.
-        self.policy = (AutoPolicy(backends.measurements, max_k=plan.max_k) if plan.method == "auto"
+        bucket = sampling_bucket(req.sampling.temperature,
+                                 plan.speculative.draft_sampling if plan.speculative is not None else "")
+        self.policy = (AutoPolicy(backends.measurements, max_k=plan.max_k, bucket=bucket) if plan.method == "auto"
                        else FixedPolicy(plan.method))
     # -- lifecycle -------------------------------------------------------------------------
     async def close(self) -> None:
@@ -253,7 +255,7 @@ class ResilientSource:
 
     def _attempt(self) -> AsyncIterator[list[int]]:
         plan = self.plan
-        remote = plan.speculative is not None and self._want_draft()
+        remote = plan.speculative is not None and self.policy.wants_draft() and self._want_draft()
         if remote or plan.local_ngram:
             self.stats.method = plan.method
         elif not self.history:

@@ -30,6 +30,9 @@ KEEP_DRAFT_FOR = 32          # decisions without DFlash chosen on its merits aft
 PROBE_EVERY = 16             # decisions after which a drafter not chosen since gets one step
 MAX_PROBE_GAP = 256          # ... growing to this while its probes keep losing
 NGRAM_WATCH = 0.25           # share of recent decisions choosing n-gram above which runs stay 1 token
+DRAFT_WORTH = 0.05           # share of decisions DFlash wins on its merits below which requests skip its session
+WORTH_AFTER = 64             # ... once that share rests on this many decisions of the bucket
+REOPEN_EVERY = 8             # while skipped, every this-many-th request of the bucket opens one to re-measure
 
 
 class Acceptance:
@@ -64,6 +67,20 @@ class Ema:
 
     def get(self, default: float) -> float:
         return default if self.value is None else self.value
+
+
+class DecayedMean:
+    """Mean of the recent observations (weights decay^age), unbiased from the first one on."""
+
+    def __init__(self, decay: float = 0.98):
+        self.decay, self.num, self.den = decay, 0.0, 0.0
+
+    def add(self, x: float) -> None:
+        self.num = self.decay * self.num + x
+        self.den = self.decay * self.den + 1.0
+
+    def get(self, default: float = 1.0) -> float:
+        return self.num / self.den if self.den else default
 
 
 class ForwardModel:
@@ -117,6 +134,11 @@ class Measurements:
         self.decisions = 0
         self.last_tried: dict[str, int] = {}     # drafter -> decision number it last ran at
         self.probe_gap: dict[str, int] = {}      # drafter -> decisions between two probes of it
+        # Per sampling bucket (greedy / sampled with greedy or sampled drafts): how often DFlash
+        # wins a decision on its merits, and how many requests skipped its session since.
+        self.dflash_worth: dict[str, DecayedMean] = {}
+        self.worth_seen: dict[str, int] = {}
+        self.skipped: dict[str, int] = {}
 
     # -- what the services reported ---------------------------------------------------------
     def target_step(self, forward_ms: float, batch_size: int, batch_tokens: int, verify: bool = False) -> None:
@@ -171,12 +193,21 @@ class Offer:
     ngram_match: int = 0          # length of the matched suffix behind the n-gram offer
 
 
+def sampling_bucket(temperature: float, draft_sampling: str) -> str:
+    """Requests whose DFlash acceptance is alike: greedy ones, and sampled ones per draft mode
+    (greedy drafts rarely survive a sampled target; sampled drafts verified against q do better)."""
+    return "greedy" if temperature == 0 else f"sampled/{draft_sampling}"
+
+
 class FixedPolicy:
     """An explicit method: always that drafter at the request's full width (or always decode)."""
 
     def __init__(self, method: str):
         self.method = method
         self.drafter_gone = False
+
+    def wants_draft(self) -> bool:
+        return True
 
     def choose(self, offer: Offer, remaining: int) -> Choice:
         k = offer.dflash if self.method == "dflash" else offer.ngram if self.method == "ngram" else 0
@@ -200,9 +231,10 @@ class FixedPolicy:
 class AutoPolicy:
     """method = "auto" for one request (module doc)."""
 
-    def __init__(self, measurements: Measurements, *, max_k: int):
+    def __init__(self, measurements: Measurements, *, max_k: int, bucket: str = "greedy"):
         self.m = measurements
         self.max_k = max_k                      # the request's upper bound on drafted tokens
+        self.bucket = bucket                    # sampling_bucket of the request
         self.local: dict[tuple, Acceptance] = {}
         self.run = 1
         self.decisions = 0                      # this request's, for keeps_draft
@@ -217,13 +249,27 @@ class AutoPolicy:
         return self.local[key]
 
     def _key(self, method: str, ngram_match: int) -> tuple:
-        return ("ngram", ngram_match) if method == "ngram" else (method,)
+        # Acceptance depends on how the target samples (and the drafts are drawn): per bucket.
+        return ("ngram", ngram_match, self.bucket) if method == "ngram" else (method, self.bucket)
+
+    def wants_draft(self) -> bool:
+        """Whether this request opens a DFlash session. Opening one costs a draft prefill and
+        the target's features on the wire for every committed token, paid even by a request that
+        then never drafts; where DFlash has been winning under WORTH of the decisions of this
+        bucket lately (sampled requests with greedy drafts, say), only every REOPEN_EVERY-th
+        request opens one, to keep the estimate current."""
+        m, b = self.m, self.bucket
+        if m.worth_seen.get(b, 0) < WORTH_AFTER or m.dflash_worth[b].get() >= DRAFT_WORTH:
+            m.skipped[b] = 0
+            return True
+        m.skipped[b] = m.skipped.get(b, 0) + 1
+        return m.skipped[b] % REOPEN_EVERY == 0
 
     def choose(self, offer: Offer, remaining: int) -> Choice:
         cap = min(self.max_k, max(0, remaining - 1))     # the bonus is always one of the remaining
         max_k = {"dflash": min(offer.dflash, cap), "ngram": min(offer.ngram, cap)}
-        accept = {"dflash": self._acceptance(("dflash",)).rates(),
-                  "ngram": self._acceptance(("ngram", offer.ngram_match)).rates() if offer.ngram else []}
+        accept = {"dflash": self._acceptance(self._key("dflash", 0)).rates(),
+                  "ngram": self._acceptance(self._key("ngram", offer.ngram_match)).rates() if offer.ngram else []}
         costs = self.m.costs(1 if self._watching() else MAX_DECODE_RUN)
         self.decisions += 1
         m = self.m
@@ -243,6 +289,9 @@ class AutoPolicy:
         if natural != "none":
             m.probe_gap[natural] = PROBE_EVERY
             self.last_natural[natural] = self.decisions
+        if max_k["dflash"]:
+            m.dflash_worth.setdefault(self.bucket, DecayedMean()).add(1.0 if natural == "dflash" else 0.0)
+            m.worth_seen[self.bucket] = m.worth_seen.get(self.bucket, 0) + 1
         if best.method != "none":
             m.last_tried[best.method] = m.decisions
         self.ngram_chosen.add(1.0 if best.method == "ngram" else 0.0)

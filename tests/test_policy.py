@@ -127,6 +127,23 @@ def test_auto_policy_probes_a_drafter_it_stopped_choosing():
     assert methods.count("none") > PROBE_EVERY and "dflash" in methods
 
 
+def test_requests_skip_a_dflash_session_where_dflash_stopped_winning_and_reopen_to_remeasure():
+    from gateway.policy import REOPEN_EVERY, WORTH_AFTER, sampling_bucket
+    m = measured(8.0)
+    sampled, greedy = sampling_bucket(1.0, "greedy"), sampling_bucket(0.0, "greedy")
+    assert sampled != greedy == "greedy"
+    first = AutoPolicy(m, max_k=7, bucket=sampled)
+    assert first.wants_draft()                                    # nothing measured: try it
+    while m.worth_seen.get(sampled, 0) < 2 * WORTH_AFTER:          # DFlash's drafts never accepted
+        first.observe(first.choose(Offer(dflash=7), 1000), 0)
+    opens = [AutoPolicy(m, max_k=7, bucket=sampled).wants_draft() for _ in range(3 * REOPEN_EVERY)]
+    assert opens.count(True) == 3 and opens[REOPEN_EVERY - 1]     # one in REOPEN_EVERY re-measures
+    assert AutoPolicy(m, max_k=7, bucket=greedy).wants_draft()     # other buckets are not judged by it
+    assert FixedPolicy("dflash").wants_draft()                     # an explicit method always drafts
+    # the sampled bucket's acceptance estimate is its own: greedy requests still start optimistic
+    assert m.acceptance(("dflash", sampled)).rates()[0] < m.acceptance(("dflash", greedy)).rates()[0]
+
+
 def test_auto_policy_decode_runs_grow_while_decoding_and_reset_after_a_draft():
     policy = AutoPolicy(Measurements(), max_k=7)
     assert [policy.decode_run(1000) for _ in range(8)] == [1, 2, 4, 8, 16, 32, 64, 64]
