@@ -323,8 +323,11 @@ class AutoPolicy:
     def observe(self, choice: Choice, accepted: int, ngram_match: int = 0) -> None:
         if choice.method == "none":
             return
-        if not self.probing:
-            self.run = 1        # drafting pays again: decide after every token
+        if not self.probing and accepted > 0:
+            # Drafting pays again: decide after every token. A natural draft that was wholly
+            # rejected does not cut the target-only run short (at T > 0 an occasional n-gram
+            # match would otherwise restart runs from one token, a Decode round trip each).
+            self.run = 1
         key = self._key(choice.method, ngram_match)
         self._acceptance(key).update(choice.k, accepted)
         self.m.acceptance(key).update(choice.k, accepted)
