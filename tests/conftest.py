@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -130,3 +131,13 @@ def stat_ref():
     """`stat_ref.probs(logits, T, top_k, top_p)` and `stat_ref.chi2(counts, probs)`."""
     from types import SimpleNamespace
     return SimpleNamespace(probs=reference_probs, chi2=chi2_pvalue)
+
+
+@pytest.fixture(scope="module")
+def torch_one_thread():
+    """One torch thread for a module of many tiny forwards (thread start-up costs more than it
+    saves); the previous count is restored after the module."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

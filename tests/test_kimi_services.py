@@ -8,7 +8,6 @@ import collections
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import torch
 
 from draft_service.dflash import new_draft, save_draft
 from hybrid_models import save_tiny_kimi
@@ -28,12 +27,8 @@ def prompts():
     return repeating_prompts(6, 7, (3, 9), repeat=3)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# Many tiny forwards: thread start-up costs more than it saves.
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 
 @pytest.fixture(scope="module")
