@@ -347,8 +347,7 @@ def layer_masks(cfg: DFlashConfig, lengths: torch.Tensor, positions: torch.Tenso
     dev = positions.device
     ctx_pos = torch.arange(C, device=dev)
     ctx_ok = (ctx_pos[None] < lengths[:, None])[:, None, :].expand(R, B, C)
-    keys = torch.cat([ctx_pos[None].expand(R, C), positions], dim=1)                # [R, C + B]
-    dist = positions[:, :, None] - keys[:, None, :]                                  # q - k
+    dist = None                                                                      # q - k, if a layer slides
     out, made = [], {}
     for i in range(cfg.num_hidden_layers):
         kind = (cfg.layer_causal(i), cfg.layer_window(i))
@@ -358,6 +357,9 @@ def layer_masks(cfg: DFlashConfig, lengths: torch.Tensor, positions: torch.Tenso
             blk = (blk.tril() if causal else blk)[None].expand(R, B, B)
             m = torch.cat([ctx_ok, blk], dim=2)
             if window:
+                if dist is None:
+                    keys = torch.cat([ctx_pos[None].expand(R, C), positions], dim=1)    # [R, C + B]
+                    dist = positions[:, :, None] - keys[:, None, :]
                 m = m & (dist < window) & (-dist < window)
             made[kind] = m[:, None]
         out.append(made[kind])

@@ -264,7 +264,7 @@ class ResilientSource:
         loop = SpeculativeLoop(
             self.target, self.req, self.stats, self.policy, measurements=self.b.measurements,
             draft_call=self._draft_call, open_draft=self._open_draft if remote else None,
-            layer_ids=plan.layer_ids if remote else [], hidden_stream=plan.hidden_stream,
+            layer_ids=plan.layer_ids if remote else [], hidden_stream=plan.hidden_stream if remote else "",
             ngram=NgramIndex(1, 4) if plan.local_ngram else None,
             max_width=max(width, plan.max_k + 1), step_timeout_s=self.cfg.draft_timeout_ms / 1e3)
         return loop.steps(self.history)

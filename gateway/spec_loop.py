@@ -68,7 +68,7 @@ class SpeculativeLoop:
         self.m = measurements
         self.draft_call, self.open_draft = draft_call, open_draft
         self.layer_ids, self.ngram, self.max_width = layer_ids, ngram, max_width
-        self.hidden_stream = hidden_stream if layer_ids else ""
+        self.hidden_stream = hidden_stream
         self.step_s = step_timeout_s
         self.draft: RemoteDraft | None = None
 

@@ -141,3 +141,12 @@ def torch_one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def stub(services):
+    """A Generation stub on the gateway of the module's `services` (the gateway comes last)."""
+    from service_helpers import gateway_stub
+    ch, stub = gateway_stub(services[-1].address)
+    yield stub
+    ch.close()

@@ -73,6 +73,17 @@ def running_gateway(target: ServiceProcess | str, log_dir: Path, *extra: str):
     return running("gateway", ["--target", address, *extra], log_dir)
 
 
+@contextlib.contextmanager
+def running_stack(target_dir: Path, log_dir: Path, draft_dir: Path | None, *gateway_args: str,
+                  service_args: tuple[str, ...] = ()):
+    """Target + draft + a gateway wired to both: yields (target, draft, gateway).
+    service_args go to the target and the draft alike (e.g. --torch-threads 1)."""
+    with running_target(target_dir, log_dir, *service_args) as target, \
+            running_draft(target_dir, log_dir, *service_args, draft_dir=draft_dir) as draft, \
+            running_gateway(target, log_dir, "--draft", draft.address, *gateway_args) as gw:
+        yield target, draft, gw
+
+
 def gateway_stub(address: str) -> tuple[grpc.Channel, gateway_pb2_grpc.GenerationStub]:
     ch = grpc.insecure_channel(address)
     return ch, gateway_pb2_grpc.GenerationStub(ch)

@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from draft_service.dflash import new_draft, save_draft
-from service_helpers import (collect, gateway_stub, repeating_prompts, running_draft, running_gateway,
-                             running_target, target_info, tiny_target_dir)
+from service_helpers import collect, repeating_prompts, running_stack, target_info, tiny_target_dir
 from splitspec.client import build_request
 from splitspec.engine.sample import SamplingParams, probs_from_logits
 from splitspec.v1 import gateway_pb2
@@ -44,17 +43,8 @@ def services(model, target_dir, tmp_path_factory):
     save_draft(new_draft(model.cfg, num_layers=1, block_size=8, mask_token_id=2, seed=5), draft_dir)
     logs = tmp_path_factory.mktemp("logs")
     # No --speculative-algorithm: with a draft, the gateway's default is auto.
-    with running_target(target_dir, logs) as target, \
-            running_draft(target_dir, logs, draft_dir=draft_dir) as draft, \
-            running_gateway(target, logs, "--draft", draft.address) as gw:
-        yield target, draft, gw
-
-
-@pytest.fixture(scope="module")
-def stub(services):
-    ch, stub = gateway_stub(services[2].address)
-    yield stub
-    ch.close()
+    with running_stack(target_dir, logs, draft_dir) as stack:
+        yield stack
 
 
 def test_auto_is_the_default_with_a_draft(stub):

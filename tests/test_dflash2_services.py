@@ -12,7 +12,7 @@ import torch
 
 from draft_service.dflash import new_draft, save_draft
 from draft_service.dflash2 import new_dflash2
-from service_helpers import collect, gateway_stub, running_draft, running_gateway, running_target, tiny_target_dir
+from service_helpers import collect, running_stack, tiny_target_dir
 from splitspec.client import build_request
 from splitspec.engine.sample import SamplingParams
 from splitspec.v1 import common_pb2, draft_pb2_grpc
@@ -44,17 +44,8 @@ def services(model, target_dir, tmp_path_factory):
     draft_dir = tmp_path_factory.mktemp("draft") / "tiny-dflash2"
     save_draft(d, draft_dir)
     logs = tmp_path_factory.mktemp("logs")
-    with running_target(target_dir, logs) as target, \
-            running_draft(target_dir, logs, draft_dir=draft_dir) as draft, \
-            running_gateway(target, logs, "--draft", draft.address, "--speculative-algorithm", "DFLASH") as gw:
-        yield target, draft, gw
-
-
-@pytest.fixture(scope="module")
-def stub(services):
-    ch, stub = gateway_stub(services[2].address)
-    yield stub
-    ch.close()
+    with running_stack(target_dir, logs, draft_dir, "--speculative-algorithm", "DFLASH") as stack:
+        yield stack
 
 
 def test_draft_service_reports_the_architecture(services):

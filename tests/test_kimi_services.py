@@ -12,7 +12,7 @@ import pytest
 from draft_service.dflash import new_draft, save_draft
 from hybrid_models import save_tiny_kimi
 from service_helpers import (VOCAB, collect, gateway_stub, repeating_prompts, running_draft, running_gateway,
-                             running_target, target_info)
+                             running_stack, target_info)
 from splitspec.client import build_request
 from splitspec.engine.sample import SamplingParams
 from target_service.engine import generate
@@ -47,17 +47,9 @@ def services(model, target_dir, tmp_path_factory):
     save_draft(new_draft(model.cfg, num_layers=1, block_size=4, mask_token_id=2, target_layer_ids=(1, 3), seed=5),
                draft_dir)
     logs = tmp_path_factory.mktemp("logs")
-    with running_target(target_dir, logs, "--torch-threads", "1") as target, \
-            running_draft(target_dir, logs, "--torch-threads", "1", draft_dir=draft_dir) as draft, \
-            running_gateway(target, logs, "--draft", draft.address, "--speculative-algorithm", "DFLASH") as gw:
-        yield target, draft, gw
-
-
-@pytest.fixture(scope="module")
-def stub(services):
-    ch, stub = gateway_stub(services[2].address)
-    yield stub
-    ch.close()
+    with running_stack(target_dir, logs, draft_dir, "--speculative-algorithm", "DFLASH",
+                       service_args=("--torch-threads", "1")) as stack:
+        yield stack
 
 
 def test_target_reports_the_hybrid_family(services, model):

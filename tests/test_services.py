@@ -10,8 +10,7 @@ import grpc
 import pytest
 from tokenizers import Tokenizer
 
-from service_helpers import (collect, gateway_stub, running_gateway, running_target, target_info,
-                             tiny_target_dir)
+from service_helpers import collect, running_gateway, running_target, target_info, tiny_target_dir
 from splitspec.client import build_request
 from splitspec.v1 import gateway_pb2
 from target_service.engine import generate
@@ -32,13 +31,6 @@ def services(model_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
     with running_target(model_dir, logs) as target, running_gateway(target, logs) as gateway:
         yield target, gateway
-
-
-@pytest.fixture(scope="module")
-def stub(services):
-    ch, stub = gateway_stub(services[1].address)
-    yield stub
-    ch.close()
 
 
 @pytest.fixture(scope="module")

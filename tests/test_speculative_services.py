@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from draft_service.dflash import new_draft, save_draft
-from service_helpers import (collect, gateway_stub, repeating_prompts, running_draft, running_gateway,
-                             running_target, tiny_target_dir)
+from service_helpers import collect, repeating_prompts, running_draft, running_stack, tiny_target_dir
 from splitspec.client import build_request
 from splitspec.launch import start_service
 from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
@@ -49,17 +48,8 @@ def draft_dir(model, tmp_path_factory):
 @pytest.fixture(scope="module")
 def services(target_dir, draft_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
-    with running_target(target_dir, logs) as target, \
-            running_draft(target_dir, logs, draft_dir=draft_dir) as draft, \
-            running_gateway(target, logs, "--draft", draft.address, "--speculative-algorithm", "DFLASH") as gw:
-        yield target, draft, gw
-
-
-@pytest.fixture(scope="module")
-def stub(services):
-    ch, stub = gateway_stub(services[2].address)
-    yield stub
-    ch.close()
+    with running_stack(target_dir, logs, draft_dir, "--speculative-algorithm", "DFLASH") as stack:
+        yield stack
 
 
 @pytest.fixture(scope="module")
