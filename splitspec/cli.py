@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from splitspec import up_ops
+from splitspec.ops import up_ops
 from splitspec.flags import apply_env
 
 from splitspec.defaults import DEFAULT_DRAFT, DEFAULT_GATEWAY_PORT, DEFAULT_TARGET
@@ -99,11 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
     up_ops.add_client_flags(health)
     apply_env(health)       # a container's SPLITSPEC_TLS_* serve its health check too
 
-    from splitspec import certs, scaleout
+    from splitspec.ops import certs, scaleout
     certs.add_parser(sub)
     scaleout.add_parser(sub)
 
-    from splitspec import loadtest
+    from splitspec.ops import loadtest
     loadtest.build_parser(sub.add_parser("loadtest", help="N concurrent streams for T seconds against a gateway; "
                                          "latency, tokens/s, failures, memory"))
 
@@ -160,7 +160,7 @@ def cmd_generate(args) -> int:
 def cmd_health(args) -> int:
     from grpc_health.v1 import health_pb2
 
-    from splitspec.launch import health_status
+    from splitspec.ops.launch import health_status
     from splitspec.security import channel_credentials
     status = health_status(args.address, args.service, args.timeout_s,
                            channel_credentials(args.tls_cert, args.tls_key, args.tls_ca))
@@ -170,7 +170,7 @@ def cmd_health(args) -> int:
 
 
 def cmd_loadtest(args) -> int:
-    from splitspec import loadtest
+    from splitspec.ops import loadtest
     return loadtest.main(args)
 
 
@@ -179,7 +179,7 @@ def _interrupt(signum, frame):
 
 
 def cmd_up(args) -> int:
-    from splitspec.launch import port_available, start_service
+    from splitspec.ops.launch import port_available, start_service
 
     model = _model_dir(args.model_path, DEFAULT_TARGET)
     if model is None:
@@ -280,7 +280,7 @@ def main(argv=None) -> None:
         from splitspec.bench.drafts import cli_main as bench_drafts_main
         sys.exit(bench_drafts_main(argv[1:]))
     args = build_parser().parse_args(argv)
-    from splitspec import certs, scaleout
+    from splitspec.ops import certs, scaleout
     sys.exit({"up": cmd_up, "generate": cmd_generate, "health": cmd_health,
               "loadtest": cmd_loadtest, "certs": certs.main, "scaleout": scaleout.main}[args.command](args))
 

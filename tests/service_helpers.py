@@ -15,7 +15,7 @@ from pathlib import Path
 
 import grpc
 
-from splitspec.launch import ServiceProcess, start_service
+from splitspec.ops.launch import ServiceProcess, start_service
 from splitspec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, target_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -13,7 +13,7 @@ import pytest
 from service_helpers import (collect, garbage_error, gateway_stub, running_gateway, running_target, target_info,
                              target_stub, tiny_target_dir)
 from splitspec.client import build_request
-from splitspec.launch import health_status
+from splitspec.ops.launch import health_status
 from splitspec.v1 import common_pb2, gateway_pb2, target_pb2
 from splitspec.wire import tensor_to_pb
 

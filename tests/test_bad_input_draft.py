@@ -13,7 +13,7 @@ import torch
 
 from draft_service.dflash import load_draft, new_draft, save_draft
 from service_helpers import garbage_error, running_draft, tiny_target_dir
-from splitspec.launch import health_status
+from splitspec.ops.launch import health_status
 from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from splitspec.wire import tensor_to_pb
 from target_service.loader import load_model

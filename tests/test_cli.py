@@ -10,7 +10,7 @@ import pytest
 from service_helpers import ROOT, tiny_target_dir
 from splitspec import cli
 from splitspec.flags import apply_env
-from splitspec.launch import free_port
+from splitspec.ops.launch import free_port
 from target_service import server as target_server
 from gateway import server as gateway_server
 from draft_service import server as draft_server

@@ -27,7 +27,7 @@ from service_helpers import (
 from gateway.chat import ChatTemplate, ChatTemplateError
 from gateway.http_api import HTTP_STATUS, http_status
 from splitspec.client import build_request
-from splitspec.launch import free_port
+from splitspec.ops.launch import free_port
 
 KEY = "sk-test-0123456789"
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"

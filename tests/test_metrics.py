@@ -22,7 +22,7 @@ from draft_service.dflash import new_draft, save_draft
 from gateway.generation import Stats
 from gateway.metrics import GatewayMetrics
 from splitspec.client import build_request
-from splitspec.launch import free_port
+from splitspec.ops.launch import free_port
 from splitspec.metrics import new_registry
 from target_service.loader import load_model
 

@@ -15,7 +15,7 @@ import yaml
 from service_helpers import ROOT, tiny_target_dir
 
 from draft_service.dflash import new_draft, save_draft
-from splitspec import scaleout
+from splitspec.ops import scaleout
 from target_service.engine import generate
 from target_service.loader import load_model
 

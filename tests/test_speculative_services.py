@@ -13,7 +13,7 @@ import torch
 from draft_service.dflash import new_draft, save_draft
 from service_helpers import collect, repeating_prompts, running_draft, running_stack, tiny_target_dir
 from splitspec.client import build_request
-from splitspec.launch import start_service
+from splitspec.ops.launch import start_service
 from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from splitspec.wire import tensor_to_pb
 from target_service.engine import generate

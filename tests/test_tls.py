@@ -18,9 +18,9 @@ from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from service_helpers import ROOT, collect, running, tiny_target_dir
 
-from splitspec import certs
+from splitspec.ops import certs
 from splitspec.client import build_request
-from splitspec.launch import free_port, health_status
+from splitspec.ops.launch import free_port, health_status
 from splitspec.security import ApiKeys, channel_credentials, load_api_keys
 from splitspec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, target_pb2_grpc
 from target_service.engine import generate

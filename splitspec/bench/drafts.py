@@ -103,7 +103,7 @@ class DraftBench(Bench):
         self.target_address = None
 
     def start_services(self) -> None:
-        from splitspec.launch import free_port, start_service
+        from splitspec.ops.launch import free_port, start_service
         a = self.args
         logs = Path(a.out) / "logs"
         target = start_service("target", ["--model-path", str(self.target_path), "--device", a.device,

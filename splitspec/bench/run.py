@@ -159,7 +159,7 @@ class Bench:
         self.configs = configs
 
     def start_services(self) -> None:
-        from splitspec.launch import start_service
+        from splitspec.ops.launch import start_service
         a = self.args
         log_dir = Path(a.out) / "logs"
         if a.gateway:

@@ -8,7 +8,7 @@ from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
-from splitspec.launch import start_service
+from splitspec.ops.launch import start_service
 from splitspec.client import build_request, stream
 from splitspec.bench.prompts import default_prompts
 from tokenizers import Tokenizer

@@ -1,6 +1,6 @@
 """What metrics + TLS cost one stream (issue 18: at most 3% of tokens/s).
 
-    python -m splitspec.ops_overhead --rounds 10 --max-new-tokens 128
+    python -m splitspec.ops.ops_overhead --rounds 10 --max-new-tokens 128
 
 Starts two `splitspec up` stacks side by side with the bundled models: OFF (plaintext, no
 metrics) and ON (mTLS between every service and the client with `splitspec certs`
@@ -35,7 +35,7 @@ def up(extra: list[str], gateway_port: int, log_dir: Path) -> subprocess.Popen:
 def wait_serving(address: str, credentials, proc, timeout_s: float = 600) -> None:
     from grpc_health.v1 import health_pb2
 
-    from splitspec.launch import health_status
+    from splitspec.ops.launch import health_status
     deadline = time.monotonic() + timeout_s
     while health_status(address, credentials=credentials) != health_pb2.HealthCheckResponse.SERVING:
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -81,8 +81,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="write the raw numbers as JSON here")
     args = p.parse_args(argv)
 
-    from splitspec.certs import write_dev_certs
-    from splitspec.launch import free_port
+    from splitspec.ops.certs import write_dev_certs
+    from splitspec.ops.launch import free_port
     from splitspec.security import channel_credentials
     work = Path(tempfile.mkdtemp(prefix="splitspec-ops-overhead-"))
     certs = work / "certs"

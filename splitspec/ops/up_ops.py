@@ -57,12 +57,12 @@ def service_args(args, name: str) -> list[str]:
 
 
 def gateway_args(args, host: str) -> list[str]:
-    from splitspec.launch import port_available
+    from splitspec.ops.launch import port_available
     out = service_args(args, "gateway")
     if args.http_port:
         port = args.http_port
         if port == DEFAULT_HTTP_PORT and not port_available(host, port):
-            from splitspec.launch import free_port
+            from splitspec.ops.launch import free_port
             port = free_port(host)
         out += ["--http-port", str(port)]
     return out

@@ -35,7 +35,7 @@ IN_NAMESPACE = "SPLITSPEC_SCALEOUT_NAMESPACE"
 TARGETS = {"target-a": "127.0.0.2", "target-b": "127.0.0.3"}
 DRAFTS = {"draft-a": "127.0.0.4", "draft-b": "127.0.0.5"}
 GATEWAY_HOST = "127.0.0.1"
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def add_parser(sub) -> None:
@@ -134,7 +134,7 @@ class Topology:
         self.procs: dict = {}
 
     def _start(self, name: str, kind: str, host: str, port: int, extra: list[str]):
-        from splitspec.launch import start_service
+        from splitspec.ops.launch import start_service
         svc = start_service(kind, extra, log_dir=self.log_dir / name, host=host, port=port)
         self.procs[name] = svc
         return svc

@@ -4,7 +4,7 @@ and the tests (not for production: the CA key sits next to the certificates).
 Every service certificate is valid as a server AND as a client (mTLS: the gateway dials the
 target and the draft with its own certificate), for the names and addresses the services are
 reached by: localhost, the compose service names (target, draft, gateway), 127.0.0.1 and ::1,
-and the loopback addresses of the scale-out namespace (splitspec/scaleout.py)."""
+and the loopback addresses of the scale-out namespace (splitspec/ops/scaleout.py)."""
 from __future__ import annotations
 
 import datetime
