@@ -24,15 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19splitspec/v1/common.proto\x12\x0csplitspec.v1\"I\n\x06Tensor\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\"\n\x05\x64type\x18\x02 \x01(\x0e\x32\x13.splitspec.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"/\n\tTokenTree\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0f\n\x07parents\x18\x02 \x03(\x05\"\xfc\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x1b\n\x0emax_new_tokens\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x11\n\x0f_max_new_tokens\"\xb1\x01\n\x11SpeculativeParams\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x16\n\tnum_steps\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12\x11\n\x04topk\x18\x03 \x01(\x05H\x01\x88\x01\x01\x12\x1d\n\x10num_draft_tokens\x18\x04 \x01(\x05H\x02\x88\x01\x01\x12\x16\n\x0e\x64raft_sampling\x18\x05 \x01(\tB\x0c\n\n_num_stepsB\x07\n\x05_topkB\x13\n\x11_num_draft_tokens\"\x10\n\x0eGetInfoRequest*L\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\r\n\tDTYPE_F32\x10\x01\x12\r\n\tDTYPE_F16\x10\x02\x12\x0e\n\nDTYPE_BF16\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19splitspec/v1/common.proto\x12\x0csplitspec.v1\"I\n\x06Tensor\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\"\n\x05\x64type\x18\x02 \x01(\x0e\x32\x13.splitspec.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"/\n\tTokenTree\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0f\n\x07parents\x18\x02 \x03(\x05\"\xc6\x04\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x1b\n\x0emax_new_tokens\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x18\n\x10presence_penalty\x18\t \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\n \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x02H\x05\x88\x01\x01\x12?\n\nlogit_bias\x18\x0c \x03(\x0b\x32+.splitspec.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\r \x01(\x05\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\x06\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0f \x01(\x05H\x07\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x11\n\x0f_max_new_tokensB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"l\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x15\n\rtop_token_ids\x18\x04 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x02\"\xb1\x01\n\x11SpeculativeParams\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x16\n\tnum_steps\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12\x11\n\x04topk\x18\x03 \x01(\x05H\x01\x88\x01\x01\x12\x1d\n\x10num_draft_tokens\x18\x04 \x01(\x05H\x02\x88\x01\x01\x12\x16\n\x0e\x64raft_sampling\x18\x05 \x01(\tB\x0c\n\n_num_stepsB\x07\n\x05_topkB\x13\n\x11_num_draft_tokens\"\x10\n\x0eGetInfoRequest*L\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\r\n\tDTYPE_F32\x10\x01\x12\r\n\tDTYPE_F16\x10\x02\x12\x0e\n\nDTYPE_BF16\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'splitspec.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=645
-  _globals['_DTYPE']._serialized_end=721
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_DTYPE']._serialized_start=1085
+  _globals['_DTYPE']._serialized_end=1161
   _globals['_TENSOR']._serialized_start=43
   _globals['_TENSOR']._serialized_end=116
   _globals['_TOKENIDS']._serialized_start=118
@@ -40,9 +42,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENTREE']._serialized_start=143
   _globals['_TOKENTREE']._serialized_end=190
   _globals['_SAMPLINGPARAMS']._serialized_start=193
-  _globals['_SAMPLINGPARAMS']._serialized_end=445
-  _globals['_SPECULATIVEPARAMS']._serialized_start=448
-  _globals['_SPECULATIVEPARAMS']._serialized_end=625
-  _globals['_GETINFOREQUEST']._serialized_start=627
-  _globals['_GETINFOREQUEST']._serialized_end=643
+  _globals['_SAMPLINGPARAMS']._serialized_end=775
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=607
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=655
+  _globals['_TOKENLOGPROB']._serialized_start=777
+  _globals['_TOKENLOGPROB']._serialized_end=885
+  _globals['_SPECULATIVEPARAMS']._serialized_start=888
+  _globals['_SPECULATIVEPARAMS']._serialized_end=1065
+  _globals['_GETINFOREQUEST']._serialized_start=1067
+  _globals['_GETINFOREQUEST']._serialized_end=1083
 # @@protoc_insertion_point(module_scope)

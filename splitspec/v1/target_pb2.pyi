@@ -32,7 +32,7 @@ class TargetResponse(_message.Message):
     def __init__(self, opened: _Optional[_Union[TargetOpened, _Mapping]] = ..., token: _Optional[_Union[TargetToken, _Mapping]] = ..., verified: _Optional[_Union[TargetVerified, _Mapping]] = ..., closed: _Optional[_Union[TargetClosed, _Mapping]] = ...) -> None: ...
 
 class TargetOpen(_message.Message):
-    __slots__ = ("session_id", "prompt_token_ids", "sampling", "hidden_layer_ids", "max_new_tokens", "hidden_dtype", "hidden_stream")
+    __slots__ = ("session_id", "prompt_token_ids", "sampling", "hidden_layer_ids", "max_new_tokens", "hidden_dtype", "hidden_stream", "generated_tokens")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,7 @@ class TargetOpen(_message.Message):
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_DTYPE_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_STREAM_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -47,10 +48,11 @@ class TargetOpen(_message.Message):
     max_new_tokens: int
     hidden_dtype: _common_pb2.DType
     hidden_stream: str
-    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., hidden_layer_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., hidden_dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., hidden_stream: _Optional[str] = ...) -> None: ...
+    generated_tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., hidden_layer_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., hidden_dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., hidden_stream: _Optional[str] = ..., generated_tokens: _Optional[int] = ...) -> None: ...
 
 class TargetOpened(_message.Message):
-    __slots__ = ("session_id", "first_token_id", "hidden", "length", "forward_ms", "queue_ms", "batch_size", "batch_tokens")
+    __slots__ = ("session_id", "first_token_id", "hidden", "length", "forward_ms", "queue_ms", "batch_size", "batch_tokens", "first_logprob", "prompt_logprobs")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +61,8 @@ class TargetOpened(_message.Message):
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     first_token_id: int
     hidden: _common_pb2.Tensor
@@ -67,7 +71,9 @@ class TargetOpened(_message.Message):
     queue_ms: float
     batch_size: int
     batch_tokens: int
-    def __init__(self, session_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., hidden: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., length: _Optional[int] = ..., forward_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., batch_tokens: _Optional[int] = ...) -> None: ...
+    first_logprob: _common_pb2.TokenLogprob
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    def __init__(self, session_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., hidden: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., length: _Optional[int] = ..., forward_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class TargetDecode(_message.Message):
     __slots__ = ("n", "return_hidden")
@@ -78,7 +84,7 @@ class TargetDecode(_message.Message):
     def __init__(self, n: _Optional[int] = ..., return_hidden: _Optional[bool] = ...) -> None: ...
 
 class TargetToken(_message.Message):
-    __slots__ = ("token_id", "length", "hidden", "forward_ms", "queue_ms", "batch_size", "batch_tokens")
+    __slots__ = ("token_id", "length", "hidden", "forward_ms", "queue_ms", "batch_size", "batch_tokens", "logprob")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +92,7 @@ class TargetToken(_message.Message):
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     length: int
     hidden: _common_pb2.Tensor
@@ -93,7 +100,8 @@ class TargetToken(_message.Message):
     queue_ms: float
     batch_size: int
     batch_tokens: int
-    def __init__(self, token_id: _Optional[int] = ..., length: _Optional[int] = ..., hidden: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., forward_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., batch_tokens: _Optional[int] = ...) -> None: ...
+    logprob: _common_pb2.TokenLogprob
+    def __init__(self, token_id: _Optional[int] = ..., length: _Optional[int] = ..., hidden: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., forward_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ...) -> None: ...
 
 class TargetVerify(_message.Message):
     __slots__ = ("step", "base_len", "tree", "draft_probs")
@@ -108,7 +116,7 @@ class TargetVerify(_message.Message):
     def __init__(self, step: _Optional[int] = ..., base_len: _Optional[int] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., draft_probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class TargetVerified(_message.Message):
-    __slots__ = ("step", "committed_token_ids", "hidden", "length", "num_accepted", "forward_ms", "queue_ms", "batch_size", "batch_tokens")
+    __slots__ = ("step", "committed_token_ids", "hidden", "length", "num_accepted", "forward_ms", "queue_ms", "batch_size", "batch_tokens", "logprobs")
     STEP_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
@@ -118,6 +126,7 @@ class TargetVerified(_message.Message):
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     step: int
     committed_token_ids: _containers.RepeatedScalarFieldContainer[int]
     hidden: _common_pb2.Tensor
@@ -127,7 +136,8 @@ class TargetVerified(_message.Message):
     queue_ms: float
     batch_size: int
     batch_tokens: int
-    def __init__(self, step: _Optional[int] = ..., committed_token_ids: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., length: _Optional[int] = ..., num_accepted: _Optional[int] = ..., forward_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., batch_tokens: _Optional[int] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    def __init__(self, step: _Optional[int] = ..., committed_token_ids: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., length: _Optional[int] = ..., num_accepted: _Optional[int] = ..., forward_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class TargetClose(_message.Message):
     __slots__ = ()
