@@ -11,7 +11,7 @@ from splitspec.engine.kv_pool import BlockTable, KVPool
 from splitspec.engine.sample import SamplingParams, make_generator
 from splitspec.engine.tree import Tree
 
-from .flashinfer_backend import TorchVerifier
+from .torch_verifier import TorchVerifier
 from .model import CausalLM
 from .pools import make_pool
 from .runner import Decode, Prefill, Sequence, StepOutput, Verify, check_hidden_stream, run_batch

@@ -13,6 +13,7 @@ import torch
 from splitspec.engine.flashinfer_attention import require_flashinfer
 from splitspec.engine.sample import SamplingParams, probs_from_logits
 from splitspec.engine.tree import Tree
+from .torch_verifier import TorchVerifier
 from .verify import VerifyResult, verify_tree
 
 
@@ -43,13 +44,6 @@ class FlashInferVerifier:
         row = [int(t) for t in out[0].tolist()]
         emitted = [t for t in row if t >= 0]
         return VerifyResult(list(range(len(emitted) - 1)), emitted[-1]) if emitted else VerifyResult([], row[0])
-
-
-class TorchVerifier:
-    name = "torch"
-
-    def verify(self, logits, tree, params, generator, draft_probs) -> VerifyResult:
-        return verify_tree(logits, tree, params, generator, draft_probs)
 
 
 def make_verifier(backend: str, device: torch.device):

@@ -24,7 +24,7 @@ from splitspec.engine.kv_pool import BlockTable, KVPool, PoolExhausted
 from splitspec.engine.sample import SamplingParams
 from splitspec.engine.tree import Tree
 from target_service.engine import TargetSequence, generate
-from target_service.flashinfer_backend import TorchVerifier
+from target_service.torch_verifier import TorchVerifier
 from target_service.loader import load_model
 from target_service.runner import Decode, Prefill, Verify, run_batch
 from test_dflash import chi_square_pvalue, exact_joint, make_draft, one_thread  # noqa: F401 - a fixture

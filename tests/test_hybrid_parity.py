@@ -10,7 +10,7 @@ import target_service.runner as runner
 from hybrid_models import save_tiny_deepseek, save_tiny_kimi
 from splitspec.engine.tree import Tree
 from target_service.engine import TargetSequence, generate
-from target_service.flashinfer_backend import TorchVerifier
+from target_service.torch_verifier import TorchVerifier
 from target_service.loader import load_model
 
 TOL = 1e-4

@@ -129,7 +129,7 @@ def test_rows_of_every_kind_batched_together_equal_each_run_alone(models):
     """Prefill chunks, decode rows, a chain verify and a tree verify in one forward: the KDA rows
     run in lock step and must not leak into each other."""
     from splitspec.engine.sample import SamplingParams, make_generator
-    from target_service.flashinfer_backend import TorchVerifier
+    from target_service.torch_verifier import TorchVerifier
     from target_service.runner import Decode, Prefill, Sequence, Verify, run_batch
     model = models["mixed"]
     prompts = [[5, 17, 9, 33, 2, 71, 8], [40, 41, 42], [7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7], [99, 3]]

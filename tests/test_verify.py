@@ -293,17 +293,93 @@ def test_flashinfer_backend_refuses_cpu_with_a_clear_message():
         make_verifier("triton", torch.device("cpu"))
 
 
-def test_torch_backend_is_the_reference():
+def exact_outcomes(logits, tree: Tree, params: SamplingParams, q, ref_probs) -> dict:
+    """{(accepted path, bonus): probability} of ONE verification, enumerated exactly in numpy
+    from the rules as DESIGN §3 states them: children tried in index order, target-only
+    acceptance p'(x) with the rejected sibling removed from p', or with q min(1, p'/q) and
+    p' <- norm(max(p' - q, 0)); the bonus drawn from the p' left at the last accepted node.
+    It shares no code with verify.py (probabilities come from conftest.reference_probs), so
+    a backend that merely wraps verify_tree is checked against something else."""
+    T, k, top_p = params.temperature, params.top_k, params.top_p
+    out: dict[tuple, float] = {}
+
+    def walk(node: int, path: tuple, reach: float):
+        p = ref_probs(logits[node + 1].double().numpy(), T, k, top_p)
+        for child in tree.children(node):
+            x = tree.token_ids[child]
+            qc = None if q is None else q[child].double().numpy()
+            if qc is None:
+                accept = p[x]
+            else:
+                accept = 1.0 if qc[x] <= 0 < p[x] else min(1.0, p[x] / qc[x])
+            if accept > 0:
+                walk(child, path + (child,), reach * accept)
+            reach *= 1.0 - accept
+            if reach <= 0:
+                return
+            p = p.copy()
+            if qc is None:
+                p[x] = 0.0
+            else:
+                p = np.maximum(p - qc, 0.0)
+            p /= p.sum()
+        for tok in np.flatnonzero(p > 0):
+            out[(path, int(tok))] = out.get((path, int(tok)), 0.0) + reach * p[tok]
+
+    walk(-1, (), 1.0)
+    return out
+
+
+BACKEND_CASES = [(mode, setting) for mode in ("target_only", "q") for setting in ("T1", "T1.3-k4", "T0.7-p0.9")]
+
+
+@pytest.mark.parametrize("mode, setting", BACKEND_CASES, ids=["-".join(c) for c in BACKEND_CASES])
+def test_torch_backend_is_the_reference(mode, setting, stat_ref):
+    """The backend the engine uses by default gives one verification's outcome (accepted
+    path AND bonus, not just the committed tokens in the end) the exact distribution of
+    the enumeration above; greedy gives its single certain outcome."""
     v = make_verifier("torch", torch.device("cpu"))
     assert isinstance(v, TorchVerifier) and v.name == "torch"
-    world = MarkovWorld(seed=1)
-    toks, _ = world.draft(0, 1, SHAPES["tree"], "target_only", np.random.default_rng(0))
-    tree = Tree(tuple(toks), SHAPES["tree"])
-    logits = world.logits(0, 1, SHAPES["tree"], toks)
-    for seed in range(10):
-        a = v.verify(logits, tree, SETTINGS["T1"], make_generator(seed), None)
-        b = verify_tree(logits, tree, SETTINGS["T1"], make_generator(seed))
-        assert (a.accepted, a.bonus) == (b.accepted, b.bonus)
+    parents = SHAPES["tree"]
+    world = MarkovWorld(seed=21 + BACKEND_CASES.index((mode, setting)))
+    toks, ctx = world.draft(0, 1, parents, mode, np.random.default_rng(3))
+    tree = Tree(tuple(toks), parents)
+    logits = world.logits(0, 1, parents, toks)
+    q = world.Q[[c[0] for c in ctx], [c[1] for c in ctx]] if mode == "q" else None
+    params = SETTINGS[setting]
+    exact = exact_outcomes(logits, tree, params, q, stat_ref.probs)
+    assert abs(sum(exact.values()) - 1.0) < 1e-9
+    # The enumeration itself must be lossless, or agreeing with it would prove nothing: the
+    # first committed token is distributed as the target's p at the root. With q that holds
+    # only on average over the drafts, so the root's two siblings are enumerated too, drawn
+    # i.i.d. from q (deeper nodes cannot change the first token).
+    first = np.zeros(V)
+    drafts = [((toks[0], toks[1]), 1.0)] if q is None else [
+        ((x, y), float(q[0, x] * q[0, y])) for x in range(V) for y in range(V)]
+    for pair, weight in drafts:
+        root = Tree(pair, (-1, -1))
+        for (path, bonus), pr in exact_outcomes(logits[:3], root, params, None if q is None else q[:2],
+                                                stat_ref.probs).items():
+            first[root.token_ids[path[0]] if path else bonus] += weight * pr
+    np.testing.assert_allclose(first, stat_ref.probs(logits[0].double().numpy(), params.temperature,
+                                                     params.top_k, params.top_p), atol=1e-9)
+    assert sum(pr for (path, _), pr in exact.items() if path) > 0.3, "the case must exercise acceptance"
+
+    gen = make_generator(BACKEND_CASES.index((mode, setting)))
+    counts: dict[tuple, int] = {}
+    for _ in range(3000):
+        r = v.verify(logits, tree, params, gen, q)
+        key = (tuple(r.accepted), r.bonus)
+        counts[key] = counts.get(key, 0) + 1
+    keys = sorted(set(exact) | set(counts))
+    pval = stat_ref.chi2([counts.get(c, 0) for c in keys], [exact.get(c, 0.0) for c in keys])
+    print(f"torch backend {mode} {setting}: {len(exact)} outcomes, p={pval:.3g}")
+    assert pval > P_MIN
+
+    greedy = SamplingParams(temperature=0.0)
+    (certain,) = [o for o, pr in exact_outcomes(logits, tree, greedy, q, stat_ref.probs).items() if pr > 0.5]
+    r = v.verify(logits, tree, greedy, None, q)
+    assert (tuple(r.accepted), r.bonus) == certain
 
 
 def _flashinfer_available() -> bool:

@@ -1,0 +1,14 @@
+"""The torch verification backend: `verify.py`'s rules on any device, for any tree shape.
+
+Kept apart from `flashinfer_backend.py` so that the default backend never sits in a module
+whose purpose is an optional CUDA dependency."""
+from __future__ import annotations
+
+from .verify import VerifyResult, verify_tree
+
+
+class TorchVerifier:
+    name = "torch"
+
+    def verify(self, logits, tree, params, generator, draft_probs) -> VerifyResult:
+        return verify_tree(logits, tree, params, generator, draft_probs)
