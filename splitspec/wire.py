@@ -78,7 +78,18 @@ def sampling_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:
         raise WireError(f"sampling.top_p must be in (0, 1], got {top_p}")
     if top_k < 0:
         raise WireError(f"sampling.top_k must be >= 0 (0 disables it), got {top_k}")
-    return SamplingParams(temperature=float(temperature), top_p=float(top_p), top_k=int(top_k), seed=seed)
+    params = SamplingParams(
+        temperature=float(temperature), top_p=float(top_p), top_k=int(top_k), seed=seed,
+        presence_penalty=float(msg.presence_penalty), frequency_penalty=float(msg.frequency_penalty),
+        repetition_penalty=float(msg.repetition_penalty) if msg.HasField("repetition_penalty") else 1.0,
+        logit_bias=tuple(sorted((int(t), float(b)) for t, b in msg.logit_bias.items())),
+        min_tokens=int(msg.min_tokens), stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None)
+    try:
+        return params.validate()
+    except ValueError as exc:
+        raise WireError(f"sampling.{exc}") from None
 
 
 def sampling_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
@@ -106,3 +117,9 @@ def check_token_ids(ids, vocab_size: int, field: str) -> list[int]:
         if not 0 <= t < vocab_size:
             raise WireError(f"{field}[{i}] = {t} is outside the vocabulary [0, {vocab_size})")
     return ids
+
+
+def logprob_to_pb(lp) -> common_pb2.TokenLogprob:
+    """An engine `penalties.TokenLogprob` on the wire."""
+    return common_pb2.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank,
+                                   top_token_ids=[t for t, _ in lp.top], top_logprobs=[v for _, v in lp.top])

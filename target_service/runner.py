@@ -15,6 +15,7 @@ import torch
 
 from splitspec.engine.attention import Row, plan_attention
 from splitspec.engine.kv_pool import BlockTable, KVPool
+from splitspec.engine.penalties import TokenLogprob, path_tokens, process_logits, token_logprobs
 from splitspec.engine.sample import SamplingParams, sample
 from splitspec.engine.tree import Tree
 
@@ -36,10 +37,25 @@ class Sequence:
     tokens: list[int] = field(default_factory=list)
     hidden_stream: str = ""             # Attention-Residuals targets: "prefix" / "attn_res"; "": the model's default
     prefilled: int = 0                  # prompt tokens whose K/V are in the pool
+    # Where the request's own output starts in `tokens`: a resumed request's prompt ends with
+    # tokens it generated before, which penalties and min_tokens count as generated. None: len(prompt).
+    output_start: int | None = None
+    eos_token_ids: tuple[int, ...] = ()   # what min_tokens holds back (unless params.ignore_eos)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)   # with params.prompt_logprobs
 
     def __post_init__(self):
         if not self.tokens:
             self.tokens = list(self.prompt)
+        if self.output_start is None:
+            self.output_start = len(self.prompt)
+
+    def processed(self, logits: torch.Tensor, paths: list[list[int]] | None = None) -> torch.Tensor:
+        """The logits the sampler and verifier use: `logits` through this request's processors
+        (penalties, logit_bias, min_tokens) with each row's own context; as is when it has none."""
+        if not self.params.processes:
+            return logits
+        return process_logits(logits, self.params, self.tokens[:self.output_start], self.tokens[self.output_start:],
+                              paths, self.eos_token_ids)
 
     @property
     def length(self) -> int:
@@ -73,13 +89,16 @@ class StepOutput:
     committed: list[int]                 # tokens committed by this step (none for a middle prefill chunk)
     hidden: torch.Tensor | None          # [n, len(layers) * H] features of the tokens just run (kept ones)
     result: VerifyResult | None = None   # verification details (Verify only)
+    logprobs: list[TokenLogprob] | None = None   # one per committed token, with params.logprobs
 
 
 def _layout(step) -> tuple[list[int], list[int], torch.Tensor | None, bool]:
     """(token ids, positions, mask among them, logits for every row?) of one step."""
     seq = step.seq
     if isinstance(step, Prefill):
-        return seq.prompt[seq.prefilled:step.end], list(range(seq.prefilled, step.end)), None, False
+        # Prompt log-probs need every row's logits, not just the last one's.
+        return (seq.prompt[seq.prefilled:step.end], list(range(seq.prefilled, step.end)), None,
+                seq.params.prompt_logprobs is not None)
     base = seq.length - 1
     if isinstance(step, Decode):
         return [seq.tokens[-1]], [base], None, True
@@ -194,22 +213,29 @@ def _state_row(step, start: int, q: int) -> StateRow:
 def _finish(step, logits: torch.Tensor, feats: torch.Tensor | None, verifier) -> StepOutput:
     seq = step.seq
     table = seq.table
+    want = seq.params.logprobs
     if isinstance(step, Prefill):
+        start = seq.prefilled
+        if seq.params.prompt_logprobs is not None:
+            # Row j predicts prompt[start + j + 1]; the last prompt row predicts b0 instead.
+            targets = seq.prompt[start + 1:step.end + 1]
+            seq.prompt_logprobs += token_logprobs(logits, targets, seq.params.prompt_logprobs)
         table.length = step.end
         seq.prefilled = step.end
         if not step.last:
             return StepOutput([], feats)
-        first = sample(logits[-1], seq.params, seq.generator)
+        first = sample(seq.processed(logits[-1:])[0], seq.params, seq.generator)
         seq.tokens.append(first)
-        return StepOutput([first], feats)
+        return StepOutput([first], feats, logprobs=None if want is None else token_logprobs(logits[-1:], [first], want))
     if isinstance(step, Decode):
-        tok = sample(logits[0], seq.params, seq.generator)
+        tok = sample(seq.processed(logits[:1])[0], seq.params, seq.generator)
         table.length += 1
         seq.tokens.append(tok)
-        return StepOutput([tok], feats)
+        return StepOutput([tok], feats, logprobs=None if want is None else token_logprobs(logits[:1], [tok], want))
     base = table.length
     probs = None if step.draft_probs is None else step.draft_probs.to(logits.device)
-    result = verifier.verify(logits, step.tree, seq.params, seq.generator, probs)
+    scored = seq.processed(logits, path_tokens(step.tree.token_ids, step.tree.parents))
+    result = verifier.verify(scored, step.tree, seq.params, seq.generator, probs)
     keep = [0] + [node + 1 for node in result.accepted]
     if keep != list(range(len(keep))):         # a tree branch: compact the path in place
         table.move([base + r for r in keep], base)
@@ -217,4 +243,6 @@ def _finish(step, logits: torch.Tensor, feats: torch.Tensor | None, verifier) ->
     table.truncate(base + len(keep))
     committed = result.committed(step.tree)
     seq.tokens.extend(committed)
-    return StepOutput(committed, None if feats is None else feats[keep], result)
+    # Each committed token is scored at the row that predicted it: its parent's (root first).
+    lps = None if want is None else token_logprobs(logits[keep], committed, want)
+    return StepOutput(committed, None if feats is None else feats[keep], result, lps)

@@ -161,7 +161,7 @@ class Scheduler:
 
     async def open(self, session_id: str, prompt: list[int], params: SamplingParams, *,
                    hidden_layers: tuple[int, ...] = (), max_new_tokens: int = 0,
-                   hidden_stream: str = "") -> tuple[Session, Step]:
+                   hidden_stream: str = "", generated_tokens: int = 0) -> tuple[Session, Step]:
         if not self.accepting:
             raise DrainingError("the target is draining (shutting down); open the session on another replica")
         if len(prompt) >= self.max_context:
@@ -175,6 +175,13 @@ class Scheduler:
         if max_new_tokens < 0:
             raise ValueError(f"open.max_new_tokens must be >= 0 (0: up to the context), got {max_new_tokens}")
         params.validate()
+        for token, _ in params.logit_bias:
+            if not 0 <= token < self.cfg.vocab_size:
+                raise ValueError(f"open.sampling.logit_bias has token id {token}, outside the vocabulary "
+                                 f"[0, {self.cfg.vocab_size})")
+        if not 0 <= generated_tokens <= len(prompt):
+            raise ValueError(f"open.generated_tokens must be in [0, {len(prompt)}] (the prompt's length), "
+                             f"got {generated_tokens}")
         # The cache holds every committed token but the last; + 1 covers a bonus token past the end.
         max_len = self.max_context if max_new_tokens == 0 else min(self.max_context, len(prompt) + max_new_tokens + 1)
         need = self.pool.blocks_for(max_len)
@@ -185,7 +192,9 @@ class Scheduler:
         session = Session(session_id, len(prompt), max_len, need)
         session.work = Work("prefill", loop, time.perf_counter(), future=loop.create_future())
         session.seq = Sequence(list(prompt), params, make_generator(params.seed, self.pool.k.device),
-                               BlockTable(self.pool), max_len, tuple(hidden_layers), hidden_stream=hidden_stream)
+                               BlockTable(self.pool), max_len, tuple(hidden_layers), hidden_stream=hidden_stream,
+                               output_start=len(prompt) - generated_tokens,
+                               eos_token_ids=tuple(self.cfg.eos_token_ids))
         with self.lock:
             self.waiting.append(session)
             self._admit()
@@ -370,6 +379,6 @@ class Scheduler:
             if not out.committed:
                 w.ready_at = end        # the next chunk queues from here
                 return
-            out = StepOutput(out.committed, torch.cat(w.hidden) if w.hidden else None)
+            out = StepOutput(out.committed, torch.cat(w.hidden) if w.hidden else None, logprobs=out.logprobs)
         session.work = None
         done.resolve(w.loop, w.future, Step(out, w.forward_ms, w.queue_ms, rows, tokens, session.length))

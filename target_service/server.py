@@ -19,10 +19,10 @@ from splitspec import logs
 from splitspec.flags import apply_env
 from splitspec.metrics import add_metrics_flag, serve_engine_metrics
 from splitspec.security import add_tls_flags, server_credentials
-from splitspec.serving import (IdleError, ProtocolError, Server, UnparsableError, add_lenient_servicer,
-                               end_session_with, read_message, run_main)
+from splitspec.serving import (IdleError, ProtocolError, Server, UnparsableError, add_connection_age_flags,
+                               add_lenient_servicer, end_session_with, read_message, run_main)
 from splitspec.v1 import common_pb2, target_pb2, target_pb2_grpc
-from splitspec.wire import (WireError, check_token_ids, dtype_from_pb, sampling_from_pb,
+from splitspec.wire import (WireError, check_token_ids, dtype_from_pb, logprob_to_pb, sampling_from_pb,
                             tensor_from_pb, tensor_to_pb, tree_from_pb)
 
 from .flashinfer_backend import BackendError, make_verifier
@@ -165,13 +165,16 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
         session, step = await sched.open(msg.session_id or uuid.uuid4().hex, prompt, params,
                                         hidden_layers=tuple(msg.hidden_layer_ids),
                                         max_new_tokens=msg.max_new_tokens,
-                                        hidden_stream=msg.hidden_stream)
+                                        hidden_stream=msg.hidden_stream, generated_tokens=msg.generated_tokens)
         session.wire_dtype = wire_dtype
         opened = target_pb2.TargetOpened(session_id=session.session_id, first_token_id=step.out.committed[0],
                                           length=session.length, forward_ms=step.forward_ms,
                                           queue_ms=step.queue_ms, batch_size=step.batch_size, batch_tokens=step.batch_tokens)
         if step.out.hidden is not None:
             opened.hidden.CopyFrom(tensor_to_pb(step.out.hidden, wire_dtype))
+        if step.out.logprobs:
+            opened.first_logprob.CopyFrom(logprob_to_pb(step.out.logprobs[0]))
+        opened.prompt_logprobs.extend(logprob_to_pb(lp) for lp in session.seq.prompt_logprobs)
         return session, target_pb2.TargetResponse(opened=opened)
 
     async def _decode(self, sched: Scheduler, session, msg: target_pb2.TargetDecode, context) -> None:
@@ -181,6 +184,8 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
                                          batch_size=step.batch_size, batch_tokens=step.batch_tokens)
             if msg.return_hidden and step.out.hidden is not None:
                 tok.hidden.CopyFrom(tensor_to_pb(step.out.hidden, session.wire_dtype))
+            if step.out.logprobs:
+                tok.logprob.CopyFrom(logprob_to_pb(step.out.logprobs[0]))
             await context.write(target_pb2.TargetResponse(token=tok))
 
     async def _verify(self, sched: Scheduler, session, msg: target_pb2.TargetVerify):
@@ -196,6 +201,8 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
             queue_ms=step.queue_ms, batch_size=step.batch_size, batch_tokens=step.batch_tokens)
         if step.out.hidden is not None:
             verified.hidden.CopyFrom(tensor_to_pb(step.out.hidden, session.wire_dtype))
+        if step.out.logprobs:
+            verified.logprobs.extend(logprob_to_pb(lp) for lp in step.out.logprobs)
         return target_pb2.TargetResponse(verified=verified)
 
 
@@ -244,6 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
       help="verification/sampling kernels: torch (reference, any device) or flashinfer (CUDA)")
     a("--drain-timeout-s", type=float, default=30.0,
       help="on SIGTERM, how long in-flight sessions may run before the server stops")
+    add_connection_age_flags(p)
     a("--log-level", default="info", choices=list(logs.LEVELS), help="JSON log lines at this level and above")
     add_metrics_flag(p)
     add_tls_flags(p)
@@ -285,7 +293,9 @@ async def serve(args: argparse.Namespace, *, load=_load, started=None) -> None:
     """Listen at once (health NOT_SERVING), load and warm up on the engine thread, then go
     SERVING. `load` and `started` (called with the Server once listening) are seams for tests."""
     log = logs.get_logger()
-    server = Server([SERVICE], max_message_mb=args.max_message_mb, credentials=server_credentials(args))
+    server = Server([SERVICE], max_message_mb=args.max_message_mb, credentials=server_credentials(args),
+                    max_connection_age_s=args.max_connection_age_s,
+                    max_connection_age_grace_s=args.max_connection_age_grace_s)
     state = TargetState(args)
     metrics = serve_engine_metrics(args, lambda: metrics_state(state), log)
     add_lenient_servicer(server.grpc, SERVICE, TargetServicer(state, server), {

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+MAX_LOGPROBS = 20     # top alternatives per position, vLLM's default --max-logprobs
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -15,10 +17,27 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0              # 0 = off
     seed: int | None = None
+    # Logit processors (splitspec/engine/penalties.py), vLLM's meanings; all off by default.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()    # made impossible before min_tokens (with eos unless ignore_eos)
+    ignore_eos: bool = False
+    # Log-probs to report (of the raw model distribution); None = none.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def processes(self) -> bool:
+        """Whether the logits need processing before sampling (the fast path skips it)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens)
 
     def validate(self) -> "SamplingParams":
         if not self.temperature >= 0.0 or self.temperature != self.temperature:
@@ -27,6 +46,21 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        if not self.repetition_penalty > 0.0 or self.repetition_penalty == float("inf"):
+            raise ValueError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
+        for token, bias in self.logit_bias:
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias[{token}] must be in [-100, 100], got {bias}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
         return self
 
 
