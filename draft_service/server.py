@@ -23,7 +23,8 @@ from splitspec import logs
 from splitspec.flags import apply_env
 from splitspec.metrics import add_metrics_flag, serve_engine_metrics
 from splitspec.security import add_tls_flags, server_credentials
-from splitspec.serving import ProtocolError, Server, add_lenient_servicer, end_session_with, read_message, run_main
+from splitspec.serving import (ProtocolError, Server, add_connection_age_flags, add_lenient_servicer,
+                               end_session_with, read_message, run_main)
 from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from splitspec.wire import (WireError, check_token_ids, sampling_from_pb, tensor_from_pb, tensor_to_pb,
                             tree_to_pb)
@@ -278,6 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--idle-timeout-s", type=float, default=300.0, help="close a session silent for this long (0: never)")
     a("--max-message-mb", type=int, default=64, help="largest gRPC message, either direction")
     a("--drain-timeout-s", type=float, default=30.0, help="on SIGTERM, how long in-flight sessions may run")
+    add_connection_age_flags(p)
     a("--log-level", default="info", choices=list(logs.LEVELS), help="JSON log lines at this level and above")
     add_metrics_flag(p)
     add_tls_flags(p)
@@ -346,7 +348,9 @@ async def serve(args: argparse.Namespace, *, started=None) -> None:
     target_path = Path(args.target_model_path) if args.target_model_path else None
     target_cfg = ModelConfig.from_dir(target_path) if target_path else None
     state = DraftState(args, args.method, target_cfg, tokenizer_hash(target_path) if target_path else "")
-    server = Server([SERVICE], max_message_mb=args.max_message_mb, credentials=server_credentials(args))
+    server = Server([SERVICE], max_message_mb=args.max_message_mb, credentials=server_credentials(args),
+                    max_connection_age_s=args.max_connection_age_s,
+                    max_connection_age_grace_s=args.max_connection_age_grace_s)
     metrics = serve_engine_metrics(args, lambda: metrics_state(state), log)
     add_lenient_servicer(server.grpc, SERVICE, DraftServicer(state, server), {
         "Session": ("stream_stream", draft_pb2.DraftRequest, draft_pb2.DraftResponse),

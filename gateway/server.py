@@ -21,7 +21,7 @@ from splitspec.flags import ListFlag, apply_env
 from splitspec.metrics import add_metrics_flag, new_registry, start_exporter
 from splitspec.security import (ApiKeyInterceptor, ApiKeys, add_api_key_flags, add_tls_flags, client_credentials,
                                 load_api_keys, server_credentials)
-from splitspec.serving import Server, Unparsable, add_lenient_servicer
+from splitspec.serving import Server, Unparsable, add_connection_age_flags, add_lenient_servicer
 from splitspec.v1 import draft_pb2, gateway_pb2, gateway_pb2_grpc, target_pb2
 
 from .backends import BackendError, DraftClient, TargetClient
@@ -350,6 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--target-failover-attempts", type=int, default=3,
       help="how many times one request may move to another target replica before failing UNAVAILABLE")
     a("--drain-timeout-s", type=float, default=30.0, help="on SIGTERM, how long in-flight requests may run")
+    add_connection_age_flags(p)
     a("--log-level", default="info", choices=list(logs.LEVELS), help="JSON log lines at this level and above")
     add_metrics_flag(p)
     a("--http-port", type=int, default=0,
@@ -395,6 +396,8 @@ async def serve(args: argparse.Namespace, cfg: GatewayConfig) -> None:
     log = logs.get_logger()
     keys = ApiKeys(load_api_keys(args))
     server = Server([SERVICE], max_message_mb=cfg.max_message_mb, credentials=server_credentials(args),
+                    max_connection_age_s=args.max_connection_age_s,
+                    max_connection_age_grace_s=args.max_connection_age_grace_s,
                     interceptors=(ApiKeyInterceptor(keys),) if keys else ())
     backends = Backends(cfg, credentials=client_credentials(args))
     servicer = GenerationServicer(backends, server, metrics=gateway_metrics(args, lambda: servicer.active, log))

@@ -126,11 +126,32 @@ def channel_options(max_message_mb: int, *, round_robin: bool = False) -> list[t
     return opts
 
 
-def server_options(max_message_mb: int) -> list[tuple]:
-    return channel_options(max_message_mb) + [
+def add_connection_age_flags(parser) -> None:
+    """--max-connection-age-s and its grace: gRPC clients re-resolve a name (a Kubernetes headless
+    Service, compose's service name) only when a connection closes, so a server that ends its
+    connections after a while lets the gateway learn new replicas (docs/kubernetes.md)."""
+    a = parser.add_argument
+    a("--max-connection-age-s", type=float, default=0.0,
+      help="send each client GOAWAY once its connection is this old (0: never), so it reconnects, re-resolves "
+           "the service name and reaches new replicas; streams in flight go on (see the grace)")
+    a("--max-connection-age-grace-s", type=float, default=0.0,
+      help="after that GOAWAY, how long streams still running on the old connection may go on before it is "
+           "closed (0: no limit); make it longer than the longest session stream")
+
+
+def server_options(max_message_mb: int, max_connection_age_s: float = 0.0,
+                   max_connection_age_grace_s: float = 0.0) -> list[tuple]:
+    opts = channel_options(max_message_mb) + [
         ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
         ("grpc.so_reuseport", 0),  # two servers on one port would split sessions silently
     ]
+    if max_connection_age_s < 0 or max_connection_age_grace_s < 0:
+        raise SystemExit("--max-connection-age-s and --max-connection-age-grace-s must be >= 0")
+    if max_connection_age_s > 0:
+        opts.append(("grpc.max_connection_age_ms", max(1, round(max_connection_age_s * 1000))))
+        if max_connection_age_grace_s > 0:
+            opts.append(("grpc.max_connection_age_grace_ms", max(1, round(max_connection_age_grace_s * 1000))))
+    return opts
 
 
 @dataclass
@@ -144,11 +165,14 @@ class Server:
     max_message_mb: int = 64
     credentials: grpc.ServerCredentials | None = None
     interceptors: tuple = ()
+    max_connection_age_s: float = 0.0
+    max_connection_age_grace_s: float = 0.0
     grpc: grpc.aio.Server = field(init=False)
     health: health.aio.HealthServicer = field(init=False)
 
     def __post_init__(self):
-        self.grpc = grpc.aio.server(options=server_options(self.max_message_mb),
+        self.grpc = grpc.aio.server(options=server_options(self.max_message_mb, self.max_connection_age_s,
+                                                           self.max_connection_age_grace_s),
                                     interceptors=list(self.interceptors) or None)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
