@@ -15,6 +15,17 @@ from .request import Request
 from .stops import StopMatcher
 
 
+class Tokens(list):
+    """The tokens one step committed, with the target's log-probs when the request asked for
+    them. A list of ids first, so the consumers of plain token lists (the request's history, the
+    n-gram index, the draft's owed tokens) take it as is."""
+
+    def __init__(self, ids, logprobs=(), prompt_logprobs=()):
+        super().__init__(ids)
+        self.logprobs = list(logprobs)            # common_pb2.TokenLogprob, one per id (or none)
+        self.prompt_logprobs = list(prompt_logprobs)
+
+
 @dataclass
 class Stats:
     """Filled in by the token source as it goes; becomes SpeculativeStats."""
@@ -31,7 +42,7 @@ class Stats:
     draft_fallbacks: int = 0
     target_failovers: int = 0
     time_to_first_token_ms: float = 0.0
-    steps: list[tuple[str, int, int]] = field(default_factory=list)   # (method, k drafted, accepted) per step
+    steps: list[tuple[str, int, int, int]] = field(default_factory=list)   # (method, nodes drafted, accepted, depth) per step
     steps_by_method: dict[str, int] = field(default_factory=dict)
     started: float = field(default_factory=time.perf_counter)   # when the request arrived
 
@@ -46,7 +57,7 @@ class Stats:
             hidden_state_bytes=self.hidden_state_bytes, draft_fallbacks=self.draft_fallbacks,
             target_failovers=self.target_failovers, time_to_first_token_ms=self.time_to_first_token_ms,
             steps_by_method=self.steps_by_method,
-            steps=[gateway_pb2.SpeculativeStep(method=m, k=k, accepted=a) for m, k, a in self.steps])
+            steps=[gateway_pb2.SpeculativeStep(method=m, k=k, accepted=a, depth=d) for m, k, a, d in self.steps])
 
     @property
     def wire_ms(self) -> float:
@@ -56,7 +67,7 @@ class Stats:
     @property
     def steps_by_k(self) -> dict[int, int]:
         out: dict[int, int] = {}
-        for _, k, _ in self.steps:
+        for _, k, _, _ in self.steps:
             out[k] = out.get(k, 0) + 1
         return out
 
@@ -67,8 +78,15 @@ async def stream_response(req: Request, steps: AsyncIterator[list[int]], tokeniz
     stops = StopMatcher(req.stop)
     generated = 0
     finish = None
+    if req.prompt_only:
+        finish = "length"        # nothing to generate: only the prompt's log-probs (echo)
     async for tokens in steps:
         ids, text = [], []
+        lps = getattr(tokens, "logprobs", [])
+        prompt_lps = getattr(tokens, "prompt_logprobs", [])
+        if req.prompt_only:
+            yield gateway_pb2.GenerateResponse(chunk=gateway_pb2.Chunk(prompt_logprobs=prompt_lps))
+            break
         for tok in tokens:
             ids.append(tok)
             generated += 1
@@ -91,7 +109,8 @@ async def stream_response(req: Request, steps: AsyncIterator[list[int]], tokeniz
                 finish = "stop"      # a stop string held back behind a longer candidate
         if not stats.time_to_first_token_ms:
             stats.time_to_first_token_ms = (time.perf_counter() - stats.started) * 1e3
-        yield gateway_pb2.GenerateResponse(chunk=gateway_pb2.Chunk(token_ids=ids, text="".join(text)))
+        yield gateway_pb2.GenerateResponse(chunk=gateway_pb2.Chunk(
+            token_ids=ids, text="".join(text), logprobs=lps[:len(ids)], prompt_logprobs=prompt_lps))
         if finish:
             break
     if finish is None:   # the source ended on its own: only at the context limit

@@ -38,6 +38,13 @@ class Request:
     stop_token_ids: frozenset[int]
     eos_token_ids: frozenset[int]           # empty with ignore_eos
     speculative: SpeculativeConfig           # the request's choices over the gateway's defaults
+    logprobs: int | None = None              # top alternatives per emitted token; None: no log-probs
+    prompt_logprobs: int | None = None       # the same for the prompt; None: none
+
+    @property
+    def prompt_only(self) -> bool:
+        """max_new_tokens = 0 with prompt log-probs: score the prompt, generate nothing."""
+        return self.max_new_tokens == 0
 
 
 def parse_request(req: gateway_pb2.GenerateRequest, cfg: GatewayConfig, limits: ModelLimits,
@@ -50,8 +57,9 @@ def parse_request(req: gateway_pb2.GenerateRequest, cfg: GatewayConfig, limits: 
     if s.HasField("top_k") and s.top_k < 0:
         raise RequestError(f"sampling.top_k must be >= 0 (0 = off), got {s.top_k}")
     max_new = s.max_new_tokens if s.HasField("max_new_tokens") else cfg.default_max_new_tokens
-    if max_new <= 0:
-        raise RequestError(f"sampling.max_new_tokens must be >= 1, got {max_new}")
+    if max_new < 0 or (max_new == 0 and not s.HasField("prompt_logprobs")):
+        raise RequestError(f"sampling.max_new_tokens must be >= 1 (0 only with prompt_logprobs, to score "
+                           f"the prompt), got {max_new}")
     if max_new > cfg.max_new_tokens_cap:
         raise RequestError(f"sampling.max_new_tokens = {max_new} is above the gateway's cap of "
                            f"{cfg.max_new_tokens_cap} (--max-new-tokens-cap)")
@@ -62,6 +70,7 @@ def parse_request(req: gateway_pb2.GenerateRequest, cfg: GatewayConfig, limits: 
         if not 0 <= t < limits.vocab_size:
             raise RequestError(f"sampling.stop_token_ids[{i}] = {t} is outside the vocabulary "
                                f"[0, {limits.vocab_size})")
+    _processors(s, limits, max_new)
 
     prompt = _prompt(req, limits, tokenizer)
     if cfg.max_prompt_tokens and len(prompt) > cfg.max_prompt_tokens:
@@ -72,9 +81,16 @@ def parse_request(req: gateway_pb2.GenerateRequest, cfg: GatewayConfig, limits: 
                            f"{limits.max_context} (prompt + at least one new token)",
                            grpc.StatusCode.OUT_OF_RANGE)
     sampling = common_pb2.SamplingParams()
-    for name in ("temperature", "top_p", "top_k", "seed"):
+    for name in FORWARDED:
         if s.HasField(name):
             setattr(sampling, name, getattr(s, name))
+    # What the target's processors need: penalties and bias, and for min_tokens the stop tokens
+    # it holds back (stop strings and max_new_tokens stay the gateway's business).
+    sampling.presence_penalty, sampling.frequency_penalty = s.presence_penalty, s.frequency_penalty
+    sampling.min_tokens, sampling.ignore_eos = s.min_tokens, s.ignore_eos
+    sampling.logit_bias.update(s.logit_bias)
+    if s.min_tokens:
+        sampling.stop_token_ids.extend(s.stop_token_ids)
     return Request(
         request_id=req.request_id or uuid.uuid4().hex[:16],
         prompt_ids=prompt, sampling=sampling,
@@ -82,7 +98,35 @@ def parse_request(req: gateway_pb2.GenerateRequest, cfg: GatewayConfig, limits: 
         max_new_tokens=min(max_new, limits.max_context - len(prompt)),
         stop=list(s.stop), stop_token_ids=frozenset(s.stop_token_ids),
         eos_token_ids=frozenset() if s.ignore_eos else frozenset(limits.eos_token_ids),
-        speculative=_speculative(req.speculative, cfg.speculative))
+        speculative=_speculative(req.speculative, cfg.speculative),
+        logprobs=s.logprobs if s.HasField("logprobs") else None,
+        prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None)
+
+
+# Sampling fields the target gets as they are (when set).
+FORWARDED = ("temperature", "top_p", "top_k", "seed", "repetition_penalty", "logprobs", "prompt_logprobs")
+MAX_LOGPROBS = 20
+
+
+def _processors(s: common_pb2.SamplingParams, limits: ModelLimits, max_new: int) -> None:
+    """The logit processors' and log-probs' ranges (vLLM's), each refusal naming its field."""
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(s, name)
+        if math.isnan(value) or not -2.0 <= value <= 2.0:
+            raise RequestError(f"sampling.{name} must be in [-2, 2], got {value}")
+    if s.HasField("repetition_penalty") and (math.isnan(s.repetition_penalty) or not 0 < s.repetition_penalty < math.inf):
+        raise RequestError(f"sampling.repetition_penalty must be > 0 (1 = off), got {s.repetition_penalty}")
+    for token, bias in sorted(s.logit_bias.items()):
+        if not 0 <= token < limits.vocab_size:
+            raise RequestError(f"sampling.logit_bias: token id {token} is outside the vocabulary "
+                               f"[0, {limits.vocab_size})")
+        if math.isnan(bias) or not -100.0 <= bias <= 100.0:
+            raise RequestError(f"sampling.logit_bias[{token}] must be in [-100, 100], got {bias}")
+    if not 0 <= s.min_tokens <= max_new:
+        raise RequestError(f"sampling.min_tokens must be in [0, max_new_tokens = {max_new}], got {s.min_tokens}")
+    for name in ("logprobs", "prompt_logprobs"):
+        if s.HasField(name) and not 0 <= getattr(s, name) <= MAX_LOGPROBS:
+            raise RequestError(f"sampling.{name} must be in [0, {MAX_LOGPROBS}], got {getattr(s, name)}")
 
 
 def _prompt(req: gateway_pb2.GenerateRequest, limits: ModelLimits, tokenizer) -> list[int]:

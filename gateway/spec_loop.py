@@ -20,15 +20,15 @@ from __future__ import annotations
 import time
 from typing import AsyncIterator, Awaitable, Callable
 
-from splitspec.ngram import NgramIndex
+from splitspec.ngram import NgramIndex, trie_tree
 from splitspec.v1 import common_pb2
 
 from .backends import DraftSession, TargetSession
 from .cost_model import Choice
-from .generation import Stats
+from .generation import Stats, Tokens
 from .policy import AutoPolicy, FixedPolicy, Measurements, Offer
 from .request import Request
-from .speculative import concat_rows, record_step, trim_chain
+from .speculative import concat_rows, depths, record_step, tree_trials, trim_tree
 
 
 class DraftLost(Exception):
@@ -39,8 +39,10 @@ class RemoteDraft:
     """A draft session and the committed tokens (with their features, for DFlash) it has not
     been told about yet."""
 
-    def __init__(self, session: DraftSession, method: str, width: int, needs_hidden: bool):
+    def __init__(self, session: DraftSession, method: str, width: int, needs_hidden: bool, topk: int = 1):
         self.session, self.method, self.width, self.needs_hidden = session, method, width, needs_hidden
+        self.topk = topk
+        self.shape: list[int] | None = None      # parents of its last tree: what its proposals look like
         self.owed_ids: list[int] = []
         self.owed_hidden: list[common_pb2.Tensor] = []
 
@@ -63,30 +65,41 @@ class SpeculativeLoop:
                  measurements: Measurements, draft_call: Callable[[Awaitable, float], Awaitable],
                  open_draft: Callable[[object, list[int]], Awaitable[RemoteDraft | None]] | None,
                  layer_ids: list[int], ngram: NgramIndex | None, max_width: int, step_timeout_s: float,
-                 hidden_stream: str = ""):
+                 hidden_stream: str = "", ngram_tree: tuple[int, int, int] | None = None):
+        """ngram_tree: (nodes, depth, topk) when the gateway's own n-gram index drafts tries."""
         self.target, self.req, self.stats, self.policy = target, req, stats, policy
         self.m = measurements
         self.draft_call, self.open_draft = draft_call, open_draft
         self.layer_ids, self.ngram, self.max_width = layer_ids, ngram, max_width
         self.hidden_stream = hidden_stream
         self.step_s = step_timeout_s
+        self.ngram_tree = ngram_tree if ngram_tree and ngram_tree[2] > 1 else None
         self.draft: RemoteDraft | None = None
 
     async def steps(self, history: list[int]) -> AsyncIterator[list[int]]:
         req, stats = self.req, self.stats
         prefix = req.prompt_ids + history
         remaining = req.max_new_tokens - len(history)
-        if remaining <= 0:
+        if remaining <= 0 and not req.prompt_only:
             return
+        sampling = req.sampling
+        if history and sampling.HasField("prompt_logprobs"):
+            sampling = type(sampling)()     # a resumed request scored its prompt on the first replica
+            sampling.CopyFrom(req.sampling)
+            sampling.ClearField("prompt_logprobs")
         t = time.perf_counter()
-        opened = await self.target.open(req.request_id, prefix, req.sampling, hidden_layer_ids=self.layer_ids,
-                                        max_new_tokens=remaining + self.max_width, hidden_stream=self.hidden_stream)
+        opened = await self.target.open(req.request_id, prefix, sampling, hidden_layer_ids=self.layer_ids,
+                                        max_new_tokens=remaining + self.max_width, hidden_stream=self.hidden_stream,
+                                        generated_tokens=len(history))
         stats.model_ms += opened.forward_ms
         stats.queue_ms += opened.queue_ms
         stats.verify_ms += (time.perf_counter() - t) * 1e3
         stats.hidden_state_bytes += len(opened.hidden.data)
         b0 = opened.first_token_id
-        yield [b0]
+        yield Tokens([b0], [opened.first_logprob] if opened.HasField("first_logprob") else (),
+                     opened.prompt_logprobs)
+        if req.prompt_only:
+            return
         generated, length = 1, opened.length
         if self.ngram is not None:
             self.ngram.extend(prefix + [b0])
@@ -98,7 +111,7 @@ class SpeculativeLoop:
                 self.draft.owe([b0], None)
 
         while generated < remaining:
-            choice, ngram_ids, match = self._choose(remaining - generated)
+            choice, local, match = self._choose(remaining - generated)
             if choice.method == "none":
                 if self.draft is not None and self.draft.needs_hidden and not self.policy.keeps_draft():
                     await self.draft.session.close()      # frees the draft's cache; no features owed from now
@@ -108,7 +121,7 @@ class SpeculativeLoop:
                     length += len(toks)
                     yield toks
                 continue
-            tree, probs = await self._draft(choice, ngram_ids, length)
+            tree, probs = await self._draft(choice, local, match, length, remaining - generated)
             if tree is None:                   # the draft was lost just now: decide again without it
                 continue
             t = time.perf_counter()
@@ -123,30 +136,55 @@ class SpeculativeLoop:
             drafted = len(tree.token_ids)
             committed = list(verified.committed_token_ids)
             ran = Choice(choice.method, drafted, choice.tokens, choice.ms)
-            self.policy.observe(ran, verified.num_accepted, match)
-            record_step(stats, choice.method, drafted, verified.num_accepted, len(committed))
+            branched = any(p != i - 1 for i, p in enumerate(tree.parents))
+            tried = tree_trials(list(tree.parents), list(tree.token_ids), committed) if branched else None
+            self.policy.observe(ran, verified.num_accepted, match, tried=tried)
+            record_step(stats, choice.method, drafted, verified.num_accepted, len(committed),
+                        depth=max(depths(tree.parents), default=0))
             self._committed(committed, verified.hidden)
             length = verified.length
             generated += len(committed)
-            yield committed
+            yield Tokens(committed, verified.logprobs)
 
     # -- one step -----------------------------------------------------------------------------
-    def _choose(self, remaining: int) -> tuple[Choice, list[int], int]:
-        offer, ngram_ids, match = Offer(), [], 0
+    def _choose(self, remaining: int) -> tuple[Choice, common_pb2.TokenTree | None, int]:
+        offer, local, match = Offer(), None, 0
         if self.draft is not None:
             if self.draft.method == "dflash":
                 offer.dflash = self.draft.width - 1
             else:
                 offer.ngram = self.draft.width - 1
+            if self.draft.shape:
+                offer.shapes[self.draft.method] = self.draft.shape
         if self.ngram is not None:
-            ngram_ids, match = self.ngram.match(self.max_width - 1)
-            offer.ngram, offer.ngram_match = len(ngram_ids), match
-        return self.policy.choose(offer, remaining), ngram_ids, match
+            if self.ngram_tree is None:
+                ids, match = self.ngram.match(self.max_width - 1)
+                parents = list(range(-1, len(ids) - 1))
+            else:
+                nodes, depth, topk = self.ngram_tree
+                conts, match = self.ngram.continuations(depth, 4 * topk)
+                ids, parents = trie_tree(conts, budget=nodes, max_depth=depth, topk=topk)
+                if any(p != i - 1 for i, p in enumerate(parents)):
+                    offer.shapes["ngram"] = parents
+            local = common_pb2.TokenTree(token_ids=ids, parents=parents)
+            offer.ngram, offer.ngram_match = len(ids), match
+        return self.policy.choose(offer, remaining), local, match
 
-    async def _draft(self, choice: Choice, ngram_ids: list[int], length: int):
-        """The chain (and its draft_probs) to verify, or (None, None) when the draft was lost."""
+    def _fit(self, choice: Choice, tree: common_pb2.TokenTree, probs, remaining: int, match: int = 0):
+        """The part of a proposal worth verifying: a chain's first k tokens; a tree cut to the
+        depth the request has left and to the size the policy prices best this step."""
+        parents = list(tree.parents)
+        if all(p == i - 1 for i, p in enumerate(parents)):
+            return trim_tree(tree, probs, choice.k)
+        tree, probs = trim_tree(tree, probs, len(parents), max_depth=max(1, remaining - 1))
+        n = self.policy.cut(choice.method, list(tree.parents), len(tree.parents), match)
+        return trim_tree(tree, probs, max(1, n))
+
+    async def _draft(self, choice: Choice, local: common_pb2.TokenTree | None, match: int, length: int,
+                     remaining: int):
+        """The tree (and its draft_probs) to verify, or (None, None) when the draft was lost."""
         if choice.method == "ngram" and self.ngram is not None:
-            return common_pb2.TokenTree(token_ids=ngram_ids[:choice.k], parents=list(range(-1, choice.k - 1))), None
+            return self._fit(choice, local, None, remaining, match)
         t = time.perf_counter()
         try:
             prop = await self.draft_call(self.draft.propose(length), self.step_s)
@@ -159,7 +197,9 @@ class SpeculativeLoop:
         self.stats.queue_ms += prop.queue_ms
         self.m.proposal(self.draft.method, ms)
         probs = prop.draft_probs if prop.HasField("draft_probs") else None
-        return trim_chain(prop.tree, probs, choice.k)
+        if any(p != i - 1 for i, p in enumerate(prop.tree.parents)):
+            self.draft.shape = list(prop.tree.parents)
+        return self._fit(choice, prop.tree, probs, remaining)
 
     async def _decode(self, n: int) -> AsyncIterator[list[int]]:
         """n target-only steps, each token yielded as it arrives."""
@@ -179,7 +219,7 @@ class SpeculativeLoop:
             self.policy.observe(Choice("none", 0, 1.0, 0.0), 0)
             record_step(stats, "none", 0, 0, 1)
             self._committed([tok.token_id], tok.hidden if want_hidden else None)
-            yield [tok.token_id]
+            yield Tokens([tok.token_id], [tok.logprob] if tok.HasField("logprob") else ())
             t = time.perf_counter()
 
     def _committed(self, ids: list[int], hidden: common_pb2.Tensor | None) -> None:
