@@ -16,6 +16,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from tiny_models import save_tiny_model  # noqa: E402
 
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda: needs a CUDA device; skips without one, fails with SPLITSPEC_REQUIRE_GPU=1")
+    config.addinivalue_line("markers", "flashinfer: needs CUDA and FlashInfer; skips without them, fails with "
+                                       "SPLITSPEC_REQUIRE_GPU=1")
+
+
+def pytest_runtest_setup(item):
+    import gpu_checks
+    gpu_checks.check(item)
+
 # The target variants every parity test runs on. Between them they cover: a sharded save
 # with an index, GQA, llama3 rope scaling, tied embeddings, q/k/v bias (Qwen2), q/k norm
 # with an explicit head_dim != hidden / heads (Qwen3).

@@ -296,14 +296,19 @@ def test_decode_step_equals_model_forward(target_variant):
             torch.testing.assert_close(hidden, ref.hidden[:, 0], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
 def test_trainer_end_to_end_on_cuda(target_dir, tmp_path):
     """--device cuda: producer and trainer on the card; the export loads and drafts on the CPU."""
+    torch.cuda.reset_peak_memory_stats()
     assert trainer.main(run_args(target_dir, tmp_path, 8) + ["--device", "cuda"]) == 0
     m = json.loads((tmp_path / "draft" / "training_metrics.json").read_text())
     assert m["step"] == 8 and 1.0 <= m["eval"]["T0"]["tau"] <= 8.0
     d = load_draft(tmp_path / "draft", target_dir)
     assert next(d.parameters()).device.type == "cpu"
+    # A run that quietly stayed on the CPU would pass everything above: the trainer (this
+    # process) must have held at least the draft's weights on the card.
+    weight_bytes = sum(p.numel() * p.element_size() for p in d.parameters())
+    assert torch.cuda.max_memory_allocated() >= weight_bytes > 0
 
 
 @pytest.mark.parametrize("kinds, expected", [("all", 8), ("greedy", 3), ("sampled", 5)])
