@@ -13,11 +13,16 @@ import torch
 
 from splitspec.engine.sample import SamplingParams, make_generator, probs_from_logits, sample_from_probs
 from splitspec.engine.kv_pool import KVPool
-from splitspec.engine.tree import Tree
-from splitspec.ngram import NgramIndex
+from splitspec.engine.tree import MAX_DRAFT_NODES, Tree
+from splitspec.ngram import NgramIndex, trie_tree
 
 from .dflash import DFlashDraft, DraftCache, append_context, block_hidden, ensure_room
 from .dflash2 import DFlash2Draft
+from .dflash2_tree import dflash2_tree
+from .dflash_tree import dflash_tree
+
+MAX_DFLASH_TOPK = 16          # DFlash trees: children per node, from one position's top-k
+MAX_NGRAM_TOPK = 8            # n-gram tries: continuations rarely differ in more ways than this
 
 
 class ProposerError(ValueError):
@@ -33,6 +38,38 @@ class Proposal:
     tree: Tree
     draft_probs: torch.Tensor | None   # [N, V] when drafts were sampled
     draft_ms: float
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """What a session's proposals may be (SGLang's meanings): `nodes` drafted tokens at most
+    (num_draft_tokens - 1), `depth` at most (num_steps), `topk` children a node at most; a
+    chain when topk is 1."""
+    nodes: int
+    depth: int
+    topk: int = 1
+
+    @classmethod
+    def resolve(cls, *, num_draft_tokens: int, num_steps: int | None, topk: int, max_depth: int,
+                max_topk: int, what: str) -> "TreeShape":
+        """Checked against the drafter's limits (max_depth: its block; max_topk: its candidates);
+        a value past one raises ProposerError naming it."""
+        topk = topk or 1
+        if not 1 <= topk <= max_topk:
+            raise ProposerError(f"speculative.topk = {topk} is above what {what} offers per node ({max_topk})")
+        if num_steps is not None and not 1 <= num_steps <= max_depth:
+            raise ProposerError(f"speculative.num_steps = {num_steps} must be in 1..{max_depth} ({what} drafts "
+                                f"at most {max_depth} tokens deep)")
+        if topk == 1:
+            if not 2 <= num_draft_tokens <= max_depth + 1:
+                raise ProposerError(f"speculative.num_draft_tokens = {num_draft_tokens} must be in "
+                                    f"2..{max_depth + 1} for a chain ({what} drafts at most {max_depth} tokens)")
+            depth = min(num_draft_tokens - 1, num_steps or max_depth)
+            return cls(depth, depth, 1)
+        if not 2 <= num_draft_tokens <= MAX_DRAFT_NODES + 1:
+            raise ProposerError(f"speculative.num_draft_tokens = {num_draft_tokens} must be in "
+                                f"2..{MAX_DRAFT_NODES + 1} (the verify cap: root + {MAX_DRAFT_NODES} nodes)")
+        return cls(num_draft_tokens - 1, num_steps or max_depth, topk)
 
 
 class _Tokens:
@@ -52,12 +89,12 @@ class DFlashProposer(_Tokens):
     `propose_batch` runs many sessions' proposals as one draft forward."""
 
     def __init__(self, model: DFlashDraft, *, num_draft_tokens: int | None = None, max_len: int = 4096,
-                 sampling: SamplingParams | None = None, pool: KVPool | None = None):
-        width = num_draft_tokens or model.cfg.block_size
-        if not 2 <= width <= model.cfg.block_size:
-            raise ProposerError(f"num_draft_tokens={width} must be in 2..{model.cfg.block_size} "
-                                f"(the draft's block size)")
-        self.model, self.width = model, width
+                 sampling: SamplingParams | None = None, pool: KVPool | None = None,
+                 num_steps: int | None = None, topk: int = 1):
+        self.shape = TreeShape.resolve(num_draft_tokens=num_draft_tokens or model.cfg.block_size,
+                                       num_steps=num_steps, topk=topk, max_depth=model.cfg.block_size - 1,
+                                       max_topk=max_topk(model), what="this draft")
+        self.model, self.width = model, self.shape.nodes + 1
         self.sampling = sampling if sampling is not None and not sampling.greedy else None
         device = next(model.parameters()).device
         self.generator = make_generator(sampling.seed if sampling else None, device)
@@ -90,18 +127,33 @@ class DFlashProposer(_Tokens):
             raise ProposerError(f"propose.base_len = {base_len} is past the draft's context ({self.cache.max_len} tokens)")
 
     def finish(self, hidden: torch.Tensor, logits: torch.Tensor) -> tuple[Tree, torch.Tensor | None]:
-        """The chain (and q when sampling) from this session's block hidden states [B - 1, H]
-        and logits [B - 1, V]."""
-        if isinstance(self.model, DFlash2Draft):
+        """The tree (and q when sampling) from this session's block hidden states [B - 1, H]
+        and logits [B - 1, V]. The spine is the chain the draft would propose alone; in sampled
+        mode only the spine is sampled (its rows of q are the distributions it was drawn from),
+        and the other nodes are chosen deterministically (their rows are zero): the verifier
+        tests each kind by its own rule (`target_service/verify.py`)."""
+        shape = self.shape
+        dflash2 = isinstance(self.model, DFlash2Draft)
+        if dflash2:
             # The selector's q ignores the request's top-k/top-p (they shape the target's p only).
             temp = 0.0 if self.sampling is None else self.sampling.temperature
-            chain, q = self.model.walk(hidden, logits, self.tokens[-1], self.width - 1, temp, self.generator)
-            return Tree.chain(chain), q
-        logits = logits[: self.width - 1]
-        if self.sampling is None:
-            return Tree.chain(logits.argmax(-1).tolist()), None
-        q = probs_from_logits(logits, self.sampling)
-        return Tree.chain([sample_from_probs(row, self.generator) for row in q]), q
+            spine, q = self.model.walk(hidden, logits, self.tokens[-1], shape.depth, temp, self.generator)
+        elif self.sampling is None:
+            spine, q = logits[:shape.depth].argmax(-1).tolist(), None
+        else:
+            q = probs_from_logits(logits[:shape.depth], self.sampling)
+            spine = [sample_from_probs(row, self.generator) for row in q]
+        if shape.topk == 1:
+            return Tree.chain(spine[:shape.nodes]), None if q is None else q[:shape.nodes]
+        kw = dict(root_token=self.tokens[-1], spine=spine, budget=shape.nodes, max_depth=shape.depth, topk=shape.topk)
+        built = (dflash2_tree(self.model.candidate_selector, hidden, logits, **kw) if dflash2
+                 else dflash_tree(logits, **kw))
+        tree = Tree(tuple(built.token_ids), tuple(built.parents))
+        if q is None:
+            return tree, None
+        probs = q.new_zeros(len(tree), q.shape[-1])
+        probs[:built.spine] = q[:built.spine]
+        return tree, probs
 
     def propose(self, base_len: int, new_ids: list[int], new_hidden: torch.Tensor | None) -> Proposal:
         out = propose_batch(self.model, [(self, base_len, new_ids, new_hidden)])[0]
@@ -147,10 +199,13 @@ class NgramProposer(_Tokens):
     """Prompt lookup through the draft service (the gateway's `auto` method runs the same
     lookup itself, without a round trip)."""
 
-    def __init__(self, *, num_draft_tokens: int = 8, min_n: int = 1, max_n: int = 4):
+    def __init__(self, *, num_draft_tokens: int = 8, min_n: int = 1, max_n: int = 4,
+                 num_steps: int | None = None, topk: int = 1, max_depth: int = MAX_DRAFT_NODES):
         if num_draft_tokens < 1:
             raise ProposerError(f"num_draft_tokens={num_draft_tokens} must be >= 1")
-        self.width = num_draft_tokens
+        self.shape = TreeShape.resolve(num_draft_tokens=max(num_draft_tokens, 2), num_steps=num_steps, topk=topk,
+                                       max_depth=max_depth, max_topk=MAX_NGRAM_TOPK, what="n-gram lookup")
+        self.width = self.shape.nodes + 1
         self.index = NgramIndex(min_n, max_n)
 
     @property
@@ -164,5 +219,15 @@ class NgramProposer(_Tokens):
         t0 = time.perf_counter()
         self._check_len(base_len, new_ids)
         self.index.extend(new_ids)
-        ids, _ = self.index.match(self.width - 1)
-        return Proposal(Tree.chain(ids), None, (time.perf_counter() - t0) * 1e3)
+        shape = self.shape
+        if shape.topk == 1:
+            ids, _ = self.index.match(shape.nodes)
+            return Proposal(Tree.chain(ids), None, (time.perf_counter() - t0) * 1e3)
+        conts, _ = self.index.continuations(shape.depth, 4 * shape.topk)
+        ids, parents = trie_tree(conts, budget=shape.nodes, max_depth=shape.depth, topk=shape.topk)
+        return Proposal(Tree(tuple(ids), tuple(parents)), None, (time.perf_counter() - t0) * 1e3)
+
+
+def max_topk(model: DFlashDraft) -> int:
+    """Children a node may get: DFlash2 chooses among its selector's K candidates."""
+    return model.cfg.selector_top_k if isinstance(model, DFlash2Draft) else MAX_DFLASH_TOPK

@@ -31,12 +31,13 @@ from splitspec.wire import (WireError, check_token_ids, sampling_from_pb, tensor
 from target_service.config import ConfigError, ModelConfig
 from target_service.loader import CheckpointError, parse_dtype, resolve_device, tokenizer_hash
 from splitspec.engine.kv_pool import KVPool, PoolExhausted
+from splitspec.engine.tree import MAX_DRAFT_NODES
 from splitspec.engine.loop import EngineLoop
 from target_service.scheduler import AdmissionError, DrainingError
 from target_service.server import status_for
 
 from .dflash import BLOCK_SIZE_MEANINGS, load_draft
-from .proposer import DFlashProposer, NgramProposer, StaleProposeError
+from .proposer import MAX_NGRAM_TOPK, DFlashProposer, NgramProposer, StaleProposeError, max_topk
 from .scheduler import DraftScheduler
 
 SERVICE = "splitspec.v1.Draft"
@@ -93,6 +94,8 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
                                    target_tokenizer_hash=st.target_tok_hash,
                                    model_id=st.args.served_model_name or (Path(st.args.model_path).name
                                                                           if st.args.model_path else "ngram"))
+        info.max_topk = max_topk(st.model) if st.model is not None else MAX_NGRAM_TOPK
+        info.max_draft_nodes = MAX_DRAFT_NODES
         if st.target_cfg is not None:
             info.target_vocab_size = st.target_cfg.vocab_size
             info.target_num_layers = st.target_cfg.num_hidden_layers
@@ -191,36 +194,34 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         if method == "dflash" and st.model is None:
             raise CompatError("open.speculative.method = dflash, but this draft service runs --method ngram "
                               "without a DFlash model")
-        if spec.HasField("topk") and spec.topk not in (0, 1):
-            raise WireError(f"open.speculative.topk = {spec.topk}: this draft proposes chains only (topk 1)")
         if spec.draft_sampling not in ("", "greedy", "sample"):
             raise WireError(f"open.speculative.draft_sampling = {spec.draft_sampling!r}: expected greedy or sample")
         default_width = st.block_size if method == "dflash" else st.args.speculative_num_draft_tokens
         width = spec.num_draft_tokens if spec.HasField("num_draft_tokens") and spec.num_draft_tokens else default_width
-        if spec.HasField("num_steps") and spec.num_steps and spec.num_steps + 1 < width:
-            width = spec.num_steps + 1
+        steps = spec.num_steps if spec.HasField("num_steps") and spec.num_steps else None
+        topk = spec.topk if spec.HasField("topk") and spec.topk else 1
+        if topk == 1 and steps is not None and steps + 1 < width:
+            width = steps + 1
         sampling = sampling_from_pb(msg.sampling)
         if method == "ngram":
             if width < 2:
                 raise WireError(f"open.speculative.num_draft_tokens = {width} must be >= 2")
-            proposer = NgramProposer(num_draft_tokens=width, min_n=st.args.ngram_min, max_n=st.args.ngram_max)
+            proposer = NgramProposer(num_draft_tokens=width, min_n=st.args.ngram_min, max_n=st.args.ngram_max,
+                                     num_steps=steps, topk=topk)
             proposer.open(prompt)
-            return proposer, width
+            return proposer, proposer.width
         cfg = st.model.cfg
-        if not 2 <= width <= cfg.block_size:
-            raise WireError(f"open.speculative.num_draft_tokens = {width} must be in 2..{cfg.block_size} "
-                            f"(this draft's block size)")
         hidden = tensor_from_pb(msg.prompt_hidden, field="open.prompt_hidden",
                                 shape=(len(prompt), cfg.target_feature_size))
 
-        p = DFlashProposer(st.model, num_draft_tokens=width, max_len=st.args.max_context,
+        p = DFlashProposer(st.model, num_draft_tokens=width, max_len=st.args.max_context, num_steps=steps, topk=topk,
                            sampling=sampling if spec.draft_sampling == "sample" else None, pool=st.pool)
         try:
             await st.scheduler.open(p, prompt, hidden)
         except BaseException:
             st.scheduler.close(p)
             raise
-        return p, width
+        return p, p.width
 
     async def _propose(self, st: DraftState, proposer, msg: draft_pb2.DraftPropose):
         new_ids = list(msg.new_token_ids)
@@ -295,7 +296,8 @@ def metrics_state(state: DraftState) -> dict:
     if state.pool is not None:
         out.update(kv_blocks_used=state.pool.used_blocks, kv_blocks_free=state.pool.free_blocks)
     if state.scheduler is not None:
-        out.update(forwards=state.scheduler.forwards, rows=state.scheduler.rows)
+        out.update(forwards=state.scheduler.forwards, rows=state.scheduler.rows,
+                   proposals_waiting=len(state.scheduler.pending))
     return out
 
 

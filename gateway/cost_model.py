@@ -35,6 +35,35 @@ def expected_tokens(accept: Sequence[float], k: int) -> float:
     return total
 
 
+def expected_tree_tokens(parents: Sequence[int], accept: Sequence[Sequence[float]]) -> list[float]:
+    """Tokens committed on average by a verify of each prefix of a tree (out[n]: its first n
+    nodes; nodes come parents first, siblings in the order the verifier tries them).
+    accept[r][d] = P(the sibling of rank r at depth d + 1 is accepted | its parent was, and
+    the r siblings tried before it were rejected); ranks and depths past the table's end reuse
+    its last entry. A node is on the accepted path with its parent's probability times its
+    own conditional one: the bonus is always committed, and each node adds that probability."""
+    def rate(rank: int, depth: int) -> float:
+        row = accept[min(rank, len(accept) - 1)] if accept else ()
+        return row[min(depth, len(row) - 1)] if row else 0.0
+
+    reach: list[float] = []                 # P(node on the accepted path)
+    depth: list[int] = []
+    rejected: dict[int, float] = {}         # parent -> P(every child listed so far rejected)
+    seen: dict[int, int] = {}               # parent -> children listed so far
+    out = [1.0]
+    for p in parents:
+        d = 0 if p < 0 else depth[p] + 1
+        rank = seen.get(p, 0)
+        seen[p] = rank + 1
+        a = rate(rank, d)
+        none_before = rejected.get(p, 1.0)
+        reach.append((1.0 if p < 0 else reach[p]) * none_before * a)
+        rejected[p] = none_before * (1.0 - a)
+        depth.append(d)
+        out.append(out[-1] + reach[-1])
+    return out
+
+
 @dataclass(frozen=True)
 class Costs:
     """What a step costs now, in milliseconds (see the module doc)."""
@@ -71,24 +100,32 @@ class Choice:
         return self.tokens / self.ms if self.ms > 0 else float("inf")
 
 
-def options(accept: dict[str, Sequence[float]], max_k: dict[str, int], costs: Costs, *,
-            decode: bool = True) -> list[Choice]:
+def options(accept: dict[str, Sequence], max_k: dict[str, int], costs: Costs, *,
+            decode: bool = True, shapes: dict[str, Sequence[int]] | None = None) -> list[Choice]:
     """Every step the policy could run: a decode step (unless `decode` is False), and each
-    drafter with k = 1..max_k[method] (0 or absent: that drafter has nothing to offer now)."""
+    drafter with k = 1..max_k[method] (0 or absent: that drafter has nothing to offer now).
+    A drafter with a tree shape (its parents list: what its proposals look like) offers the
+    shape's first k nodes, and accept[method] is then its table by sibling rank and depth."""
     out = [Choice("none", 0, 1.0, costs.step_ms("none", 0))] if decode else []
     for method, kmax in max_k.items():
+        shape = (shapes or {}).get(method)
+        if shape:
+            tokens = expected_tree_tokens(shape, accept.get(method, ()))
+            for k in range(1, min(kmax, len(shape)) + 1):
+                out.append(Choice(method, k, tokens[k], costs.step_ms(method, k)))
+            continue
         for k in range(1, kmax + 1):
             out.append(Choice(method, k, expected_tokens(accept.get(method, ()), k), costs.step_ms(method, k)))
     return out
 
 
-def choose(accept: dict[str, Sequence[float]], max_k: dict[str, int], costs: Costs, *,
-           decode: bool = True) -> Choice | None:
+def choose(accept: dict[str, Sequence], max_k: dict[str, int], costs: Costs, *,
+           decode: bool = True, shapes: dict[str, Sequence[int]] | None = None) -> Choice | None:
     """The step with the most expected committed tokens per second; on a tie, the cheaper one
     (fewer drafted tokens, the target alone before any drafter). None only when `decode` is
     False and no drafter offers anything."""
     best = None
-    for c in options(accept, max_k, costs, decode=decode):
+    for c in options(accept, max_k, costs, decode=decode, shapes=shapes):
         if best is None or c.rate > best.rate * (1 + 1e-9):
             best = c
     return best

@@ -251,7 +251,8 @@ class ResilientSource:
                 client_errors=True)
         except DraftLost:
             return None
-        return RemoteDraft(self.draft, answer.method, answer.num_draft_tokens, bool(plan.layer_ids))
+        return RemoteDraft(self.draft, answer.method, answer.num_draft_tokens, bool(plan.layer_ids),
+                           topk=plan.speculative.topk or 1)
 
     def _attempt(self) -> AsyncIterator[list[int]]:
         plan = self.plan
@@ -266,5 +267,6 @@ class ResilientSource:
             draft_call=self._draft_call, open_draft=self._open_draft if remote else None,
             layer_ids=plan.layer_ids if remote else [], hidden_stream=plan.hidden_stream if remote else "",
             ngram=NgramIndex(1, 4) if plan.local_ngram else None,
-            max_width=max(width, plan.max_k + 1), step_timeout_s=self.cfg.draft_timeout_ms / 1e3)
+            max_width=max(width, plan.max_k + 1), step_timeout_s=self.cfg.draft_timeout_ms / 1e3,
+            ngram_tree=plan.ngram_tree)
         return loop.steps(self.history)

@@ -16,11 +16,11 @@
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from .cost_model import Choice, Costs, choose
+from .cost_model import Choice, Costs, choose, expected_tree_tokens
 
 DECAY = 0.97                 # per observation: about the last 30 steps count
 PRIOR_ACCEPT = 0.7           # before anything is measured: optimistic, so drafting gets tried
@@ -33,29 +33,49 @@ NGRAM_WATCH = 0.25           # share of recent decisions choosing n-gram above w
 DRAFT_WORTH = 0.05           # share of decisions DFlash wins on its merits below which requests skip its session
 WORTH_AFTER = 64             # ... once that share rests on this many decisions of the bucket
 REOPEN_EVERY = 8             # while skipped, every this-many-th request of the bucket opens one to re-measure
+RANKS = 4                    # sibling ranks whose acceptance is kept apart (later ones share the last)
+SIBLING_PRIOR = 0.4          # before anything is measured: each further sibling is this much less likely
 
 
 class Acceptance:
-    """Decayed per-position counts: position i counts a trial when drafts 1..i were all
-    accepted (so draft i+1 was looked at), and a success when draft i+1 was accepted too."""
+    """Decayed per-position counts, by sibling rank: at depth i, rank r counts a trial when
+    the node above was accepted and the r siblings tried before were rejected (for a chain,
+    rank 0 only: draft i+1 was looked at), and a success when that sibling was accepted."""
 
-    def __init__(self, size: int, prior: list[float] | None = None, prior_weight: float = PRIOR_WEIGHT):
-        self.trials = [0.0] * size
-        self.hits = [0.0] * size
-        self.prior = list(prior) if prior is not None else [PRIOR_ACCEPT] * size
+    def __init__(self, size: int, prior: list | None = None, prior_weight: float = PRIOR_WEIGHT):
+        self.trials = [[0.0] * size for _ in range(RANKS)]
+        self.hits = [[0.0] * size for _ in range(RANKS)]
+        if prior is None:
+            prior = [[PRIOR_ACCEPT * SIBLING_PRIOR ** r] * size for r in range(RANKS)]
+        elif prior and not isinstance(prior[0], (list, tuple)):
+            prior = [[x * SIBLING_PRIOR ** r for x in prior] for r in range(RANKS)]
+        self.prior = [list(row) for row in prior]
         self.prior_weight = prior_weight
 
     def update(self, k: int, accepted: int) -> None:
-        for i in range(len(self.trials)):
-            self.trials[i] *= DECAY
-            self.hits[i] *= DECAY
-        for i in range(min(k, accepted + 1, len(self.trials))):
-            self.trials[i] += 1.0
-            self.hits[i] += 1.0 if i < accepted else 0.0
+        """A chain of k drafts of which the first `accepted` were accepted."""
+        self.update_tried([(i, 0, i < accepted) for i in range(min(k, accepted + 1))])
 
-    def rates(self) -> list[float]:
+    def update_tried(self, tried: list[tuple[int, int, bool]]) -> None:
+        """One verify's (depth - 1, rank, accepted) per tried node (`speculative.tree_trials`)."""
+        for t_row, h_row in zip(self.trials, self.hits):
+            for i in range(len(t_row)):
+                t_row[i] *= DECAY
+                h_row[i] *= DECAY
+        size = len(self.trials[0])
+        for depth, rank, hit in tried:
+            if depth < size:
+                r = min(rank, RANKS - 1)
+                self.trials[r][depth] += 1.0
+                self.hits[r][depth] += 1.0 if hit else 0.0
+
+    def rates(self, rank: int = 0) -> list[float]:
         w = self.prior_weight
-        return [(h + w * p) / (t + w) for h, t, p in zip(self.hits, self.trials, self.prior)]
+        return [(h + w * p) / (t + w) for h, t, p in zip(self.hits[rank], self.trials[rank], self.prior[rank])]
+
+    def table(self) -> list[list[float]]:
+        """rates by [rank][depth - 1], for `cost_model.expected_tree_tokens`."""
+        return [self.rates(r) for r in range(RANKS)]
 
 
 class Ema:
@@ -187,10 +207,13 @@ class Measurements:
 
 @dataclass
 class Offer:
-    """What the drafters can offer this step: the most tokens each can draft (0: nothing)."""
+    """What the drafters can offer this step: the most tokens each can draft (0: nothing), and
+    for tree drafters the shape (parents list) of their proposals: the n-gram trie built now,
+    the DFlash draft's last tree."""
     dflash: int = 0
     ngram: int = 0
     ngram_match: int = 0          # length of the matched suffix behind the n-gram offer
+    shapes: dict = field(default_factory=dict)
 
 
 def sampling_bucket(temperature: float, draft_sampling: str) -> str:
@@ -220,11 +243,14 @@ class FixedPolicy:
     def keeps_draft(self) -> bool:
         return True
 
+    def cut(self, method: str, parents: list[int], budget: int, ngram_match: int = 0) -> int:
+        return min(len(parents), budget)       # the whole tree the request asked for
+
     def decode_run(self, remaining: int) -> int:
         # Target-only for good: one Decode for the rest of the request; else one token, then draft again.
         return remaining if self.drafter_gone else 1
 
-    def observe(self, choice: Choice, accepted: int, ngram_match: int = 0) -> None:
+    def observe(self, choice: Choice, accepted: int, ngram_match: int = 0, tried=None) -> None:
         pass
 
 
@@ -245,7 +271,7 @@ class AutoPolicy:
     def _acceptance(self, key: tuple) -> Acceptance:
         if key not in self.local:
             shared = self.m.acceptance(key)
-            self.local[key] = Acceptance(self.m.max_positions, prior=shared.rates())
+            self.local[key] = Acceptance(self.m.max_positions, prior=shared.table())
         return self.local[key]
 
     def _key(self, method: str, ngram_match: int) -> tuple:
@@ -268,13 +294,14 @@ class AutoPolicy:
     def choose(self, offer: Offer, remaining: int) -> Choice:
         cap = min(self.max_k, max(0, remaining - 1))     # the bonus is always one of the remaining
         max_k = {"dflash": min(offer.dflash, cap), "ngram": min(offer.ngram, cap)}
-        accept = {"dflash": self._acceptance(self._key("dflash", 0)).rates(),
-                  "ngram": self._acceptance(self._key("ngram", offer.ngram_match)).rates() if offer.ngram else []}
+        accept = {"dflash": self._rates("dflash", 0, "dflash" in offer.shapes),
+                  "ngram": self._rates("ngram", offer.ngram_match, "ngram" in offer.shapes) if offer.ngram else []}
+        shapes = offer.shapes
         costs = self.m.costs(1 if self._watching() else MAX_DECODE_RUN)
         self.decisions += 1
         m = self.m
         m.decisions += 1
-        best = choose(accept, max_k, costs)
+        best = choose(accept, max_k, costs, shapes=shapes)
         # Exploration: an estimate that is never re-measured can stay wrong forever (one
         # unlucky first step would rule a drafter out for good). A drafter that keeps losing
         # is probed less and less often (16, 32, 64 … decisions).
@@ -282,7 +309,7 @@ class AutoPolicy:
         for method, k in max_k.items():
             gap = m.probe_gap.setdefault(method, PROBE_EVERY)
             if k and method != best.method and m.decisions - m.last_tried.setdefault(method, 0) >= gap:
-                best = choose(accept, {method: k}, costs, decode=False)
+                best = choose(accept, {method: k}, costs, decode=False, shapes=shapes)
                 m.probe_gap[method] = min(2 * gap, MAX_PROBE_GAP)
                 self.probing = True
                 break
@@ -295,6 +322,25 @@ class AutoPolicy:
         if best.method != "none":
             m.last_tried[best.method] = m.decisions
         self.ngram_chosen.add(1.0 if best.method == "ngram" else 0.0)
+        return best
+
+    def _rates(self, method: str, ngram_match: int, tree: bool):
+        acc = self._acceptance(self._key(method, ngram_match))
+        return acc.table() if tree else acc.rates()
+
+    def cut(self, method: str, parents: list[int], budget: int, ngram_match: int = 0) -> int:
+        """How many of a proposed tree's nodes to verify (its nodes come best first, so a prefix
+        is the best tree of its size): the most expected committed tokens per second, the
+        proposal's own cost included, at most `budget`. A chain is cut the same way."""
+        if budget <= 0 or not parents:
+            return 0
+        costs = self.m.costs()
+        tokens = expected_tree_tokens(parents, self._acceptance(self._key(method, ngram_match)).table())
+        best, best_rate = 1, -1.0
+        for n in range(1, min(budget, len(parents)) + 1):
+            rate = tokens[n] / max(costs.step_ms(method, n), 1e-9)
+            if rate > best_rate * (1 + 1e-9):
+                best, best_rate = n, rate
         return best
 
     def decode_run(self, remaining: int) -> int:
@@ -320,7 +366,8 @@ class AutoPolicy:
         matches a run misses)."""
         return self.ngram_chosen.get(0.0) > NGRAM_WATCH and self.m.sessions < 2
 
-    def observe(self, choice: Choice, accepted: int, ngram_match: int = 0) -> None:
+    def observe(self, choice: Choice, accepted: int, ngram_match: int = 0, tried=None) -> None:
+        """tried: the verify's (depth - 1, rank, accepted) per tried node, for trees."""
         if choice.method == "none":
             return
         if not self.probing and accepted > 0:
@@ -329,5 +376,8 @@ class AutoPolicy:
             # match would otherwise restart runs from one token, a Decode round trip each).
             self.run = 1
         key = self._key(choice.method, ngram_match)
-        self._acceptance(key).update(choice.k, accepted)
-        self.m.acceptance(key).update(choice.k, accepted)
+        for acc in (self._acceptance(key), self.m.acceptance(key)):
+            if tried is None:
+                acc.update(choice.k, accepted)
+            else:
+                acc.update_tried(tried)

@@ -12,6 +12,13 @@ exactly the target's (DESIGN §3):
 * with draft probabilities q (sampled drafts): accept x with min(1, p'(x)/q(x)); on
   rejection p' <- norm(max(p' - q, 0)) (Leviathan et al.; for siblings drawn i.i.d. from
   the same q this is SpecInfer's multi-draft rule).
+
+A tree may mix the two kinds: a node whose row of `draft_probs` is all zero was chosen
+deterministically and is tested by the target-only rule. Each test, of either kind, emits a
+token distributed exactly as the p' it starts from (accepted, or drawn later from the residual
+it leaves), whatever the order of the siblings and however the deterministic ones were chosen,
+as long as the draft chose them without seeing the target's coins; so a sampled spine with
+deterministic side branches is lossless too (`tests/test_tree_verify.py` enumerates it).
 """
 from __future__ import annotations
 
@@ -54,14 +61,16 @@ def verify_greedy(logits: torch.Tensor, tree: Tree) -> VerifyResult:
 
 def verify_sampling(logits: torch.Tensor, tree: Tree, params: SamplingParams,
                     generator: torch.Generator, draft_probs: torch.Tensor | None = None) -> VerifyResult:
-    """draft_probs[i] is the distribution node i was drawn from (None: deterministic draft)."""
+    """draft_probs[i] is the distribution node i was drawn from (None, or a row of zeros: a
+    deterministic node)."""
+    sampled = [False] * len(tree) if draft_probs is None else (draft_probs.sum(-1) > 0).tolist()
     node, path = -1, []
     while True:
         p = probs_from_logits(logits[node + 1], params).double()
         accepted = None
         for child in tree.children(node):
             x = tree.token_ids[child]
-            if draft_probs is None:
+            if not sampled[child]:
                 ratio = float(p[x])
             else:
                 q = draft_probs[child].double()
@@ -70,7 +79,7 @@ def verify_sampling(logits: torch.Tensor, tree: Tree, params: SamplingParams,
             if _uniform(generator, logits.device) < ratio:
                 accepted = child
                 break
-            if draft_probs is None:
+            if not sampled[child]:
                 p[x] = 0.0
             else:
                 p = torch.clamp(p - q, min=0.0)

@@ -97,8 +97,8 @@ def test_forward_model_with_one_session_predicts_what_it_saw():
 def test_acceptance_counts_the_positions_that_were_looked_at():
     acc = Acceptance(4, prior=[0.5] * 4, prior_weight=0.0)
     acc.update(3, 1)           # draft 1 accepted, draft 2 rejected, draft 3 never looked at
-    assert acc.trials[:3] == pytest.approx([1.0, 1.0, 0.0])
-    assert acc.hits[:3] == pytest.approx([1.0, 0.0, 0.0])
+    assert acc.trials[0][:3] == pytest.approx([1.0, 1.0, 0.0])      # rank 0: the chain
+    assert acc.hits[0][:3] == pytest.approx([1.0, 0.0, 0.0])
     acc = Acceptance(4, prior=[0.5] * 4, prior_weight=2.0)
     assert acc.rates() == [0.5] * 4
     acc.update(2, 2)

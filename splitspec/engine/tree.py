@@ -7,6 +7,10 @@ from dataclasses import dataclass
 
 import torch
 
+# Drafted nodes one proposal may hold (a verify of root + 64 tokens): past this a tree's extra
+# nodes are accepted too rarely to pay for their rows in every batched forward.
+MAX_DRAFT_NODES = 64
+
 
 class TreeError(ValueError):
     """A draft tree is malformed; the message names the field and node."""

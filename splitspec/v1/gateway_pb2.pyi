@@ -83,14 +83,16 @@ class SpeculativeStats(_message.Message):
     def __init__(self, method: _Optional[str] = ..., verify_steps: _Optional[int] = ..., accept_length: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[int] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., wire_ms: _Optional[float] = ..., hidden_state_bytes: _Optional[int] = ..., draft_fallbacks: _Optional[int] = ..., target_failovers: _Optional[int] = ..., time_to_first_token_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., steps_by_method: _Optional[_Mapping[str, int]] = ..., steps: _Optional[_Iterable[_Union[SpeculativeStep, _Mapping]]] = ...) -> None: ...
 
 class SpeculativeStep(_message.Message):
-    __slots__ = ("method", "k", "accepted")
+    __slots__ = ("method", "k", "accepted", "depth")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    DEPTH_FIELD_NUMBER: _ClassVar[int]
     method: str
     k: int
     accepted: int
-    def __init__(self, method: _Optional[str] = ..., k: _Optional[int] = ..., accepted: _Optional[int] = ...) -> None: ...
+    depth: int
+    def __init__(self, method: _Optional[str] = ..., k: _Optional[int] = ..., accepted: _Optional[int] = ..., depth: _Optional[int] = ...) -> None: ...
 
 class Complete(_message.Message):
     __slots__ = ("finish_reason", "usage", "stats")
