@@ -66,7 +66,7 @@ class EngineMetrics:
 
 class StateCollector(Collector):
     """Gauges and counters read from a service's live state at scrape time. `read` returns a
-    dict with any of: running, waiting, kv_blocks_used, kv_blocks_free, forwards, rows; a
+    dict with any of: running, waiting, proposals_waiting, kv_blocks_used, kv_blocks_free, forwards, rows; a
     service that is still loading returns {} and exports nothing for them."""
 
     def __init__(self, read: Callable[[], dict]):
@@ -79,6 +79,8 @@ class StateCollector(Collector):
         state = self.read()
         gauges = [("running", "num_requests_running", "Sessions scheduled (running) now."),
                   ("waiting", "num_requests_waiting", "Sessions waiting for admission."),
+                  ("proposals_waiting", "num_proposals_waiting",
+                   "Draft Opens and Proposes waiting for the next batched draft forward."),
                   ("kv_blocks_used", "kv_blocks_used", "KV pool blocks holding tokens."),
                   ("kv_blocks_free", "kv_blocks_free", "KV pool blocks free.")]
         for key, name, doc in gauges:
