@@ -34,6 +34,9 @@ NOT_PERMITTED = 77
 IN_NAMESPACE = "SPLITSPEC_SCALEOUT_NAMESPACE"
 TARGETS = {"target-a": "127.0.0.2", "target-b": "127.0.0.3"}
 DRAFTS = {"draft-a": "127.0.0.4", "draft-b": "127.0.0.5"}
+# A third replica of each, started and added to the names during the scale-up check.
+ADDED_TARGETS = {"target-c": "127.0.0.6"}
+ADDED_DRAFTS = {"draft-c": "127.0.0.7"}
 GATEWAY_HOST = "127.0.0.1"
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -53,6 +56,9 @@ def add_parser(sub) -> None:
     a("--streams", type=int, default=4, help="concurrent requests while one replica of each is killed")
     a("--max-new-tokens", type=int, default=64, help="tokens per request")
     a("--startup-timeout-s", type=float, default=300.0)
+    a("--max-connection-age-s", type=float, default=2.0,
+      help="the replicas' --max-connection-age-s: how soon the gateway re-resolves the names and finds the "
+           "replicas the scale-up check adds")
 
 
 def namespace_problem() -> str | None:
@@ -108,13 +114,22 @@ def compose_port(compose_file: str, service: str) -> int:
     return int(command[command.index("--port") + 1])
 
 
+def write_hosts(hosts: Path, targets: dict, drafts: dict) -> None:
+    """The names as DNS would answer them. Rewritten in place (same inode), so the bind mount
+    over /etc/hosts shows the new replicas, as a headless Service's DNS does when pods join."""
+    lines = ["127.0.0.1 localhost gateway", "::1 localhost"]
+    lines += [f"{ip} target" for ip in targets.values()] + [f"{ip} draft" for ip in drafts.values()]
+    with open(hosts, "r+" if hosts.exists() else "w") as f:
+        f.seek(0)
+        f.write("\n".join(lines) + "\n")
+        f.truncate()
+
+
 def setup_network(log_dir: Path) -> Path:
     """Loopback up; /etc/hosts (here only) maps `target` and `draft` to both replicas each."""
     subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
     hosts = log_dir / "hosts"
-    lines = ["127.0.0.1 localhost gateway", "::1 localhost"]
-    lines += [f"{ip} target" for ip in TARGETS.values()] + [f"{ip} draft" for ip in DRAFTS.values()]
-    hosts.write_text("\n".join(lines) + "\n")
+    write_hosts(hosts, TARGETS, DRAFTS)
     subprocess.run(["mount", "--bind", str(hosts), "/etc/hosts"], check=True)
     return hosts
 
@@ -139,17 +154,22 @@ class Topology:
         self.procs[name] = svc
         return svc
 
+    def age_flags(self) -> list[str]:
+        # Each replica ends its connections after this age (GOAWAY); streams in flight go on.
+        return ["--max-connection-age-s", str(self.args.max_connection_age_s), "--max-connection-age-grace-s", "600"]
+
     def start_target(self, name: str):
-        return self._start(name, "target", TARGETS[name], self.target_port,
-                           ["--model-path", str(self.model), "--torch-threads", "1"])
+        return self._start(name, "target", {**TARGETS, **ADDED_TARGETS}[name], self.target_port,
+                           ["--model-path", str(self.model), "--torch-threads", "1", *self.age_flags()])
 
     def start_draft(self, name: str):
         if self.draft_model is not None:
             extra = ["--method", "dflash", "--model-path", str(self.draft_model)]
         else:
             extra = ["--method", "ngram"]
-        return self._start(name, "draft", DRAFTS[name], self.draft_port,
-                           [*extra, "--target-model-path", str(self.model), "--torch-threads", "1"])
+        return self._start(name, "draft", {**DRAFTS, **ADDED_DRAFTS}[name], self.draft_port,
+                           [*extra, "--target-model-path", str(self.model), "--torch-threads", "1",
+                            *self.age_flags()])
 
     def start_all(self) -> None:
         t = self.args.startup_timeout_s
@@ -215,10 +235,20 @@ def run_checks(top: Topology) -> dict:
     report = {"method": method, "gateway_command": ["splitspec-gateway", *top.gateway_flags],
               "replicas": {**TARGETS, **DRAFTS}, "logs": {}}
 
-    # 1. Sessions spread over both replicas of each backend.
-    report["spread"] = [generate(top.gateway_address, prompt_for(i), a.max_new_tokens, method)
-                        for i in range(a.requests)]
-    report["sessions_after_spread"] = {n: top.log_events(n, "session_opened") for n in [*TARGETS, *DRAFTS]}
+    # 1. Sessions spread over both replicas of each backend: at least --requests requests, and
+    # on until every replica has had a session (the gateway's connections to a replica may come
+    # up later than to its twin on a loaded machine), within a bound.
+    def opened(names) -> dict:
+        return {n: top.log_events(n, "session_opened") for n in names}
+    report["spread"] = []
+    deadline = time.monotonic() + 300
+    while len(report["spread"]) < 10 * a.requests:
+        report["spread"].append(generate(top.gateway_address, prompt_for(len(report["spread"])), a.max_new_tokens,
+                                         method))
+        spread = opened([*TARGETS, *DRAFTS])
+        if len(report["spread"]) >= a.requests and all(spread.values()) or time.monotonic() > deadline:
+            break
+    report["sessions_after_spread"] = opened([*TARGETS, *DRAFTS])
 
     # 2. Kill one replica of each while requests stream: once every request has its first
     # chunk and both victims hold sessions in flight.
@@ -256,6 +286,25 @@ def run_checks(top: Topology) -> dict:
             break
     report["sessions_on_restarted"] = {n: top.log_events(n, "session_opened") - before[n]
                                        for n in ("target-a", "draft-a")}
+
+    # 4. Scale up: a third replica of each starts and joins the names (as a new pod joins a
+    # headless Service). The gateway resolved the names long ago and keeps its connections, so
+    # it finds the new replicas only by re-resolving, which it does when a replica ends a
+    # connection at its --max-connection-age-s; sessions then reach the new replicas.
+    for name in ADDED_TARGETS:
+        top.start_target(name).wait_healthy(a.startup_timeout_s)
+    for name in ADDED_DRAFTS:
+        top.start_draft(name).wait_healthy(a.startup_timeout_s)
+    write_hosts(top.hosts, {**TARGETS, **ADDED_TARGETS}, {**DRAFTS, **ADDED_DRAFTS})
+    report["after_scale_up"] = []
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        report["after_scale_up"].append(generate(top.gateway_address, prompt_for(300 + len(report["after_scale_up"])),
+                                                 a.max_new_tokens // 2, method))
+        if all(opened([*ADDED_TARGETS, *ADDED_DRAFTS]).values()):
+            break
+    report["sessions_on_added"] = opened([*ADDED_TARGETS, *ADDED_DRAFTS])
+    report["added_replicas"] = {**ADDED_TARGETS, **ADDED_DRAFTS}
     report["logs"] = {n: str(top.log_dir / n / f"{svc.name}.log") for n, svc in top.procs.items()}
     return report
 
@@ -263,8 +312,9 @@ def run_checks(top: Topology) -> dict:
 def run_inside(args) -> int:
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="splitspec-scaleout-")).resolve()
     log_dir.mkdir(parents=True, exist_ok=True)
-    setup_network(log_dir)
+    hosts = setup_network(log_dir)
     top = Topology(args, log_dir)
+    top.hosts = hosts
     try:
         top.start_all()
         print(f"scale-out topology up in a private namespace (pid {os.getpid()}): gateway "
