@@ -49,14 +49,15 @@ class ChatTemplate:
     def available(self) -> bool:
         return self._compiled is not None
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+        """kwargs: the request's chat_template_kwargs (e.g. enable_thinking), as vLLM passes them."""
         if self._compiled is None:
             raise ChatTemplateError(
                 f"model {self.model_id!r} has no chat template (no 'chat_template' in its tokenizer_config.json), "
                 "so chat messages cannot be turned into a prompt; use /v1/completions with a plain prompt")
         try:
-            return self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         **self.special)
+            return self._compiled.render(**{**self.special, **kwargs, "messages": messages,
+                                            "add_generation_prompt": add_generation_prompt})
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"the chat template rejected the messages: {exc}") from None
 

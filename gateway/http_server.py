@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import socket
 import ssl
+from pathlib import Path
 
 import uvicorn
 
 from splitspec.security import ApiKeys
 
+from .chat import ChatTemplate, ChatTemplateError
 from .http_api import create_app
 
 
@@ -43,6 +46,25 @@ class HttpFront:
             self.task.cancel()
 
 
+def load_chat_template(value: str | None) -> str | None:
+    """--chat-template: a file holding a Jinja template, or the template itself (as vLLM's flag
+    takes it); compiled now so a broken one stops the gateway at start-up, not every chat request."""
+    if not value:
+        return None
+    path = Path(value)
+    if path.is_file():
+        text = path.read_text()
+    elif "{" in value:
+        text = value
+    else:
+        raise SystemExit(f"--chat-template {value}: no such file, and not a Jinja template either")
+    try:
+        ChatTemplate(json.dumps({"chat_template": text}), "--chat-template")
+    except ChatTemplateError as exc:
+        raise SystemExit(str(exc)) from None
+    return text
+
+
 async def start_http(servicer, keys: ApiKeys, args, log) -> HttpFront:
     """Listen on --host:--http-port (TLS with --tls-cert; client certificates required with
     --tls-ca, as on the gRPC port) and serve in this event loop."""
@@ -61,7 +83,8 @@ async def start_http(servicer, keys: ApiKeys, args, log) -> HttpFront:
         tls = dict(ssl_certfile=args.tls_cert, ssl_keyfile=args.tls_key)
         if args.tls_ca:
             tls.update(ssl_ca_certs=args.tls_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
-    config = uvicorn.Config(create_app(servicer, keys), log_config=None, access_log=False, lifespan="off",
+    app = create_app(servicer, keys, load_chat_template(getattr(args, "chat_template", None)))
+    config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off",
                             timeout_graceful_shutdown=args.drain_timeout_s, **tls)
     server = _Server(config)
     task = asyncio.ensure_future(server.serve(sockets=[sock]))

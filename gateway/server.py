@@ -356,6 +356,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--http-port", type=int, default=0,
       help="serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /health) "
            "on this port of --host (0: off)")
+    a("--chat-template", default=None,
+      help="chat template for /v1/chat/completions, a file or the Jinja text itself (as vLLM's flag); "
+           "wins over the model's own (tokenizer_config.json's chat_template), for models that have none")
     add_tls_flags(p)
     add_api_key_flags(p)
     return apply_env(p)

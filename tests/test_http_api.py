@@ -151,7 +151,7 @@ def test_errors_map_to_http_statuses(stack, client, model_id):
         client.completions.create(model=model_id, prompt=list(range(3, 300)) * 4, max_tokens=4)
     assert err.value.body["code"] == "out_of_range"
     with pytest.raises(openai.BadRequestError) as err:
-        client.completions.create(model=model_id, prompt=PROMPT, n=2)
+        client.completions.create(model=model_id, prompt=PROMPT, n=0)
     assert err.value.body["param"] == "n"
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="no-such-model", prompt=PROMPT)
