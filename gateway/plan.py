@@ -116,8 +116,8 @@ def _plan_tree(spec: SpeculativeConfig, explicit: dict, method: str, auto: bool,
                                f"tree holds at most {max_nodes} drafted nodes (num_draft_tokens <= {max_nodes + 1})")
     depth = max(1, min(spec.num_steps, depth_cap))
     nodes = max(2, min(nodes, max_nodes))
-    remote = draft is not None and (method == "dflash" or (auto and draft.method == "dflash")
-                                    or (method == "ngram" and draft.method == "ngram"))
+    # An explicit ngram goes to the draft service's index when there is one (as for chains).
+    remote = draft is not None and (method in ("dflash", "ngram") or draft.method == "dflash")
     params = common_pb2.SpeculativeParams(method="dflash" if auto else method, num_steps=depth, topk=topk,
                                           num_draft_tokens=nodes + 1,
                                           draft_sampling=spec.draft_sampling) if remote else None
