@@ -71,6 +71,28 @@ GATEWAY_CASES = [
 ]
 
 
+def sampled(**fields):
+    r = req()
+    for name, value in fields.items():
+        if name == "logit_bias":
+            r.sampling.logit_bias.update(value)
+        else:
+            setattr(r.sampling, name, value)
+    return r
+
+
+GATEWAY_CASES += [
+    ("presence_penalty > 2", sampled(presence_penalty=2.5), INVALID, "sampling.presence_penalty"),
+    ("frequency_penalty nan", sampled(frequency_penalty=math.nan), INVALID, "sampling.frequency_penalty"),
+    ("repetition_penalty = 0", sampled(repetition_penalty=0.0), INVALID, "sampling.repetition_penalty"),
+    ("logit_bias outside the vocab", sampled(logit_bias={9999: 1.0}), INVALID, "sampling.logit_bias"),
+    ("logit_bias > 100", sampled(logit_bias={5: 150.0}), INVALID, "sampling.logit_bias[5]"),
+    ("min_tokens > max_new_tokens", sampled(min_tokens=20, max_new_tokens=4), INVALID, "sampling.min_tokens"),
+    ("logprobs > 20", sampled(logprobs=21), INVALID, "sampling.logprobs"),
+    ("prompt_logprobs < 0", sampled(prompt_logprobs=-1), INVALID, "sampling.prompt_logprobs"),
+]
+
+
 @pytest.mark.parametrize("request_msg,code,field", [c[1:] for c in GATEWAY_CASES],
                          ids=[c[0] for c in GATEWAY_CASES])
 def test_gateway_refuses_bad_input(services, request_msg, code, field):
