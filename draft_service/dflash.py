@@ -27,7 +27,6 @@ from torch import nn
 
 from splitspec.engine.kv_pool import BlockTable, KVPool
 from target_service.config import ConfigError, ModelConfig
-from target_service.loader import load_state, parse_dtype, resolve_device, weight_files
 from target_service.model import MLP, RMSNorm, apply_rope, repeat_kv, rope_cos_sin, rope_inv_freq
 
 log = structlog.get_logger(__name__)
@@ -398,52 +397,6 @@ def block_hidden(model: DFlashDraft, caches: list[DraftCache], last_tokens: list
 def draft_block(model: DFlashDraft, cache: DraftCache, last_token: int, position: int) -> torch.Tensor:
     """Logits [B - 1, V] for the mask slots of block [last_token, MASK...] at `position`."""
     return draft_blocks(model, [cache], [last_token], [position])[0]
-
-
-def draft_classes(raw: dict) -> tuple[type, type]:
-    """(config class, model class) for a draft config.json, by its `architectures`."""
-    archs = raw.get("architectures") or []
-    if "DFlash2DraftModel" in archs:
-        from .dflash2 import DFlash2Config, DFlash2Draft
-        return DFlash2Config, DFlash2Draft
-    if "DFlashDraftModel" in archs:
-        return DFlashConfig, DFlashDraft
-    raise ConfigError(f"draft config.json: architectures={archs!r}; expected ['DFlashDraftModel'] "
-                      f"or ['DFlash2DraftModel']")
-
-
-def load_draft(path: str | Path, target_path: str | Path, *, dtype="float32", device="cpu",
-               block_size_means: str = "verify_width") -> DFlashDraft:
-    path, target_path = Path(path), Path(target_path)
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise ConfigError(f"{cfg_file}: not found; --model-path must be a DFlash draft folder")
-    config_class, model_class = draft_classes(raw := json.loads(cfg_file.read_text()))
-    cfg = config_class.from_dict(raw, block_size_means=block_size_means)
-    log.info("dflash_block_size", architecture=cfg.ARCHITECTURE, block_size=cfg.block_size, drafted_per_step=cfg.num_draft_tokens,
-             stored_as=block_size_means)
-    tcfg = ModelConfig.from_dir(target_path)
-    if tcfg.hidden_size != cfg.hidden_size or tcfg.vocab_size != cfg.vocab_size:
-        raise ConfigError(f"draft expects hidden {cfg.hidden_size} / vocab {cfg.vocab_size}; target "
-                          f"{target_path} has hidden {tcfg.hidden_size} / vocab {tcfg.vocab_size}")
-    if max(cfg.target_layer_ids) >= tcfg.num_hidden_layers:
-        raise ConfigError(f"draft target_layer_ids {list(cfg.target_layer_ids)} exceed the target's "
-                          f"{tcfg.num_hidden_layers} layers")
-    dt, dev = parse_dtype(dtype), resolve_device(device)
-    with torch.device("meta"):
-        model = model_class(cfg)
-    model = model.to_empty(device=dev).to(dt)
-    load_state(model, weight_files(path))
-    tfiles = weight_files(target_path)
-    from safetensors import safe_open
-    names = {"embed": "model.embed_tokens.weight",
-             "lm_head": "lm_head.weight" if "lm_head.weight" in tfiles else "model.embed_tokens.weight"}
-    got = {}
-    for key, name in names.items():
-        with safe_open(tfiles[name], framework="pt") as f:
-            got[key] = f.get_tensor(name).to(dev, dt)
-    model.attach_target(got["embed"], got["lm_head"])
-    return model.eval().requires_grad_(False)
 
 
 def save_draft(model: DFlashDraft, path: str | Path) -> None:

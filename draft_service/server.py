@@ -36,7 +36,8 @@ from splitspec.engine.loop import EngineLoop
 from target_service.scheduler import AdmissionError, DrainingError
 from target_service.server import status_for
 
-from .dflash import BLOCK_SIZE_MEANINGS, load_draft
+from .architectures import load_draft
+from .dflash import BLOCK_SIZE_MEANINGS
 from .proposer import MAX_NGRAM_TOPK, DFlashProposer, NgramProposer, StaleProposeError, max_topk
 from .scheduler import DraftScheduler
 

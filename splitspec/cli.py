@@ -11,6 +11,7 @@
     splitspec bench ...                       benchmark harness (splitspec.bench; docs/benchmarks.md)
     splitspec ceiling ...                     the accept length the target allows any drafter (splitspec.bench.ceiling)
     splitspec bench-drafts --draft A --draft B  draft checkpoints side by side through the services (splitspec.bench.drafts)
+    splitspec bench-trees                       chain vs tree drafts, verify cost by node count (splitspec.bench.trees)
 """
 from __future__ import annotations
 
@@ -114,6 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                    "(see its --help)")
     sub.add_parser("bench-drafts", add_help=False, help="two or more drafts for one target side by side through "
                                                         "the services (see its --help)")
+    sub.add_parser("bench-trees", add_help=False, help="chain vs tree drafts side by side, and verify cost against "
+                                                       "node count (see its --help)")
     return p
 
 
@@ -279,6 +282,9 @@ def main(argv=None) -> None:
     if argv and argv[0] == "bench-drafts":
         from splitspec.bench.drafts import cli_main as bench_drafts_main
         sys.exit(bench_drafts_main(argv[1:]))
+    if argv and argv[0] == "bench-trees":
+        from splitspec.bench.trees import main as bench_trees_main
+        sys.exit(bench_trees_main(argv[1:]))
     args = build_parser().parse_args(argv)
     from splitspec.ops import certs, scaleout
     sys.exit({"up": cmd_up, "generate": cmd_generate, "health": cmd_health,

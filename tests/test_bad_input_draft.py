@@ -11,7 +11,8 @@ import grpc
 import pytest
 import torch
 
-from draft_service.dflash import load_draft, new_draft, save_draft
+from draft_service.architectures import load_draft
+from draft_service.dflash import new_draft, save_draft
 from service_helpers import garbage_error, running_draft, tiny_target_dir
 from splitspec.ops.launch import health_status
 from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc

@@ -10,7 +10,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from draft_service.dflash import DraftCache, block_hidden, layer_masks, load_draft, new_draft, save_draft
+from draft_service.architectures import load_draft
+from draft_service.dflash import DraftCache, block_hidden, layer_masks, new_draft, save_draft
 from draft_service.dflash2 import (DFlash2Config, DFlash2Draft, GroupedDynamicConv, grouped_dynamic_conv,
                                    new_dflash2)
 from draft_service.proposer import DFlashProposer

@@ -147,3 +147,22 @@ def test_the_drafts_declared_tap_stream_reaches_the_target(services, model, targ
         ch.close()
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "hidden_stream" in err.value.details() and "attn_res" in err.value.details()
+
+
+def test_kda_target_verifies_and_rolls_back_draft_trees(stub, model):
+    """DFlash trees (topk 2) on the hybrid target: every verify runs a branching tree through
+    the KDA layers and keeps only the accepted branch's recurrent state; greedy output equals
+    target-only decoding."""
+    refs = [generate(model, p, N_NEW) for p in prompts()[:3]]
+
+    def run(p):
+        req = build_request(p, max_new_tokens=N_NEW, ignore_eos=True, method="dflash")
+        req.speculative.topk, req.speculative.num_draft_tokens = 2, 6
+        return collect(stub.Generate(req, timeout=300))
+    with ThreadPoolExecutor(3) as pool:
+        results = list(pool.map(run, prompts()[:3]))
+    trees = 0
+    for (ids, _, complete), ref in zip(results, refs):
+        assert ids == ref and complete.stats.draft_fallbacks == 0
+        trees += sum(1 for s in complete.stats.steps if s.k > s.depth > 0)
+    assert trees > 0

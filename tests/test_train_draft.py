@@ -15,7 +15,8 @@ import json
 import pytest
 import torch
 
-from draft_service.dflash import DraftCache, draft_block, load_draft, new_draft, save_draft
+from draft_service.architectures import load_draft
+from draft_service.dflash import DraftCache, draft_block, new_draft, save_draft
 from draft_service.proposer import DFlashProposer
 from splitspec.train import draft as trainer
 from splitspec.train.draft_objective import (Anchors, Teacher, block_mask, draft_hidden, objective,

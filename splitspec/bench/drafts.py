@@ -76,7 +76,7 @@ class DraftBench(Bench):
     """Reuses Bench's prompt preparation, tokenizer, context length and sampling params."""
 
     def resolve(self) -> None:
-        from draft_service.dflash import draft_classes
+        from draft_service.architectures import draft_classes
         from splitspec.defaults import DEFAULT_TARGET, model_dir
         a = self.args
         self.target_path = model_dir(a.target_model_path, DEFAULT_TARGET)

@@ -263,7 +263,7 @@ class Bench:
         a = self.args
         self.model = self.draft = self.hf = None
         if any(CONFIGS[k].kind == "inproc" for k in self.configs):
-            from draft_service.dflash import load_draft
+            from draft_service.architectures import load_draft
             from target_service.loader import load_model
             self.model = load_model(self.target_path, device=a.device)
             self.draft = load_draft(self.draft_path, self.target_path, device=a.device)
@@ -275,7 +275,7 @@ class Bench:
     def resolve_width(self) -> None:
         w = self.args.num_draft_tokens
         if w is None and self.draft_path is not None:
-            from draft_service.dflash import draft_classes
+            from draft_service.architectures import draft_classes
             raw = json.loads((self.draft_path / "config.json").read_text())
             w = draft_classes(raw)[0].from_dict(raw).block_size
         self.width = w or 8

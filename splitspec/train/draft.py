@@ -200,7 +200,7 @@ def resolve_mask_id(args, target_path) -> int:
 
 def build_draft(args, target, layer_ids, mask_id) -> DFlashDraft:
     if args.init_from:
-        from draft_service.dflash import load_draft
+        from draft_service.architectures import load_draft
         draft = load_draft(args.init_from, args.target_model_path, device=args.device).requires_grad_(True)
     else:
         draft = new_backbone(args, target, layer_ids, mask_id)
@@ -378,7 +378,7 @@ def metrics(args, draft, state, info, ev, started, command, layer_ids, tcfg) -> 
 
 def eval_only(args, target, streams, eos_ids) -> int:
     """Final evaluation of the draft in --out, e.g. when a run was stopped before its own."""
-    from draft_service.dflash import load_draft
+    from draft_service.architectures import load_draft
     out = Path(args.out)
     m = json.loads((out / "training_metrics.json").read_text())
     draft = load_draft(out, args.target_model_path)

@@ -1,0 +1,68 @@
+"""The draft architectures this service loads, in one place: a checkpoint's config.json names
+its class (`architectures`), and `load_draft` builds it and attaches the target's embedding and
+head. `dflash.py` (the DFlash backbone) and `dflash2.py` (DFlash2, built on it) know nothing of
+each other beyond that inheritance; this module is the only one that knows both."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import structlog
+import torch
+
+from target_service.config import ConfigError, ModelConfig
+from target_service.loader import load_state, parse_dtype, resolve_device, weight_files
+
+from .dflash import DFlashConfig, DFlashDraft
+from .dflash2 import DFlash2Config, DFlash2Draft
+
+log = structlog.get_logger()
+
+ARCHITECTURES: dict[str, tuple[type, type]] = {
+    DFlashConfig.ARCHITECTURE: (DFlashConfig, DFlashDraft),
+    DFlash2Config.ARCHITECTURE: (DFlash2Config, DFlash2Draft),
+}
+
+
+def draft_classes(raw: dict) -> tuple[type, type]:
+    """(config class, model class) for a draft config.json, by its `architectures`."""
+    archs = raw.get("architectures") or []
+    for name in archs:
+        if name in ARCHITECTURES:
+            return ARCHITECTURES[name]
+    raise ConfigError(f"draft config.json: architectures={archs!r}; expected one of "
+                      f"{[[name] for name in ARCHITECTURES]}")
+
+
+def load_draft(path: str | Path, target_path: str | Path, *, dtype="float32", device="cpu",
+               block_size_means: str = "verify_width") -> DFlashDraft:
+    path, target_path = Path(path), Path(target_path)
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise ConfigError(f"{cfg_file}: not found; --model-path must be a DFlash draft folder")
+    config_class, model_class = draft_classes(raw := json.loads(cfg_file.read_text()))
+    cfg = config_class.from_dict(raw, block_size_means=block_size_means)
+    log.info("dflash_block_size", architecture=cfg.ARCHITECTURE, block_size=cfg.block_size, drafted_per_step=cfg.num_draft_tokens,
+             stored_as=block_size_means)
+    tcfg = ModelConfig.from_dir(target_path)
+    if tcfg.hidden_size != cfg.hidden_size or tcfg.vocab_size != cfg.vocab_size:
+        raise ConfigError(f"draft expects hidden {cfg.hidden_size} / vocab {cfg.vocab_size}; target "
+                          f"{target_path} has hidden {tcfg.hidden_size} / vocab {tcfg.vocab_size}")
+    if max(cfg.target_layer_ids) >= tcfg.num_hidden_layers:
+        raise ConfigError(f"draft target_layer_ids {list(cfg.target_layer_ids)} exceed the target's "
+                          f"{tcfg.num_hidden_layers} layers")
+    dt, dev = parse_dtype(dtype), resolve_device(device)
+    with torch.device("meta"):
+        model = model_class(cfg)
+    model = model.to_empty(device=dev).to(dt)
+    load_state(model, weight_files(path))
+    tfiles = weight_files(target_path)
+    from safetensors import safe_open
+    names = {"embed": "model.embed_tokens.weight",
+             "lm_head": "lm_head.weight" if "lm_head.weight" in tfiles else "model.embed_tokens.weight"}
+    got = {}
+    for key, name in names.items():
+        with safe_open(tfiles[name], framework="pt") as f:
+            got[key] = f.get_tensor(name).to(dev, dt)
+    model.attach_target(got["embed"], got["lm_head"])
+    return model.eval().requires_grad_(False)
