@@ -332,7 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
       help="default method for requests that do not choose one (default: AUTO with --draft, else NONE; "
            "AUTO picks drafter and draft length per step)")
     a("--speculative-num-steps", type=int, default=7, help="draft depth per branch")
-    a("--speculative-eagle-topk", type=int, default=1, help="branching factor per step (1 = chain)")
+    a("--speculative-eagle-topk", type=int, default=1,
+      help="branching factor per step (1 = chain; > 1: token trees, see docs/speculation.md)")
     a("--speculative-num-draft-tokens", type=int, default=8, help="verify width: root + drafted tokens")
     a("--speculative-draft-sampling", default="greedy", choices=list(DRAFT_SAMPLING),
       help="greedy drafts (target-only verification) or sampled drafts with min(1, p/q)")
