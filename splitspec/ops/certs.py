@@ -14,7 +14,7 @@ from pathlib import Path
 
 SERVICES = ("target", "draft", "gateway", "client")
 DNS_NAMES = ("localhost", "target", "draft", "gateway")
-SCALEOUT_ADDRESSES = ("127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5")
+SCALEOUT_ADDRESSES = ("127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5", "127.0.0.6", "127.0.0.7")
 IP_ADDRESSES = ("127.0.0.1", "::1", *SCALEOUT_ADDRESSES)
 
 
