@@ -16,6 +16,8 @@
     auto-grpc      (g) method "auto" through the services: per step the gateway picks DFlash, its own
                        n-gram index or a target-only step, and the draft length, by expected
                        committed tokens per second (gateway/cost_model.py).
+    dflash-tree-grpc (h) (b) with token trees (`--tree TOPK:WIDTH`, default topk 4, 16-wide verify).
+    auto-tree-grpc   (i) (g) with token trees: auto may draft trees and cuts each to the size it prices best.
 
 Every run generates exactly max_new_tokens tokens (eos is ignored), so every configuration does
 the same amount of work on the same prompts.
@@ -43,6 +45,7 @@ class ConfigInfo:
     method: str        # speculative method: none | dflash | ngram
     speculative: bool
     description: str
+    tree: bool = False     # requests carry the bench's --tree (topk > 1) instead of a chain
 
 
 CONFIGS = {c.key: c for c in (
@@ -55,9 +58,13 @@ CONFIGS = {c.key: c for c in (
     ConfigInfo("hf-pld", "f", "hf", "ngram", True, "transformers prompt-lookup decoding"),
     ConfigInfo("auto-grpc", "g", "grpc", "auto", True,
                "auto: the gateway picks DFlash, n-gram or none and the draft length per step"),
+    ConfigInfo("dflash-tree-grpc", "h", "grpc", "dflash", True,
+               "DFlash token trees (--tree) through the services", tree=True),
+    ConfigInfo("auto-tree-grpc", "i", "grpc", "auto", True,
+               "auto with token trees: chain or tree and its size per step", tree=True),
 )}
 # Configurations whose drafts can be greedy or sampled at temperature > 0.
-DRAFT_SAMPLING_CONFIGS = ("dflash-grpc", "dflash-inproc", "auto-grpc")
+DRAFT_SAMPLING_CONFIGS = ("dflash-grpc", "dflash-inproc", "auto-grpc", "dflash-tree-grpc", "auto-tree-grpc")
 
 
 @dataclass
@@ -113,8 +120,9 @@ class GatewayRunner:
     """(a), (b), (d): one Generate stream to the gateway over a real socket."""
 
     def __init__(self, address: str, method: str, width: int, draft_sampling: str = "greedy",
-                 timeout_s: float = 600.0):
-        self.address, self.method, self.width = address, method, width
+                 timeout_s: float = 600.0, tree: tuple[int, int] | None = None):
+        """tree: (topk, verify width) for token trees; None: a chain of `width`."""
+        self.address, self.method, self.width, self.tree = address, method, width, tree
         self.draft_sampling, self.timeout_s = draft_sampling, timeout_s
         self.channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 << 20)])
         self.stub = gateway_pb2_grpc.GenerationStub(self.channel)
@@ -126,6 +134,8 @@ class GatewayRunner:
             req.speculative.num_draft_tokens = self.width
             req.speculative.num_steps = self.width - 1
             req.speculative.draft_sampling = self.draft_sampling
+            if self.tree is not None:
+                req.speculative.topk, req.speculative.num_draft_tokens = self.tree
         return req
 
     def run(self, prompt_ids, max_new: int, params: SamplingParams, on_chunk=None) -> Sample:

@@ -59,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--warmup", type=int, default=2, help="warm-up requests per configuration (not timed)")
     a("--num-draft-tokens", type=int, default=None,
       help="verify width: root + drafted tokens (default: the draft's block size, else 8)")
+    a("--tree", default="4:16", help="TOPK:WIDTH of the tree configurations (dflash-tree-grpc, auto-tree-grpc): "
+      "children per node and verify width (root + nodes)")
     a("--seed", type=int, default=0, help="request i of repeat r uses seed + 1000 r + i at temperature > 0")
     a("--concurrency", default="1,4,16,64", help="stream counts of the concurrency sweep ('' to skip)")
     a("--sweep-configs", default="target,dflash-grpc,ngram-grpc,auto-grpc", help="configurations in the sweep")
@@ -279,6 +281,8 @@ class Bench:
             raw = json.loads((self.draft_path / "config.json").read_text())
             w = draft_classes(raw)[0].from_dict(raw).block_size
         self.width = w or 8
+        topk, tree_width = (int(x) for x in self.args.tree.split(":"))
+        self.tree = (topk, tree_width)
         if self.width < 2:
             raise SystemExit("--num-draft-tokens must be >= 2")
 
@@ -292,7 +296,8 @@ class Bench:
                 suffix = key in DRAFT_SAMPLING_CONFIGS and temperature > 0
                 name = f"{key}:{'sampled' if mode == 'sample' else 'greedy'}-drafts" if suffix else key
                 if info.kind == "grpc":
-                    runner = GatewayRunner(self.gateway, info.method, self.width, mode, self.args.timeout_s)
+                    runner = GatewayRunner(self.gateway, info.method, self.width, mode, self.args.timeout_s,
+                                           tree=self.tree if info.tree else None)
                     self.runners.append(runner)
                 elif info.kind == "inproc":
                     runner = InprocRunner(self.model, self.draft, self.width, mode)
@@ -403,7 +408,8 @@ class Bench:
     def _sweep_point(self, key: str, level: int, temperature: float, baseline_outputs: dict) -> dict:
         a = self.args
         info = CONFIGS[key]
-        runner = GatewayRunner(self.gateway, info.method, self.width, "greedy", a.timeout_s)
+        runner = GatewayRunner(self.gateway, info.method, self.width, "greedy", a.timeout_s,
+                               tree=self.tree if info.tree else None)
         self.runners.append(runner)
         n = max(level, a.sweep_requests)
         jobs = [(j % len(self.prompt_ids), self.params(temperature, a.seed + 500_000 + j)) for j in range(n)]
@@ -462,7 +468,8 @@ class Bench:
         a = self.args
         info = CONFIGS[key]
         temperature = self.temperatures[0]
-        runner = GatewayRunner(self.gateway, info.method, self.width, "greedy", a.timeout_s)
+        runner = GatewayRunner(self.gateway, info.method, self.width, "greedy", a.timeout_s,
+                               tree=self.tree if info.tree else None)
         self.runners.append(runner)
         long_ids, long_new = self.long_prompt(), MIXED_LONG_NEW_TOKENS
         n = a.mixed_streams
