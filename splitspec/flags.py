@@ -27,6 +27,16 @@ class ListFlag(argparse.Action):
         setattr(namespace, self.dest, items)
 
 
+class _EnvAppend(argparse._AppendAction):
+    """A repeatable flag whose default came from the environment: its first use on the command
+    line replaces that list, so the command line wins as it does for every other flag."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, self.dest, None) is self.default:
+            setattr(namespace, self.dest, [])
+        super().__call__(parser, namespace, values, option_string)
+
+
 def _convert(action: argparse.Action, raw: str, name: str):
     if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
         low = raw.strip().lower()
@@ -59,4 +69,6 @@ def apply_env(parser: argparse.ArgumentParser, environ=None) -> argparse.Argumen
         if name in environ:
             action.default = _convert(action, environ[name], name)
             action.required = False
+            if type(action) is argparse._AppendAction:
+                action.__class__ = _EnvAppend
     return parser
