@@ -574,8 +574,6 @@ class OpenAIApi:
                     req.request_id = f"{rid}-{index}"
                 if req.sampling.HasField("seed"):
                     req.sampling.seed = choice_seed(base.sampling.seed, i)
-                if i and req.sampling.HasField("prompt_logprobs"):
-                    req.sampling.ClearField("prompt_logprobs")    # one prompt, scored once
                 requests.append(req)
                 choices.append(Choice(index, p))
         head = {"id": rid, "created": int(time.time()), "model": self._info().model_id}

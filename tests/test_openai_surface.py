@@ -22,7 +22,7 @@ from splitspec.engine.sample import SamplingParams, probs_from_logits
 from splitspec.ops.launch import free_port
 from target_service.engine import TargetSequence
 from target_service.loader import load_model
-from test_dflash import chi_square_pvalue
+from conftest import chi2_pvalue
 
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
             "{% if shout %}LOUDLY {% endif %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
@@ -161,6 +161,12 @@ def test_echo_scores_the_prompt_like_transformers(client, target_dir, stream):
     got = client.completions.create(model="", prompt=prompt, max_tokens=5, echo=True, logprobs=1, temperature=0,
                                     extra_body={"ignore_eos": True})
     assert len(got.choices[0].logprobs.tokens) == len(prompt) + 5
+    # With n > 1 every choice echoes and scores its prompt.
+    got = client.completions.create(model="", prompt=prompt, max_tokens=2, echo=True, logprobs=0, n=2,
+                                    temperature=0, extra_body={"ignore_eos": True})
+    assert [len(c.logprobs.tokens) for c in got.choices] == [len(prompt) + 2] * 2
+    first, second = (c.logprobs.token_logprobs for c in got.choices)   # batched together or not: fp32 rounding
+    assert first[0] is None is second[0] and max(abs(a - b) for a, b in zip(first[1:], second[1:])) < 1e-4
 
 
 def test_n_and_batched_prompts_are_indexed_like_openai(client):
@@ -271,7 +277,9 @@ def test_sampling_with_penalties_follows_the_target_distribution(services, model
     counts = collections.Counter(ids for ids, _ in results)
     assert set(counts) <= set(joint)
     assert sum(1 for _, st in results if any(s.k for s in st.steps)) > 0
-    assert chi_square_pvalue(counts, joint, samples) > 1e-3
+    keys = sorted(joint)
+    total = sum(joint.values())
+    assert chi2_pvalue([counts.get(k, 0) for k in keys], [joint[k] / total for k in keys]) > 1e-3
 
 
 def test_chat_template_flag_and_kwargs(client):
@@ -280,6 +288,10 @@ def test_chat_template_flag_and_kwargs(client):
     loud = client.chat.completions.create(model="", messages=messages, max_tokens=2, temperature=0,
                                           extra_body={"chat_template_kwargs": {"shout": True}})
     assert loud.usage.prompt_tokens > plain.usage.prompt_tokens
+    events = list(client.chat.completions.create(model="", messages=messages, max_tokens=2, temperature=0, stream=True,
+                                                 stream_options={"include_usage": True},
+                                                 extra_body={"chat_template_kwargs": {"shout": True}}))
+    assert events[-1].usage.prompt_tokens == loud.usage.prompt_tokens
 
 
 BAD = [
@@ -310,6 +322,9 @@ def test_out_of_range_values_get_a_400_naming_the_field(client, extra, param):
         client.completions.create(model="", **{k: body.pop(k) for k in ("prompt",)}, extra_body=body)
     assert err.value.body["param"] == param, err.value.body
     assert param.split("[")[0] in err.value.message
+    with pytest.raises(openai.BadRequestError) as err:          # a stream is refused before it starts
+        client.completions.create(model="", prompt="x", stream=True, extra_body={"max_tokens": 4, **extra})
+    assert err.value.body["param"] == param
 
 
 def test_chat_errors_and_unknown_fields(client):
