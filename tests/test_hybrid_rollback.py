@@ -14,6 +14,7 @@ from splitspec.engine.tree import Tree
 from target_service.engine import TargetSequence, generate
 from target_service.loader import load_model
 from target_service.pools import make_pool
+from target_service.state_pool import ROLLBACKS
 
 W = 6
 STACKS = {
@@ -21,6 +22,16 @@ STACKS = {
     "kda_only": dict(kda=(1, 2, 3), mla=()),
     "mla_only": dict(kda=(), mla=(1, 2)),
 }
+
+
+# Stacks with recurrent (KDA) state, where the rollback strategy matters. MLA-only and DeepSeek
+# stacks have none: a strategy there does nothing, so they run once, with None.
+STATEFUL = {"mixed": True, "kda_only": True, "mla_only": False, "deepseek": False}
+
+
+def rollback_cases(stacks):
+    return ([(s, rb) for s in stacks if STATEFUL[s] for rb in ROLLBACKS]
+            + [(s, None) for s in stacks if not STATEFUL[s]])
 
 
 # Many tiny forwards: thread start-up costs more than it saves.
@@ -39,6 +50,33 @@ def fresh_next_logits(model, tokens):
         return model(torch.tensor([tokens])).logits[0, -1]
 
 
+def start(model, prompt, rollback):
+    seq = TargetSequence(model, prompt, max_len=64)
+    assert (seq.pool.states is None) == (rollback is None)
+    if rollback is not None:
+        seq.pool.states.rollback = rollback
+    seq.prefill()
+    return seq
+
+
+def verify(seq, tree, rollback, monkeypatch):
+    """seq.verify(tree), checking that the verify forward kept what `rollback` keeps in every
+    KDA layer (per-token states for snapshot, per-token inputs for replay): a strategy that
+    was set but never reached would otherwise pass as that strategy."""
+    plans = []
+    real = runner.StatePlan
+    monkeypatch.setattr(runner, "StatePlan", lambda *a, **k: plans.append(real(*a, **k)) or plans[-1])
+    out = seq.verify(tree)
+    monkeypatch.setattr(runner, "StatePlan", real)
+    if rollback is not None:
+        (plan,) = [p for p in plans if any(r.verify for r in p.rows)]
+        assert plan.rollback == rollback and plan.pending
+        for record in plan.pending.values():
+            assert (record.hist is not None) == (rollback == "snapshot")
+            assert bool(record.inputs) == (rollback == "replay")
+    return out
+
+
 def next_logits(seq, monkeypatch):
     seen = []
     real = runner.sample
@@ -48,8 +86,7 @@ def next_logits(seq, monkeypatch):
     return seen[0]
 
 
-@pytest.mark.parametrize("rollback", ["snapshot", "replay"])
-@pytest.mark.parametrize("stack", ["mixed", "kda_only", "mla_only", "deepseek"])
+@pytest.mark.parametrize("stack, rollback", rollback_cases(["mixed", "kda_only", "mla_only", "deepseek"]))
 def test_verify_accepting_k_of_w_leaves_the_state_of_the_accepted_sequence(models, stack, rollback, monkeypatch):
     model = models[stack]
     prompt = [5, 17, 9, 33, 2, 71, 8]
@@ -59,10 +96,8 @@ def test_verify_accepting_k_of_w_leaves_the_state_of_the_accepted_sequence(model
         drafts[k:] = [(t + 1 + k) % 128 for t in drafts[k:]]     # wrong from draft k on
         if k < W:
             assert drafts[k] != greedy[k + 1]
-        seq = TargetSequence(model, prompt, max_len=64)
-        seq.pool.states is None or setattr(seq.pool.states, "rollback", rollback)
-        seq.prefill()
-        out = seq.verify(Tree.chain(drafts))
+        seq = start(model, prompt, rollback)
+        out = verify(seq, Tree.chain(drafts), rollback, monkeypatch)
         assert len(out.result.accepted) == k
         assert seq.tokens == prompt + greedy[:k + 2]
         got = next_logits(seq, monkeypatch)
@@ -70,8 +105,7 @@ def test_verify_accepting_k_of_w_leaves_the_state_of_the_accepted_sequence(model
         assert (got - want).abs().max() < 1e-4, f"k={k}"
 
 
-@pytest.mark.parametrize("rollback", ["snapshot", "replay"])
-@pytest.mark.parametrize("stack", ["mixed", "deepseek"])
+@pytest.mark.parametrize("stack, rollback", rollback_cases(["mixed", "deepseek"]))
 def test_tree_verify_keeps_the_state_of_the_accepted_branch(models, stack, rollback, monkeypatch):
     model = models[stack]
     prompt = [5, 17, 9, 33, 2]
@@ -79,10 +113,8 @@ def test_tree_verify_keeps_the_state_of_the_accepted_branch(models, stack, rollb
     bad = [(t + 7) % 128 for t in g]
     # root -> [bad1 -> bad2] and root -> [g1 -> g2 -> bad3]: the second branch is accepted, 2 deep.
     tree = Tree(token_ids=(bad[1], bad[2], g[1], g[2], bad[3]), parents=(-1, 0, -1, 2, 3))
-    seq = TargetSequence(model, prompt, max_len=64)
-    seq.pool.states is None or setattr(seq.pool.states, "rollback", rollback)
-    seq.prefill()
-    out = seq.verify(tree)
+    seq = start(model, prompt, rollback)
+    out = verify(seq, tree, rollback, monkeypatch)
     assert out.result.accepted == [2, 3]
     assert seq.tokens == prompt + g[:4]
     got = next_logits(seq, monkeypatch)
