@@ -327,7 +327,7 @@ def test_out_of_range_values_get_a_400_naming_the_field(client, extra, param):
     assert err.value.body["param"] == param
 
 
-def test_chat_errors_and_unknown_fields(client):
+def test_chat_errors_and_unknown_fields(client, services):
     messages = [{"role": "user", "content": "hi"}]
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model="", messages=messages, top_logprobs=3, max_tokens=2)
@@ -338,6 +338,22 @@ def test_chat_errors_and_unknown_fields(client):
     # Unknown fields are ignored (and logged), as vLLM does.
     ok = client.chat.completions.create(model="", messages=messages, max_tokens=2, extra_body={"no_such_field": 1})
     assert ok.choices[0].message.content is not None
+    logged = [json.loads(line) for line in services[2].log_path.read_text().splitlines() if "http_unknown_fields" in line]
+    assert any(e["fields"] == ["no_such_field"] for e in logged)
+
+
+def test_choice_seeds_and_token_bytes(target_dir):
+    from tokenizers import Tokenizer
+
+    from gateway.http_api import TokenText, _byte_alphabet, choice_seed
+    seeds = [choice_seed(7, i) for i in range(64)]
+    assert seeds[0] == 7 and len(set(seeds)) == 64 and all(0 <= x < 2 ** 63 for x in seeds)
+    assert choice_seed(7, 1) != choice_seed(8, 0) and choice_seed(7, 1) == choice_seed(7, 1)
+    assert sorted(_byte_alphabet().values()) == list(range(256))
+    tok = Tokenizer.from_file(str(target_dir / "tokenizer.json"))
+    text = TokenText(tok)
+    ids = tok.encode("héllo wörld\n\tdef", add_special_tokens=False).ids
+    assert b"".join(bytes(text(i)[1]) for i in ids).decode() == "héllo wörld\n\tdef"
 
 
 def test_one_failing_choice_keeps_the_others(services, tmp_path):
