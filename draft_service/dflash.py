@@ -27,7 +27,7 @@ from torch import nn
 
 from splitspec.engine.kv_pool import BlockTable, KVPool
 from target_service.config import ConfigError, ModelConfig
-from target_service.model import MLP, RMSNorm, apply_rope, repeat_kv, rope_cos_sin, rope_inv_freq
+from target_service.model import MLP, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
 
 log = structlog.get_logger(__name__)
 
@@ -207,8 +207,9 @@ class DraftAttention(nn.Module):
         q = apply_rope(q, cos, sin)
         k, v = self.kv(x, cos, sin)
         k, v = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)
-        groups = self.n_heads // self.n_kv
-        out = F.scaled_dot_product_attention(q, repeat_kv(k, groups), repeat_kv(v, groups), attn_mask=mask)
+        # Grouped-query attention in the kernel (enable_gqa): repeat_kv would copy every row's whole
+        # context K/V n_heads / n_kv times per layer, the largest copy of a batched Propose.
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -391,7 +392,10 @@ def block_hidden(model: DFlashDraft, caches: list[DraftCache], last_tokens: list
     flat, shape = index.view(-1), (R, C, pool.k.shape[2], pool.k.shape[3])
     ctx = [tuple(t[i].index_select(0, flat).view(shape).transpose(1, 2) for t in (pool.k, pool.v))
            for i in range(len(model.layers))]
-    return model.block_forward(ids, pos, ctx, mask)[:, 1:]
+    # Contiguous, so the lm_head that follows runs as one [R * (B - 1), H] x [H, V] matmul: over
+    # the strided slice torch falls back to a bmm against R expanded copies of the whole head
+    # (8 MB each on the default pair), which made 8 sessions' Propose cost ~8 single ones.
+    return model.block_forward(ids, pos, ctx, mask)[:, 1:].contiguous()
 
 
 def draft_block(model: DFlashDraft, cache: DraftCache, last_token: int, position: int) -> torch.Tensor:
