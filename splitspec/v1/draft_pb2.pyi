@@ -88,7 +88,7 @@ class DraftClosed(_message.Message):
     def __init__(self) -> None: ...
 
 class DraftInfo(_message.Message):
-    __slots__ = ("model_id", "method", "block_size", "mask_token_id", "target_layer_ids", "target_hidden_size", "target_vocab_size", "target_num_layers", "target_tokenizer_hash", "active_sessions", "max_sessions", "dtype", "kv_block_size", "kv_blocks_used", "kv_blocks_free", "forward_passes", "batched_steps", "busy_ms", "architecture", "target_hidden_stream", "max_topk", "max_draft_nodes")
+    __slots__ = ("model_id", "method", "block_size", "mask_token_id", "target_layer_ids", "target_hidden_size", "target_vocab_size", "target_num_layers", "target_tokenizer_hash", "active_sessions", "max_sessions", "dtype", "kv_block_size", "kv_blocks_used", "kv_blocks_free", "forward_passes", "batched_steps", "busy_ms", "architecture", "target_hidden_stream", "max_topk", "max_draft_nodes", "hidden_dtype")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     METHOD_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +111,7 @@ class DraftInfo(_message.Message):
     TARGET_HIDDEN_STREAM_FIELD_NUMBER: _ClassVar[int]
     MAX_TOPK_FIELD_NUMBER: _ClassVar[int]
     MAX_DRAFT_NODES_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_DTYPE_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     method: str
     block_size: int
@@ -133,4 +134,5 @@ class DraftInfo(_message.Message):
     target_hidden_stream: str
     max_topk: int
     max_draft_nodes: int
-    def __init__(self, model_id: _Optional[str] = ..., method: _Optional[str] = ..., block_size: _Optional[int] = ..., mask_token_id: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., target_hidden_size: _Optional[int] = ..., target_vocab_size: _Optional[int] = ..., target_num_layers: _Optional[int] = ..., target_tokenizer_hash: _Optional[str] = ..., active_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_block_size: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., forward_passes: _Optional[int] = ..., batched_steps: _Optional[int] = ..., busy_ms: _Optional[float] = ..., architecture: _Optional[str] = ..., target_hidden_stream: _Optional[str] = ..., max_topk: _Optional[int] = ..., max_draft_nodes: _Optional[int] = ...) -> None: ...
+    hidden_dtype: _common_pb2.DType
+    def __init__(self, model_id: _Optional[str] = ..., method: _Optional[str] = ..., block_size: _Optional[int] = ..., mask_token_id: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., target_hidden_size: _Optional[int] = ..., target_vocab_size: _Optional[int] = ..., target_num_layers: _Optional[int] = ..., target_tokenizer_hash: _Optional[str] = ..., active_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_block_size: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., forward_passes: _Optional[int] = ..., batched_steps: _Optional[int] = ..., busy_ms: _Optional[float] = ..., architecture: _Optional[str] = ..., target_hidden_stream: _Optional[str] = ..., max_topk: _Optional[int] = ..., max_draft_nodes: _Optional[int] = ..., hidden_dtype: _Optional[_Union[_common_pb2.DType, str]] = ...) -> None: ...
