@@ -52,6 +52,14 @@ class GatewayMetrics:
                              "none).", ["method"], registry=r)
         self.steps_by_k = Counter(PREFIX + "spec_decode_steps_by_draft_len",
                                   "Target steps by the number k of drafted tokens verified.", ["k"], registry=r)
+        self.tree_nodes = Histogram(PREFIX + "spec_decode_draft_nodes",
+                                    "Drafted nodes per verified draft (a chain's length, or a tree's size).",
+                                    buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64), registry=r)
+        self.accepted_depth = Histogram(PREFIX + "spec_decode_accepted_depth",
+                                        "Drafted tokens accepted per verified draft (the accepted path's depth).",
+                                        buckets=(0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16), registry=r)
+        self.tree_steps = Counter(PREFIX + "spec_decode_tree_steps",
+                                  "Verified drafts that branched (token trees: more nodes than levels).", registry=r)
         self.committed = Counter(PREFIX + "spec_decode_num_committed_tokens",
                                  "Tokens committed by target steps (accepted drafts + bonus; not the prefill's "
                                  "first token).", registry=r)
@@ -95,6 +103,12 @@ class GatewayMetrics:
         for k, n in by_k.items():
             self.steps_by_k.labels(k=str(k)).inc(n)
         self.drafts.inc(sum(n for k, n in by_k.items() if k > 0))
+        for _, k, accepted_depth, depth in stats.steps:
+            if k:
+                self.tree_nodes.observe(k)
+                self.accepted_depth.observe(accepted_depth)
+                if k > depth:
+                    self.tree_steps.inc()
         self.draft_tokens.inc(stats.draft_tokens)
         accepted = stats.accepted_per_position
         self.accepted.inc(sum(accepted))

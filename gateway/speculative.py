@@ -78,4 +78,5 @@ def record_step(stats: Stats, method: str, drafted: int, accepted: int, committe
     stats.steps.append((method, drafted, accepted, drafted if depth is None else depth))
     stats.steps_by_method[method] = stats.steps_by_method.get(method, 0) + 1
     if drafted:
-        count_accepted(stats.accepted_per_position, drafted, accepted)
+        # Per depth: a tree's nodes share their depths' positions.
+        count_accepted(stats.accepted_per_position, drafted if depth is None else depth, accepted)

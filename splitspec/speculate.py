@@ -18,11 +18,12 @@ class SpecStats:
     draft_ms: float = 0.0
     verify_ms: float = 0.0
 
-    def record(self, drafted: int, accepted: int, committed: int) -> None:
+    def record(self, drafted: int, accepted: int, committed: int, depth: int | None = None) -> None:
+        """depth: a tree's (its positions are its levels); None: a chain of `drafted`."""
         self.verify_steps += 1
         self.draft_tokens += drafted
         self.committed += committed
-        count_accepted(self.accepted_per_position, drafted, accepted)
+        count_accepted(self.accepted_per_position, drafted if depth is None else depth, accepted)
 
     @property
     def accept_length(self) -> float:
@@ -53,7 +54,8 @@ def speculative_generate(target: TargetSequence, proposer, max_new_tokens: int,
         step = target.verify(prop.tree, prop.draft_probs)
         stats.verify_ms += (time.perf_counter() - t0) * 1e3
         stats.draft_ms += prop.draft_ms
-        stats.record(len(prop.tree), step.result.num_accepted, len(step.committed))
+        stats.record(len(prop.tree), step.result.num_accepted, len(step.committed),
+                     max(prop.tree.depths(), default=0))
         new_ids, new_hidden = step.committed, step.hidden
         out.extend(step.committed)
     return finish(out, max_new_tokens, eos), stats

@@ -64,6 +64,9 @@ def test_request_counters_move_by_the_requests_stats():
                             draft_tokens=20, draft_ms=10.0, verify_ms=30.0, model_ms=25.0, queue_ms=5.0,
                             hidden_state_bytes=4096, draft_fallbacks=1, target_failovers=2,
                             steps_by_method={"dflash": 4, "none": 1}, steps_by_k={4: 4, 0: 1},
+                            # (method, nodes, accepted depth, depth): three chains and one tree
+                            steps=[("dflash", 4, 3, 4), ("dflash", 4, 3, 4), ("dflash", 4, 2, 3),
+                                   ("dflash", 4, 1, 4), ("none", 0, 0, 0)],
                             started=time.perf_counter())
     t0 = stats.started
     marks = [(t0 + 0.1, 1), (t0 + 0.3, 4), (t0 + 0.4, 0), (t0 + 0.5, 10)]
@@ -82,6 +85,9 @@ def test_request_counters_move_by_the_requests_stats():
     assert value(s, "splitspec:spec_decode_steps_by_draft_len_total", k="4") == 4
     assert value(s, "splitspec:spec_decode_steps_by_draft_len_total", k="0") == 1
     assert value(s, "splitspec:spec_decode_num_committed_tokens_total") == 14
+    assert value(s, "splitspec:spec_decode_draft_nodes_count") == 4 and value(s, "splitspec:spec_decode_draft_nodes_sum") == 16
+    assert value(s, "splitspec:spec_decode_accepted_depth_sum") == 9
+    assert value(s, "splitspec:spec_decode_tree_steps_total") == 1
     assert value(s, "splitspec:spec_decode_draft_fallbacks_total") == 1
     assert value(s, "splitspec:target_failovers_total") == 2
     assert value(s, "splitspec:hidden_state_bytes_total") == 4096
