@@ -9,6 +9,7 @@ import os
 import ssl
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 
@@ -154,9 +155,37 @@ def test_cli_clients_speak_tls(stack, pki):
 
 
 def test_no_secret_reaches_a_log(stack, pki):
-    text = "".join(p.read_text(errors="replace") for p in stack["logs"].glob("*.log"))
-    assert KEY not in text and "sk-second" not in text and "PRIVATE KEY" not in text
+    """Sends its own accepted and refused keys over gRPC and HTTP (so it holds run alone), then
+    reads every service's log."""
+    wrong = "sk-wrong-key-9191"
+    with grpc.secure_channel(stack["gateway"].address, client_creds(pki)) as ch:
+        stub = gateway_pb2_grpc.GenerationStub(ch)
+        for key in (KEY, "sk-second"):
+            collect(stub.Generate(build_request([5, 6], max_new_tokens=2), timeout=60,
+                                  metadata=[("authorization", f"Bearer {key}")]))
+        with pytest.raises(grpc.RpcError):
+            list(stub.Generate(build_request([5, 6], max_new_tokens=2), timeout=30,
+                               metadata=[("authorization", f"Bearer {wrong}")]))
+    ctx = ssl.create_default_context(cafile=str(pki / "ca.pem"))
+    ctx.load_cert_chain(str(pki / "client.pem"), str(pki / "client-key.pem"))
+    body = json.dumps({"prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0}).encode()
+    for key in (KEY, wrong):
+        req = urllib.request.Request(f"https://127.0.0.1:{stack['http_port']}/v1/completions", data=body,
+                                     headers={"content-type": "application/json", "authorization": f"Bearer {key}"})
+        try:
+            urllib.request.urlopen(req, context=ctx, timeout=60).read()
+        except urllib.error.HTTPError as exc:
+            assert exc.code == 401 and key == wrong
+    # The gRPC refusal is logged (so these are the logs the requests wrote), without the keys.
+    deadline = time.monotonic() + 30
+    while True:
+        text = "".join(p.read_text(errors="replace") for p in stack["logs"].glob("*.log"))
+        if '"event": "request_unauthenticated"' in text or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     assert '"event": "request_unauthenticated"' in text
+    for secret in (KEY, "sk-second", wrong, "PRIVATE KEY"):
+        assert secret not in text, secret
 
 
 def test_api_keys_and_tls_flags(tmp_path):
