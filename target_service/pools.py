@@ -22,7 +22,9 @@ def make_pool(model, *, block_size: int = 16, num_blocks: int | None = None, bud
     dtype, device = p.dtype, p.device
     h = getattr(cfg, "hybrid", None)
     if h is None:
-        kw = dict(num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim)
+        # A tensor-parallel rank 0 (tp_worker.py) holds only its share of the KV heads.
+        kw = dict(num_layers=cfg.num_hidden_layers, num_kv_heads=getattr(model, "local_kv_heads", cfg.num_key_value_heads),
+                  head_dim=cfg.head_dim)
     else:
         kw = dict(num_layers=len(h.mla_layers), num_kv_heads=1, head_dim=h.kv_lora_rank,
                   v_head_dim=h.qk_rope_head_dim)
@@ -36,11 +38,14 @@ def make_pool(model, *, block_size: int = 16, num_blocks: int | None = None, bud
         if num_blocks < 2:
             raise ValueError(f"a KV budget of {budget_bytes} bytes holds {num_blocks} blocks of {block_size} tokens "
                              f"({per_block} bytes each); at least 2 are needed (--kv-cache-budget-mb)")
-    pool = KVPool(block_size=block_size, num_blocks=num_blocks, dtype=dtype, device=device, **kw)
+    pool = getattr(model, "pool_class", KVPool)(block_size=block_size, num_blocks=num_blocks, dtype=dtype,
+                                                  device=device, **kw)
     if h is not None and h.kda_layers:
         d = h.linear_head_dim
         pool.states = StatePool(num_layers=len(h.kda_layers), num_slots=max_sessions,
                                 conv_channels=3 * h.linear_num_heads * d, conv_kernel=h.conv_kernel,
                                 heads=h.linear_num_heads, k_dim=d, v_dim=d, device=device)
         pool.states.rollback = rollback
+    if hasattr(model, "attach_pool"):       # tensor parallel: the workers build the same blocks
+        model.attach_pool(pool)
     return pool

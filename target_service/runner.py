@@ -20,6 +20,7 @@ from splitspec.engine.sample import SamplingParams, sample
 from splitspec.engine.tree import Tree
 
 from .model import CausalLM, PagedBatch
+from .parallel import TensorParallelError
 from .state_pool import StatePlan, StateRow
 from .verify import VerifyResult
 
@@ -154,10 +155,17 @@ def run_batch(model: CausalLM, pool: KVPool, verifier, steps: list,
         plan.flashinfer = FlashInferPlan(rows, num_qo_heads=cfg.num_attention_heads,
                                          num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
                                          block_size=pool.block_size, dtype=pool.k.dtype, device=device)
-    with torch.inference_mode():
-        logits, hidden = model.forward_batch(
-            torch.tensor(ids, dtype=torch.long, device=device), torch.tensor(positions, device=device),
-            PagedBatch(pool, plan, states), hidden_layers=layers, logits_index=index)
+    try:
+        with torch.inference_mode():
+            logits, hidden = model.forward_batch(
+                torch.tensor(ids, dtype=torch.long, device=device), torch.tensor(positions, device=device),
+                PagedBatch(pool, plan, states), hidden_layers=layers, logits_index=index)
+    except TensorParallelError as exc:
+        # The forward itself failed (a tensor-parallel rank is gone): every row fails with it and
+        # no table moved, so each session is as it was before this step.
+        for i, *_ in live:
+            outputs[i] = exc
+        return outputs
     at = 0
     for row, ((i, start, q), lr) in enumerate(zip(live, logit_rows)):
         step, seq = steps[i], steps[i].seq

@@ -33,6 +33,7 @@ from .scheduler import AdmissionError, ClosedError, ContextError, DrainingError,
 from splitspec.engine.flashinfer_attention import AttentionBackendError
 from splitspec.engine.flashinfer_attention import check_available as check_attention_backend
 from .pools import make_pool
+from .parallel import TensorParallelError
 from splitspec.engine.loop import EngineLoop
 from splitspec.engine.tree import TreeError
 
@@ -43,6 +44,7 @@ MAX_TREE_NODES = 256
 _STATUS = [
     (AdmissionError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (DrainingError, grpc.StatusCode.UNAVAILABLE),
+    (TensorParallelError, grpc.StatusCode.UNAVAILABLE),
     (ClosedError, grpc.StatusCode.CANCELLED),
     (ContextError, grpc.StatusCode.OUT_OF_RANGE),
     (StaleError, grpc.StatusCode.ABORTED),
@@ -79,6 +81,7 @@ class TargetState:
         tok_cfg = path / "tokenizer_config.json"
         self.tokenizer_config_json = tok_cfg.read_text() if tok_cfg.is_file() else ""
         self.tokenizer_hash = tokenizer_hash(path)
+        self.failure: str | None = None     # why this replica is out of service for good (a lost TP rank)
 
 
 class TargetServicer(target_pb2_grpc.TargetServicer):
@@ -103,9 +106,14 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
             max_queued_requests=sched.max_queued, kv_block_size=sched.pool.block_size,
             kv_blocks_used=sched.pool.used_blocks, kv_blocks_free=sched.pool.free_blocks,
             forward_passes=sched.forwards, batched_steps=sched.rows, busy_ms=sched.busy_ms,
-            max_num_batched_tokens=sched.max_batched_tokens)
+            max_num_batched_tokens=sched.max_batched_tokens,
+            tensor_parallel_size=getattr(sched.model, "world", 1),
+            parallel_layout=sched.model.describe() if hasattr(sched.model, "describe") else "tp=1")
 
     async def _scheduler(self, context) -> Scheduler:
+        if self.state.failure is not None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"this target replica is out of service: "
+                                f"{self.state.failure}")
         if self.state.scheduler is None or not self.server.serving:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the target is loading its model; retry when "
                                 "grpc.health.v1 reports SERVING")
@@ -247,6 +255,13 @@ def build_parser() -> argparse.ArgumentParser:
     a("--attention-backend", default="torch", choices=["torch", "flashinfer"],
       help="attention over the paged KV pool: torch (SDPA over gathered blocks, any device) or flashinfer "
            "(CUDA: batch prefill over the paged cache with the rows' tree masks)")
+    a("--tensor-parallel-size", "--tp-size", type=int, default=1,
+      help="shard the model over this many ranks on torch.distributed (gloo on CPU, NCCL on CUDA: rank r on "
+           "the r-th GPU from --device); the service process is rank 0 and spawns the others. Llama / Qwen2 / "
+           "Qwen3; --kv-cache-budget-mb is per rank")
+    a("--tp-timeout-s", type=float, default=120.0,
+      help="with --tensor-parallel-size > 1: the longest a collective may wait for a rank before the replica "
+           "gives up and goes out of service (NOT_SERVING)")
     a("--sampling-backend", default="torch", choices=["torch", "flashinfer"],
       help="verification/sampling kernels: torch (reference, any device) or flashinfer (CUDA)")
     a("--drain-timeout-s", type=float, default=30.0,
@@ -276,6 +291,12 @@ def check_args(args: argparse.Namespace) -> None:
             raise SystemExit(f"--{name.replace('_', '-')} must be positive")
     if args.max_context < 0:
         raise SystemExit("--max-context must be >= 0")
+    if args.tensor_parallel_size < 1:
+        raise SystemExit("--tensor-parallel-size must be >= 1")
+    if args.tensor_parallel_size > 1 and args.attention_backend != "torch":
+        raise SystemExit("--tensor-parallel-size > 1 runs --attention-backend torch only")
+    if args.tp_timeout_s <= 0:
+        raise SystemExit("--tp-timeout-s must be positive")
     if not (Path(args.model_path) / "config.json").is_file():
         raise SystemExit(f"--model-path {args.model_path}: no config.json there; expected a Hugging Face model folder")
 
@@ -283,6 +304,11 @@ def check_args(args: argparse.Namespace) -> None:
 def _load(args: argparse.Namespace):
     device = resolve_device(args.device)
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
+    if getattr(args, "tensor_parallel_size", 1) > 1:
+        from . import tp_worker
+        model = tp_worker.start(args.model_path, args.tensor_parallel_size, dtype=parse_dtype(dtype), device=device,
+                                timeout_s=args.tp_timeout_s, torch_threads=args.torch_threads)
+        return model, make_verifier(args.sampling_backend, device)
     model = load_model(args.model_path, dtype=parse_dtype(dtype), device=device)
     if args.attention_backend == "flashinfer":
         check_attention_backend(device)
@@ -306,11 +332,21 @@ async def serve(args: argparse.Namespace, *, load=_load, started=None) -> None:
     if started is not None:
         started(server)
     engine = EngineLoop()
+    tp_driver = []      # rank 0's TensorParallelDriver once loaded, stopped with the service
 
     async def startup():
         t = time.perf_counter()
         model, verifier = await engine.submit("load", lambda: load(args))
         cfg = model.cfg
+        if hasattr(model, "on_failure"):
+            loop = asyncio.get_running_loop()
+
+            def out_of_service(why: str):
+                # From the TP monitor thread: refuse new streams and leave load balancers' rotation.
+                state.failure = why
+                loop.call_soon_threadsafe(lambda: asyncio.ensure_future(server.set_serving(False)))
+            model.on_failure = out_of_service
+            tp_driver.append(model)
         max_context = args.max_context or cfg.max_position_embeddings
         if max_context > cfg.max_position_embeddings:
             raise ConfigError(f"--max-context {max_context} exceeds the model's max_position_embeddings "
@@ -334,7 +370,8 @@ async def serve(args: argparse.Namespace, *, load=_load, started=None) -> None:
         log.info("serving", model_id=state.model_id, architecture=cfg.architecture, layers=cfg.num_hidden_layers,
                  vocab_size=cfg.vocab_size, max_context=max_context, dtype=str(sched.dtype).removeprefix("torch."),
                  kv_blocks=pool.capacity_blocks, kv_block_size=pool.block_size, attention_backend=args.attention_backend,
-                 load_s=round(load_s, 3), warmup_ms=round(warm_ms, 1), sampling_backend=verifier.name)
+                 load_s=round(load_s, 3), warmup_ms=round(warm_ms, 1), sampling_backend=verifier.name,
+                 tensor_parallel_size=getattr(model, "world", 1))
 
     def refuse_new():
         if state.scheduler is not None:
@@ -343,6 +380,8 @@ async def serve(args: argparse.Namespace, *, load=_load, started=None) -> None:
         await server.run(startup(), args.drain_timeout_s, on_drain=refuse_new)
     finally:
         engine.stop()
+        for driver in tp_driver:
+            driver.close()
 
 
 def main(argv=None) -> None:

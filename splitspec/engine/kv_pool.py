@@ -87,6 +87,12 @@ class KVPool:
             del self._free[len(self._free) - n:]
             return out
 
+    def copy_slots(self, frm: torch.Tensor, to: torch.Tensor) -> None:
+        """K/V of slots `frm` into slots `to`, every layer (gathered first, so overlap is safe).
+        One method so a tensor-parallel rank 0 can replay the same copies on its workers."""
+        for t in (self.k, self.v):
+            t[:, to] = t[:, frm]
+
     def release(self, blocks: list[int]) -> None:
         with self._lock:
             self._free.extend(reversed(blocks))
@@ -143,9 +149,7 @@ class BlockTable:
         if not src:
             return
         s = self.slots(0, self.capacity)
-        frm, to = s[torch.tensor(src, device=s.device)], s[dst_start:dst_start + len(src)]
-        for t in (self.pool.k, self.pool.v):
-            t[:, to] = t[:, frm]
+        self.pool.copy_slots(s[torch.tensor(src, device=s.device)], s[dst_start:dst_start + len(src)])
 
     def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This sequence's K/V as [layers, 1, kv_heads, length, head_dim] (for inspection and tests)."""

@@ -148,7 +148,7 @@ class TargetClosed(_message.Message):
     def __init__(self) -> None: ...
 
 class TargetInfo(_message.Message):
-    __slots__ = ("model_id", "architecture", "vocab_size", "hidden_size", "num_layers", "dtype", "eos_token_ids", "max_context", "tokenizer_hash", "tokenizer_json", "tokenizer_config_json", "active_sessions", "max_sessions", "kv_cache_bytes", "kv_cache_budget_bytes", "sampling_backend", "replica_id", "running_sessions", "waiting_sessions", "max_queued_requests", "kv_block_size", "kv_blocks_used", "kv_blocks_free", "forward_passes", "batched_steps", "max_num_batched_tokens", "busy_ms")
+    __slots__ = ("model_id", "architecture", "vocab_size", "hidden_size", "num_layers", "dtype", "eos_token_ids", "max_context", "tokenizer_hash", "tokenizer_json", "tokenizer_config_json", "active_sessions", "max_sessions", "kv_cache_bytes", "kv_cache_budget_bytes", "sampling_backend", "replica_id", "running_sessions", "waiting_sessions", "max_queued_requests", "kv_block_size", "kv_blocks_used", "kv_blocks_free", "forward_passes", "batched_steps", "max_num_batched_tokens", "busy_ms", "tensor_parallel_size", "parallel_layout")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -176,6 +176,8 @@ class TargetInfo(_message.Message):
     BATCHED_STEPS_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BUSY_MS_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PARALLEL_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     architecture: str
     vocab_size: int
@@ -203,4 +205,6 @@ class TargetInfo(_message.Message):
     batched_steps: int
     max_num_batched_tokens: int
     busy_ms: float
-    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context: _Optional[int] = ..., tokenizer_hash: _Optional[str] = ..., tokenizer_json: _Optional[bytes] = ..., tokenizer_config_json: _Optional[str] = ..., active_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., kv_cache_budget_bytes: _Optional[int] = ..., sampling_backend: _Optional[str] = ..., replica_id: _Optional[str] = ..., running_sessions: _Optional[int] = ..., waiting_sessions: _Optional[int] = ..., max_queued_requests: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., forward_passes: _Optional[int] = ..., batched_steps: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., busy_ms: _Optional[float] = ...) -> None: ...
+    tensor_parallel_size: int
+    parallel_layout: str
+    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context: _Optional[int] = ..., tokenizer_hash: _Optional[str] = ..., tokenizer_json: _Optional[bytes] = ..., tokenizer_config_json: _Optional[str] = ..., active_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., kv_cache_budget_bytes: _Optional[int] = ..., sampling_backend: _Optional[str] = ..., replica_id: _Optional[str] = ..., running_sessions: _Optional[int] = ..., waiting_sessions: _Optional[int] = ..., max_queued_requests: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., forward_passes: _Optional[int] = ..., batched_steps: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., busy_ms: _Optional[float] = ..., tensor_parallel_size: _Optional[int] = ..., parallel_layout: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,303 @@
+"""The tensor-parallel group of one target replica: the service process is rank 0 and drives
+ranks 1..N-1, which it starts itself (spawned, never forked: a forked child would inherit the
+gRPC server's threads and locks).
+
+Control and data travel apart:
+
+* **Control** (what to run next) goes down one pipe per worker: once per batched forward,
+  rank 0 pickles a small step description (token ids, positions, the attention plan's slot
+  and gather indices and masks, which logits rows to compute, and the KV copies made since the
+  last forward when a verify compacted an accepted tree path) and writes the same bytes to
+  every worker. A worker idles in `recv` with no timeout, which is what it should do while the
+  replica has no work; it sees EOF the moment rank 0 dies.
+* **Data** (activations) goes through torch.distributed collectives (gloo on CPU, NCCL on
+  CUDA): two all-reduces per layer, one for the embedding, one gather of the logits. The
+  process group has a timeout (`--tp-timeout-s`), so no collective waits forever; a rank that
+  dies closes its connections and its peers' collectives fail at once.
+
+Only rank 0 samples, verifies, and decides which KV to keep; the workers mirror its KV writes
+(through the same plan) and its copies. Block bookkeeping (which blocks a session holds)
+exists only on rank 0; a worker's pool has the same block ids, with its share of the KV heads.
+
+A worker that dies takes the replica out of service: the monitor thread marks the group
+failed, every later forward raises TensorParallelError (UNAVAILABLE to the gateway, which
+re-prefills elsewhere) and the server's `on_failure` hook turns health NOT_SERVING."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import pickle
+import socket
+import threading
+import time
+from datetime import timedelta
+
+import numpy as np
+import structlog
+import torch
+import torch.distributed as dist
+
+from splitspec.engine.attention import AttentionPlan, Group
+from splitspec.engine.kv_pool import KVPool
+
+from .parallel import CommStats, Layout, TensorParallelError, load_sharded
+
+log = structlog.get_logger(__name__)
+
+READY_TIMEOUT_S = 600.0     # a worker loads its shard in this long, or start-up fails
+
+
+class RecordingKVPool(KVPool):
+    """Rank 0's pool: KV copies between slots (an accepted tree path compacted after verify)
+    are kept until the next forward carries them to the workers, which apply them first."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.moves: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def copy_slots(self, frm: torch.Tensor, to: torch.Tensor) -> None:
+        super().copy_slots(frm, to)
+        self.moves.append((frm.cpu(), to.cpu()))
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    return t.detach().cpu().numpy()
+
+
+def _plan_to_wire(plan: AttentionPlan) -> dict:
+    return {"slots": _np(plan.slot_mapping),
+            "groups": [(_np(g.q_index), _np(g.kv_index), _np(g.mask), _np(g.valid), _np(g.flat)) for g in plan.groups]}
+
+
+def _plan_from_wire(d: dict, device) -> AttentionPlan:
+    t = lambda a: torch.from_numpy(a).to(device)  # noqa: E731
+    return AttentionPlan(t(d["slots"]), [Group(*(t(a) for a in g)) for g in d["groups"]])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """Rank r runs on the r-th device after the one asked for (cuda:0 -> cuda:0, cuda:1, ...)."""
+    if device.type != "cuda":
+        return device
+    return torch.device("cuda", (device.index or 0) + rank)
+
+
+def init_group(rank: int, world: int, port: int, device: torch.device, timeout_s: float) -> None:
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", world_size=world, rank=rank,
+                            timeout=timedelta(seconds=timeout_s))
+
+
+# ---- ranks 1..N-1 ------------------------------------------------------------------------------
+
+def worker_main(rank: int, world: int, port: int, spec: dict, conn) -> None:
+    """Entry point of a spawned rank: join the group, load the shard, then run what rank 0 sends."""
+    if spec.get("torch_threads"):
+        torch.set_num_threads(spec["torch_threads"])
+    device = rank_device(torch.device(spec["device"]), rank)
+    try:
+        init_group(rank, world, port, device, spec["timeout_s"])
+        model, _ = load_sharded(spec["model_path"], world, rank, dtype=spec["dtype"], device=device)
+    except Exception as exc:  # noqa: BLE001 - reported to rank 0, which fails start-up with it
+        conn.send(("error", f"rank {rank}: {type(exc).__name__}: {exc}"))
+        return
+    conn.send(("ready", None))
+    pool = None
+    try:
+        while True:
+            try:
+                msg = pickle.loads(conn.recv_bytes())
+            except (EOFError, OSError):
+                return                          # rank 0 is gone: nothing left to serve
+            kind = msg["kind"]
+            if kind == "stop":
+                return
+            if kind == "pool":
+                p = msg["pool"]
+                pool = KVPool(device=device, dtype=spec["dtype"], **p)
+            elif kind == "forward":
+                for frm, to in msg["moves"]:
+                    pool.copy_slots(torch.from_numpy(frm).to(device), torch.from_numpy(to).to(device))
+                from .model import PagedBatch
+                plan = _plan_from_wire(msg["plan"], device)
+                with torch.inference_mode():
+                    model.forward_batch(torch.from_numpy(msg["ids"]).to(device),
+                                        torch.from_numpy(msg["positions"]).to(device),
+                                        PagedBatch(pool, plan), logits_index=torch.from_numpy(msg["index"]).to(device))
+            elif kind == "comm_stats":
+                CommStats.reset(msg["enabled"])
+    finally:
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - the group may already be broken
+            pass
+
+
+# ---- rank 0 ------------------------------------------------------------------------------------
+
+class TensorParallelDriver:
+    """Rank 0's sharded model behind the interface the runner and scheduler use (`cfg`,
+    `parameters()`, `forward_batch`); each forward first sends its step to the workers."""
+
+    def __init__(self, model, layout: Layout, procs: list, conns: list, backend: str):
+        self.inner, self.layout, self.procs, self.conns = model, layout, procs, conns
+        self.cfg = model.cfg
+        self.backend = backend
+        self.pool: RecordingKVPool | None = None
+        self.failure: str | None = None
+        self.on_failure = None              # set by the server: turn health NOT_SERVING
+        self.closing = False
+        self.send_s = 0.0                   # time spent pickling and writing step descriptions
+        self.sends = 0
+        self.send_bytes = 0
+        self._lock = threading.Lock()
+        self._monitor = threading.Thread(target=self._watch, name="tp-monitor", daemon=True)
+        self._monitor.start()
+
+    # what pools.make_pool reads
+    @property
+    def local_kv_heads(self) -> int:
+        return self.layout.kv_heads
+
+    pool_class = RecordingKVPool
+
+    @property
+    def world(self) -> int:
+        return self.layout.world
+
+    def describe(self) -> str:
+        return f"{self.layout.describe(self.cfg)}; {self.backend}"
+
+    def parameters(self):
+        return self.inner.parameters()
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def attach_pool(self, pool: KVPool) -> None:
+        """The workers build the same pool (same blocks, their share of the KV heads)."""
+        self.pool = pool
+        self._send({"kind": "pool", "pool": dict(num_layers=pool.k.shape[0], num_kv_heads=pool.k.shape[2],
+                                                   head_dim=pool.k.shape[3], v_head_dim=pool.v.shape[3],
+                                                   num_blocks=pool.num_blocks, block_size=pool.block_size)})
+
+    def forward_batch(self, input_ids, positions, batch, *, hidden_layers=(), logits_index=None):
+        if self.failure is not None:
+            raise TensorParallelError(self.failure)
+        moves = []
+        if isinstance(batch.pool, RecordingKVPool):
+            moves, batch.pool.moves = [(_np(f), _np(t)) for f, t in batch.pool.moves], []
+        if logits_index is None:
+            logits_index = torch.arange(input_ids.shape[0], device=input_ids.device)
+        self._send({"kind": "forward", "moves": moves, "ids": _np(input_ids), "positions": _np(positions),
+                    "plan": _plan_to_wire(batch.plan), "index": _np(logits_index)})
+        try:
+            return self.inner.forward_batch(input_ids, positions, batch, hidden_layers=hidden_layers,
+                                            logits_index=logits_index)
+        except RuntimeError as exc:     # a collective failed: a peer died or timed out
+            self._fail(f"a collective failed: {exc}")
+            raise TensorParallelError(self.failure) from exc
+
+    def comm_stats(self, enabled: bool) -> None:
+        """Time collectives on every rank (benchmarks); rank 0's totals are in CommStats."""
+        CommStats.reset(enabled)
+        self._send({"kind": "comm_stats", "enabled": enabled})
+
+    def _send(self, msg: dict) -> None:
+        t = time.perf_counter()
+        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            for c in self.conns:
+                c.send_bytes(data)
+        except (BrokenPipeError, OSError) as exc:
+            self._fail(f"a tensor-parallel rank is gone ({exc})")
+            raise TensorParallelError(self.failure) from exc
+        self.send_s += time.perf_counter() - t
+        self.sends += 1
+        self.send_bytes += len(data)
+
+    def _watch(self) -> None:
+        sentinels = {p.sentinel: i + 1 for i, p in enumerate(self.procs)}
+        ready = multiprocessing.connection.wait(list(sentinels))
+        if self.closing:
+            return
+        rank = sentinels[ready[0]]
+        code = self.procs[rank - 1].exitcode
+        self._fail(f"tensor-parallel rank {rank} exited (code {code}); this replica is out of service")
+
+    def _fail(self, why: str) -> None:
+        with self._lock:
+            if self.failure is not None:
+                return
+            self.failure = why
+        log.error("tensor_parallel_failed", reason=why)
+        if self.on_failure is not None:
+            self.on_failure(why)
+
+    def close(self) -> None:
+        self.closing = True
+        for c in self.conns:
+            try:
+                c.send_bytes(pickle.dumps({"kind": "stop"}))
+            except OSError:
+                pass
+        for p in self.procs:
+            p.join(5)
+            if p.is_alive():
+                p.terminate()
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - a broken group cannot be torn down cleanly
+            pass
+
+
+def start(model_path: str, world: int, *, dtype: torch.dtype, device: torch.device, timeout_s: float,
+          torch_threads: int = 0) -> TensorParallelDriver:
+    """Spawn ranks 1..world-1, join the group as rank 0, load every shard; returns rank 0's driver
+    once every rank has its weights (or raises with the failing rank's error)."""
+    from .config import ModelConfig
+    from .parallel import make_layout
+    make_layout(ModelConfig.from_dir(model_path), world)    # a shape that does not divide fails before any spawn
+    port = free_port()
+    ctx = mp.get_context("spawn")
+    spec = dict(model_path=str(model_path), device=str(device), dtype=dtype, timeout_s=timeout_s,
+                torch_threads=torch_threads)
+    procs, conns = [], []
+    for rank in range(1, world):
+        parent, child = ctx.Pipe()
+        p = ctx.Process(target=worker_main, args=(rank, world, port, spec, child), daemon=True,
+                        name=f"splitspec-tp-rank{rank}")
+        p.start()
+        child.close()
+        procs.append(p)
+        conns.append(parent)
+    try:
+        init_group(0, world, port, rank_device(device, 0), timeout_s)
+        model, layout = load_sharded(model_path, world, 0, dtype=dtype, device=rank_device(device, 0))
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        for rank, (p, c) in enumerate(zip(procs, conns), start=1):
+            while not c.poll(0.2):
+                if not p.is_alive():
+                    raise TensorParallelError(f"tensor-parallel rank {rank} exited during start-up "
+                                              f"(code {p.exitcode})")
+                if time.monotonic() > deadline:
+                    raise TensorParallelError(f"tensor-parallel rank {rank} did not load within {READY_TIMEOUT_S} s")
+            kind, detail = c.recv()
+            if kind != "ready":
+                raise TensorParallelError(f"tensor-parallel start-up failed: {detail}")
+    except BaseException:
+        for p in procs:
+            p.terminate()
+        raise
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    log.info("tensor_parallel_ready", world=world, backend=backend, pids=[os.getpid()] + [p.pid for p in procs],
+             layout=layout.describe(model.cfg))
+    return TensorParallelDriver(model, layout, procs, conns, backend)

@@ -1,0 +1,156 @@
+"""Tensor parallelism (target_service/parallel.py, tp_worker.py): each sharded layer against its
+unsharded reference on two gloo ranks; rank 0's driver (spawned worker, KV copies replayed)
+against the one-process engine; greedy output through the services at --tensor-parallel-size 2
+equal to transformers and to TP=1, with DFlash and without speculation; a killed rank takes
+the replica out of service."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+import torch.multiprocessing as tmp
+
+from draft_service.dflash import new_draft, save_draft
+from service_helpers import (VOCAB, collect, gateway_stub, running_draft, running_gateway, running_target,
+                             target_info)
+from splitspec.client import build_request
+from splitspec.ops.launch import free_port, health_status
+from splitspec.v1 import target_pb2, target_pb2_grpc
+from target_service.engine import TargetSequence, generate
+from target_service.loader import load_model
+from tiny_models import save_tiny_model
+from tp_ranks import check_sharded_layers
+
+N_NEW = 24
+PROMPTS = [[5, 9, 300, 17, 42, 42, 7], [100, 200, 300, 400, 100, 200, 300], [3]]
+
+
+def test_sharded_layers_equal_unsharded_on_two_gloo_ranks(tmp_path):
+    # KV heads split (4 over 2 ranks) and replicated (1 for 2 ranks); Qwen2's q/k/v biases; a tied
+    # head; 129 does not divide by 2, so the last vocabulary range is padded with zero rows.
+    paths = [str(save_tiny_model(tmp_path / arch, arch, vocab_size=129, num_heads=4, num_kv_heads=kv,
+                                 tie_word_embeddings=tied, seed=5))
+             for arch, kv, tied in [("llama", 4, False), ("qwen3", 1, True), ("qwen2", 2, False)]]
+    tmp.start_processes(check_sharded_layers, args=(2, free_port(), paths), nprocs=2, start_method="spawn")
+
+
+def test_uneven_shapes_are_refused_before_any_rank_starts(tmp_path):
+    from target_service import tp_worker
+    from target_service.config import ConfigError
+    path = save_tiny_model(tmp_path / "m", "qwen3", num_heads=4, num_kv_heads=2)
+    with pytest.raises(ConfigError, match="does not divide num_attention_heads=4"):
+        tp_worker.start(path, 3, dtype=torch.float32, device=torch.device("cpu"), timeout_s=10)
+
+
+def test_driver_decodes_and_verifies_trees_like_one_process(tmp_path):
+    """Rank 0 drives a spawned rank 1: greedy decode, taps, and a verify whose accepted node is a
+    second branch (its K/V is copied down on rank 0 and, at the next forward, on rank 1)."""
+    from splitspec.engine.tree import Tree
+    from target_service import tp_worker
+    from target_service.pools import make_pool
+    path = save_tiny_model(tmp_path / "m", "qwen3", vocab_size=130, num_heads=4, num_kv_heads=2, seed=11)
+    ref = load_model(path)
+    drv = tp_worker.start(path, 2, dtype=torch.float32, device=torch.device("cpu"), timeout_s=60)
+    try:
+        pool = make_pool(drv, num_blocks=32, block_size=4)
+        prompt = [5, 7, 9, 11, 3, 100, 120]
+        a = TargetSequence(ref, prompt, max_len=128, hidden_layers=(0, 1), block_size=4)
+        b = TargetSequence(drv, prompt, max_len=128, hidden_layers=(0, 1), pool=pool)
+        oa, ob = a.prefill(), b.prefill()
+        assert oa.committed == ob.committed
+        torch.testing.assert_close(ob.hidden, oa.hidden, rtol=1e-4, atol=1e-4)
+        for _ in range(3):
+            assert a.decode().committed == b.decode().committed
+        for _ in range(4):
+            # The greedy next token as the SECOND child of the root, a wrong one first: the
+            # accepted path is [root, node 1], so node 1's K/V moves to the root's next slot.
+            nxt = generate(ref, a.tokens, 2)
+            wrong = (nxt[0] + 1) % 130
+            tree = Tree([wrong, nxt[0], nxt[1]], [-1, -1, 1])
+            va, vb = a.verify(tree), b.verify(tree)
+            assert va.committed == vb.committed and va.result.accepted == [1, 2]
+            torch.testing.assert_close(vb.hidden, va.hidden, rtol=1e-4, atol=1e-4)
+        for _ in range(4):
+            assert a.decode().committed == b.decode().committed
+        assert drv.sends > 0 and drv.send_bytes > 0
+    finally:
+        drv.close()
+
+
+# ---- through the services ----------------------------------------------------------------------
+
+@pytest.fixture(scope="module", params=[("llama", 2), ("qwen3", 1)], ids=["llama-kv-split", "qwen3-kv-replicated"])
+def tp_stack(request, tmp_path_factory):
+    """A TP=2 target (+ a DFlash draft and a gateway), its checkpoint, and the TP=1 engine."""
+    arch, kv = request.param
+    root = tmp_path_factory.mktemp(arch)
+    path = save_tiny_model(root / "target", arch, vocab_size=VOCAB, num_heads=4, num_kv_heads=kv,
+                           tokenizer=True, max_position_embeddings=256, seed=2)
+    model = load_model(path)
+    draft = root / "draft"
+    save_draft(new_draft(model.cfg, num_layers=1, block_size=4, mask_token_id=2, seed=3), draft)
+    with running_target(path, root, "--tensor-parallel-size", "2", "--torch-threads", "1") as target, \
+            running_draft(path, root, "--torch-threads", "1", draft_dir=draft) as drafter, \
+            running_gateway(target, root, "--draft", drafter.address, "--draft-timeout-ms", "60000") as gw:
+        yield target, gw, path, model
+
+
+def _hf_greedy(path: Path, prompt: list[int], n: int) -> list[int]:
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                      max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+def test_greedy_through_tp2_services_equals_transformers_and_tp1(tp_stack):
+    target, gw, path, model = tp_stack
+    info = target_info(target.address)
+    assert info.tensor_parallel_size == 2 and "tp=2" in info.parallel_layout
+    ch, stub = gateway_stub(gw.address)
+    with ch:
+        for prompt in PROMPTS:
+            want = generate(model, prompt, N_NEW)
+            assert want == _hf_greedy(path, prompt, N_NEW)
+            for method in ("dflash", "none"):
+                req = build_request(prompt, max_new_tokens=N_NEW, ignore_eos=True, method=method)
+                if method == "dflash":
+                    req.speculative.num_draft_tokens, req.speculative.num_steps = 4, 3
+                ids, _, complete = collect(stub.Generate(req, timeout=120))
+                assert ids == want, (method, prompt)
+                assert complete.stats.method == method
+                if method == "dflash":
+                    assert complete.stats.draft_fallbacks == 0 and complete.stats.verify_steps > 0
+
+
+def _tp_workers(pid: int) -> list[int]:
+    """The spawned ranks among a target's children (not multiprocessing's resource tracker)."""
+    # Per thread: the ranks are spawned by the engine thread, not the main one.
+    kids = [k for task in Path(f"/proc/{pid}/task").iterdir() for k in (task / "children").read_text().split()]
+    return [int(k) for k in kids if b"spawn_main" in Path(f"/proc/{k}/cmdline").read_bytes()]
+
+
+def test_killed_rank_takes_the_replica_out_of_service(tp_stack):
+    target, *_ = tp_stack
+    if tp_stack[3].cfg.num_key_value_heads != 1:
+        pytest.skip("one kill is enough: run on the last stack")
+    workers = _tp_workers(target.proc.pid)
+    assert len(workers) == 1
+    os.kill(workers[0], signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while health_status(target.address) != 2 and time.monotonic() < deadline:    # 2: NOT_SERVING
+        time.sleep(0.2)
+    assert health_status(target.address) == 2
+    with grpc.insecure_channel(target.address) as ch:
+        stub = target_pb2_grpc.TargetStub(ch)
+        req = target_pb2.TargetRequest(open=target_pb2.TargetOpen(prompt_token_ids=[1, 2, 3]))
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Session(iter([req]), timeout=30))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "out of service" in err.value.details()
+    assert target.proc.poll() is None       # the process stays up to answer health and GetInfo

@@ -1,0 +1,46 @@
+"""Rank bodies for tests/test_tensor_parallel.py, in a module of their own so that a spawned
+rank imports torch and the target only (not the test module's services, draft and transformers)."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from target_service.loader import load_model
+from target_service.model import rope_cos_sin
+from target_service.parallel import load_sharded
+
+
+def check_sharded_layers(rank: int, world: int, port: int, paths: list[str]) -> None:
+    """Every sharded layer of each checkpoint in `paths` against the unsharded model (raises on a mismatch)."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=world, rank=rank)
+    try:
+        for path in paths:
+            _check(rank, world, path)
+    finally:
+        dist.destroy_process_group()
+
+
+def _check(rank: int, world: int, path: str) -> None:
+    ref = load_model(path)
+    tp, _ = load_sharded(path, world, rank, dtype=torch.float32, device=torch.device("cpu"))
+    cfg = ref.cfg
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (1, 9), generator=g)
+    with torch.inference_mode():
+        # Vocab-parallel embedding: one row plus zeros, so exact.
+        assert torch.equal(tp.model.embed_tokens(ids), ref.model.embed_tokens(ids)), path
+        x = torch.randn(1, 9, cfg.hidden_size, generator=g)
+        cos, sin = rope_cos_sin(ref.inv_freq(x.device), torch.arange(9), x.dtype)
+        for mine, theirs in zip(tp.model.layers, ref.model.layers):
+            # Column-parallel q/k/v (KV heads split or replicated) + row-parallel o_proj.
+            torch.testing.assert_close(mine.self_attn(x, cos, sin, None, None),
+                                       theirs.self_attn(x, cos, sin, None, None), rtol=1e-5, atol=1e-5)
+            # Column-parallel gate/up + row-parallel down_proj.
+            torch.testing.assert_close(mine.mlp(x), theirs.mlp(x), rtol=1e-5, atol=1e-5)
+        head = tp.lm_head(x)
+        out = tp(ids)
+        if rank == 0:       # rank 0 gathers every vocabulary range; the others hold none
+            torch.testing.assert_close(head, ref.lm_head(x), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(out.logits, ref(ids).logits, rtol=1e-4, atol=1e-4)
+        else:
+            assert head is None and out.logits is None
