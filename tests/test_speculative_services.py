@@ -92,6 +92,12 @@ def test_greedy_speculation_equals_target_only(stub, references, method, width):
         taus.append(st.accept_length)
     print(f"{method} width {width}: mean tau {sum(taus) / len(taus):.2f}, {drafted} of {len(results)} requests "
           f"drafted, {accepted_steps} steps accepted drafts")
+    # Equal to target-only proves nothing about speculation unless drafts were verified: the
+    # prompts repeat, so n-gram lookup finds drafts in every request, and they get accepted
+    # (the random DFlash draft is rarely right, so for it drafting is what is required).
+    assert drafted == len(results)
+    if method == "ngram":
+        assert accepted_steps > 0
 
 
 @pytest.mark.parametrize("draft_sampling", ["greedy", "sample"])
