@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--device", default="cpu", help="target device: cpu, cuda or cuda:N")
     a("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="target dtype")
     a("--sampling-backend", default="torch", choices=["torch", "flashinfer"], help="target sampling kernels")
+    a("--tensor-parallel-size", "--tp-size", type=int, default=1,
+      help="target ranks on torch.distributed (splitspec-target --tensor-parallel-size)")
     a("--speculative-algorithm", default="AUTO", type=str.upper, choices=["AUTO", "DFLASH", "NGRAM", "NONE"],
       help="gateway default method: AUTO picks drafter (DFlash when a draft model is found, n-gram) and "
            "draft length per step")
@@ -221,6 +223,7 @@ def cmd_up(args) -> int:
     try:
         target = start_service("target", ["--model-path", str(model), "--device", args.device,
                                           "--dtype", args.dtype, "--sampling-backend", args.sampling_backend,
+                                          "--tensor-parallel-size", str(args.tensor_parallel_size),
                                           "--torch-threads", str(args.target_torch_threads),
                                           "--verify-torch-threads", str(args.target_verify_torch_threads),
                                           *up_ops.service_args(args, "target")],
