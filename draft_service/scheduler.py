@@ -56,6 +56,10 @@ class DraftScheduler:
         self.rows = 0
         self.busy_ms = 0.0                    # time spent in those forwards
         self.on_forward = None      # (kind, rows, tokens, forward_ms) after each forward, for metrics
+        # Intra-op threads for the forwards (0: leave as is). Set from the host's core share
+        # (splitspec/colocation.py) and applied here, on the engine thread: torch keeps the
+        # OpenMP thread count per thread, so setting it from the event loop would not reach us.
+        self.threads = 0
         engine.attach(self)
 
     async def open(self, proposer: DFlashProposer, prompt: list[int], hidden: torch.Tensor) -> None:
@@ -103,6 +107,8 @@ class DraftScheduler:
             for w in picked:
                 self.pending.remove(w)
                 self.in_flight.add(id(w.proposer))
+        if self.threads and torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)
         start = time.perf_counter()
         results = self._run(picked)
         forward_ms = (time.perf_counter() - start) * 1e3

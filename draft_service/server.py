@@ -20,14 +20,17 @@ import grpc
 import torch
 
 from splitspec import logs
+from splitspec.colocation import HostShare, add_core_sharing_flag
+from splitspec.colocation import follow as follow_share
+from splitspec.colocation import start as start_share
 from splitspec.flags import apply_env
 from splitspec.metrics import add_metrics_flag, serve_engine_metrics
 from splitspec.security import add_tls_flags, server_credentials
 from splitspec.serving import (ProtocolError, Server, add_connection_age_flags, add_lenient_servicer,
                                end_session_with, read_message, run_main)
 from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
-from splitspec.wire import (WireError, check_token_ids, sampling_from_pb, tensor_from_pb, tensor_to_pb,
-                            tree_to_pb)
+from splitspec.wire import (WireError, check_token_ids, dtype_name, dtype_to_pb, sampling_from_pb, tensor_from_pb,
+                            tensor_to_pb, tree_to_pb)
 from target_service.config import ConfigError, ModelConfig
 from target_service.loader import CheckpointError, parse_dtype, resolve_device, tokenizer_hash
 from splitspec.engine.kv_pool import KVPool, PoolExhausted
@@ -80,6 +83,25 @@ class DraftState:
     def vocab_size(self) -> int | None:
         return self.target_cfg.vocab_size if self.target_cfg else None
 
+    @property
+    def hidden_dtype(self) -> torch.dtype | None:
+        """The dtype hidden states must arrive in (DraftInfo.hidden_dtype): --hidden-dtype, by
+        default the weights'. None for ngram (it takes none)."""
+        if self.model is None:
+            return None
+        if self.args.hidden_dtype != "auto":
+            return parse_dtype(self.args.hidden_dtype)
+        return next(self.model.parameters()).dtype
+
+    def hidden(self, msg, field: str, shape) -> torch.Tensor:
+        """Decode hidden states, refusing any dtype but the negotiated one by name: a gateway
+        that opened its target session without asking for it would otherwise have them cast
+        here, silently, on every step."""
+        want = self.hidden_dtype
+        return tensor_from_pb(msg, field=field, shape=shape, allowed=(want,),
+                              expected=f"this draft takes {dtype_name(dtype_to_pb(want))} hidden states, "
+                                       f"DraftInfo.hidden_dtype: open the target session with that hidden_dtype")
+
 
 class DraftServicer(draft_pb2_grpc.DraftServicer):
     def __init__(self, state: DraftState, server: Server):
@@ -108,6 +130,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
             info.mask_token_id = cfg.mask_token_id
             info.target_layer_ids.extend(cfg.target_layer_ids)
             info.dtype = str(next(st.model.parameters()).dtype).removeprefix("torch.")
+            info.hidden_dtype = dtype_to_pb(st.hidden_dtype)
         if st.pool is not None:
             info.kv_block_size = st.pool.block_size
             info.kv_blocks_used = st.pool.used_blocks
@@ -212,8 +235,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
             proposer.open(prompt)
             return proposer, proposer.width
         cfg = st.model.cfg
-        hidden = tensor_from_pb(msg.prompt_hidden, field="open.prompt_hidden",
-                                shape=(len(prompt), cfg.target_feature_size))
+        hidden = st.hidden(msg.prompt_hidden, "open.prompt_hidden", (len(prompt), cfg.target_feature_size))
 
         p = DFlashProposer(st.model, num_draft_tokens=width, max_len=st.args.max_context, num_steps=steps, topk=topk,
                            sampling=sampling if spec.draft_sampling == "sample" else None, pool=st.pool)
@@ -231,19 +253,21 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         hidden = None
         ngram = isinstance(proposer, NgramProposer)
         if msg.HasField("new_hidden") and not ngram:
-            hidden = tensor_from_pb(msg.new_hidden, field="propose.new_hidden",
-                                    shape=(None, st.model.cfg.target_feature_size))
+            hidden = st.hidden(msg.new_hidden, "propose.new_hidden", (None, st.model.cfg.target_feature_size))
         queue_ms, batch = 0.0, 1
         if ngram:
             prop = proposer.propose(msg.base_len, new_ids)      # microseconds: no need for the engine
         else:
             drafted = await st.scheduler.propose(proposer, msg.base_len, new_ids, hidden)
             prop, queue_ms, batch = drafted.proposal, drafted.queue_ms, drafted.batch_size
-        out = draft_pb2.Proposal(base_len=msg.base_len, tree=tree_to_pb(prop.tree), draft_ms=prop.draft_ms,
-                                 queue_ms=queue_ms, batch_size=batch)
+        resp = draft_pb2.DraftResponse()        # filled in place: no Proposal (and probs) to copy into it
+        out = resp.proposal
+        out.base_len, out.draft_ms, out.queue_ms, out.batch_size = msg.base_len, prop.draft_ms, queue_ms, batch
+        out.tree.token_ids.extend(prop.tree.token_ids)
+        out.tree.parents.extend(prop.tree.parents)
         if prop.draft_probs is not None:
-            out.draft_probs.CopyFrom(tensor_to_pb(prop.draft_probs, torch.float32))
-        return draft_pb2.DraftResponse(proposal=out)
+            tensor_to_pb(prop.draft_probs, torch.float32, out=out.draft_probs)
+        return resp
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -259,10 +283,16 @@ def build_parser() -> argparse.ArgumentParser:
     a("--port", type=int, default=50052, help="port to listen on (0: any free port)")
     a("--device", default="cpu", help="cpu, cuda or cuda:N")
     a("--torch-threads", type=int, default=0,
-      help="intra-op CPU threads for this service's forwards (0: torch's default, one per core); services "
-           "sharing a small machine run faster with 1 each than fighting over every core")
+      help="intra-op CPU threads for this service's forwards (0: auto, its share of the cores it may use with "
+           "the targets and drafts on this host, see --core-sharing; with --core-sharing off, torch's default, "
+           "one per core)")
+    add_core_sharing_flag(p)
     a("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
       help="draft weights dtype (auto: bfloat16 on CUDA, float32 on CPU)")
+    a("--hidden-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+      help="dtype the target's hidden states cross the wire in (DraftInfo.hidden_dtype; the gateway asks the "
+           "target for it, others are refused); auto: the draft's weights dtype. bfloat16 with float32 weights "
+           "halves the bytes per step at a rounding of the draft's inputs (verification stays exact)")
     a("--block-size-means", default="verify_width", choices=BLOCK_SIZE_MEANINGS,
       help="how to read the checkpoint's block_size: the verify width B (z-lab, SGLang) or the "
            "number of drafted tokens B - 1")
@@ -346,7 +376,7 @@ def _pool(args: argparse.Namespace, model) -> KVPool | None:
                               block_size=args.kv_block_size, dtype=p.dtype, device=p.device)
 
 
-async def serve(args: argparse.Namespace, *, started=None) -> None:
+async def serve(args: argparse.Namespace, *, started=None, share: HostShare | None = None) -> None:
     log = logs.get_logger()
     target_path = Path(args.target_model_path) if args.target_model_path else None
     target_cfg = ModelConfig.from_dir(target_path) if target_path else None
@@ -363,6 +393,7 @@ async def serve(args: argparse.Namespace, *, started=None) -> None:
     if started is not None:
         started(server)
     engine = EngineLoop("draft-engine-loop")
+    followers = []      # the core-share watcher, cancelled with the service
 
     async def startup():
         t = time.perf_counter()
@@ -374,6 +405,13 @@ async def serve(args: argparse.Namespace, *, started=None) -> None:
                                              engine=engine)
             if metrics is not None:
                 state.scheduler.on_forward = metrics.on_forward
+            if share is not None:
+                sched = state.scheduler
+
+                def apply(plan):            # the engine thread switches before its next forward
+                    sched.threads = plan.threads
+                apply(share.plan())
+                followers.append(asyncio.ensure_future(follow_share(share, apply, log)))
         state.engine = engine
         info = {"block_size": state.block_size}
         if state.model is not None:
@@ -387,17 +425,27 @@ async def serve(args: argparse.Namespace, *, started=None) -> None:
     try:
         await server.run(startup(), args.drain_timeout_s, on_drain=refuse_new)
     finally:
+        for task in followers:
+            task.cancel()
         engine.stop()
 
 
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
     check_args(args)
-    if args.torch_threads > 0:
-        import torch
-        torch.set_num_threads(args.torch_threads)
     logs.configure("draft", args.log_level)
-    run_main("splitspec-draft", serve(args), (ConfigError, CheckpointError, ValueError, json.JSONDecodeError))
+    # An n-gram draft runs no model: it takes no share of the cores from a co-located target.
+    share = None
+    if args.method == "dflash":
+        share = start_share("draft", args, logs.get_logger())      # sets this process's threads
+    elif args.torch_threads > 0:
+        torch.set_num_threads(args.torch_threads)
+    try:
+        run_main("splitspec-draft", serve(args, share=share), (ConfigError, CheckpointError, ValueError,
+                                                               json.JSONDecodeError))
+    finally:
+        if share is not None:
+            share.leave()
 
 
 if __name__ == "__main__":

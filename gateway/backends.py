@@ -147,10 +147,13 @@ class TargetSession(_StreamSession):
 
     async def verify(self, step: int, base_len: int, tree: common_pb2.TokenTree,
                      draft_probs: common_pb2.Tensor | None = None) -> target_pb2.TargetVerified:
-        msg = target_pb2.TargetVerify(step=step, base_len=base_len, tree=tree)
+        req = target_pb2.TargetRequest()    # built in place: wrapping a finished TargetVerify would copy it
+        msg = req.verify
+        msg.step, msg.base_len = step, base_len
+        msg.tree.CopyFrom(tree)
         if draft_probs is not None:
             msg.draft_probs.CopyFrom(draft_probs)
-        await self._send(target_pb2.TargetRequest(verify=msg))
+        await self._send(req)
         return await self._recv("verified")
 
 
@@ -168,21 +171,30 @@ class DraftSession(_StreamSession):
     async def open(self, session_id: str, prompt_ids: list[int], prompt_hidden: common_pb2.Tensor | None,
                    speculative: common_pb2.SpeculativeParams, sampling: common_pb2.SamplingParams,
                    target_tokenizer_hash: str = "") -> draft_pb2.DraftOpened:
-        msg = draft_pb2.DraftOpen(session_id=session_id, prompt_token_ids=prompt_ids, speculative=speculative,
-                                  sampling=sampling, target_tokenizer_hash=target_tokenizer_hash)
+        req = draft_pb2.DraftRequest()      # built in place: the prompt's hidden states are copied once
+        msg = req.open
+        msg.session_id, msg.target_tokenizer_hash = session_id, target_tokenizer_hash
+        msg.prompt_token_ids.extend(prompt_ids)
+        if speculative is not None:
+            msg.speculative.CopyFrom(speculative)
+        if sampling is not None:
+            msg.sampling.CopyFrom(sampling)
         if prompt_hidden is not None:
             msg.prompt_hidden.CopyFrom(prompt_hidden)
-        await self._send(draft_pb2.DraftRequest(open=msg))
+        await self._send(req)
         opened = await self._recv("opened")
         self.opened = True
         return opened
 
     async def propose(self, base_len: int, new_token_ids: list[int],
                       new_hidden: common_pb2.Tensor | None) -> draft_pb2.Proposal:
-        msg = draft_pb2.DraftPropose(base_len=base_len, new_token_ids=new_token_ids)
+        req = draft_pb2.DraftRequest()      # built in place: no DraftPropose to copy into it
+        msg = req.propose
+        msg.base_len = base_len
+        msg.new_token_ids.extend(new_token_ids)
         if new_hidden is not None:
             msg.new_hidden.CopyFrom(new_hidden)
-        await self._send(draft_pb2.DraftRequest(propose=msg))
+        await self._send(req)
         return await self._recv("proposal")
 
 

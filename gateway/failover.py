@@ -268,5 +268,6 @@ class ResilientSource:
             layer_ids=plan.layer_ids if remote else [], hidden_stream=plan.hidden_stream if remote else "",
             ngram=NgramIndex(1, 4) if plan.local_ngram else None,
             max_width=max(width, plan.max_k + 1), step_timeout_s=self.cfg.draft_timeout_ms / 1e3,
-            ngram_tree=plan.ngram_tree)
+            ngram_tree=plan.ngram_tree,
+            hidden_dtype=self.b.draft_info.hidden_dtype if remote and self.b.draft_info is not None else 0)
         return loop.steps(self.history)

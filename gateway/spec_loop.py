@@ -65,13 +65,15 @@ class SpeculativeLoop:
                  measurements: Measurements, draft_call: Callable[[Awaitable, float], Awaitable],
                  open_draft: Callable[[object, list[int]], Awaitable[RemoteDraft | None]] | None,
                  layer_ids: list[int], ngram: NgramIndex | None, max_width: int, step_timeout_s: float,
-                 hidden_stream: str = "", ngram_tree: tuple[int, int, int] | None = None):
-        """ngram_tree: (nodes, depth, topk) when the gateway's own n-gram index drafts tries."""
+                 hidden_stream: str = "", ngram_tree: tuple[int, int, int] | None = None, hidden_dtype: int = 0):
+        """ngram_tree: (nodes, depth, topk) when the gateway's own n-gram index drafts tries.
+        hidden_dtype: the DType the draft takes hidden states in (DraftInfo.hidden_dtype), asked
+        of the target at Open so that features reach the draft as it wants them, never cast there."""
         self.target, self.req, self.stats, self.policy = target, req, stats, policy
         self.m = measurements
         self.draft_call, self.open_draft = draft_call, open_draft
         self.layer_ids, self.ngram, self.max_width = layer_ids, ngram, max_width
-        self.hidden_stream = hidden_stream
+        self.hidden_stream, self.hidden_dtype = hidden_stream, hidden_dtype
         self.step_s = step_timeout_s
         self.ngram_tree = ngram_tree if ngram_tree and ngram_tree[2] > 1 else None
         self.draft: RemoteDraft | None = None
@@ -90,6 +92,7 @@ class SpeculativeLoop:
         t = time.perf_counter()
         opened = await self.target.open(req.request_id, prefix, sampling, hidden_layer_ids=self.layer_ids,
                                         max_new_tokens=remaining + self.max_width, hidden_stream=self.hidden_stream,
+                                        hidden_dtype=self.hidden_dtype if self.layer_ids else 0,
                                         generated_tokens=len(history))
         stats.model_ms += opened.forward_ms
         stats.queue_ms += opened.queue_ms

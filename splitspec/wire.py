@@ -3,6 +3,8 @@ validation every service applies to what arrives on the wire."""
 from __future__ import annotations
 
 import math
+import sys
+import warnings
 
 import numpy as np
 import torch
@@ -16,6 +18,7 @@ _TO_PB = {torch.float32: common_pb2.DTYPE_F32, torch.float16: common_pb2.DTYPE_F
           torch.bfloat16: common_pb2.DTYPE_BF16}
 _FROM_PB = {v: k for k, v in _TO_PB.items()}
 _NAMES = {common_pb2.DTYPE_F32: "f32", common_pb2.DTYPE_F16: "f16", common_pb2.DTYPE_BF16: "bf16"}
+_SIZES = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
 
 
 class WireError(ValueError):
@@ -26,28 +29,61 @@ def dtype_to_pb(dtype: torch.dtype) -> int:
     return _TO_PB[dtype]
 
 
-def dtype_from_pb(value: int) -> torch.dtype:
+def dtype_from_pb(value: int, field: str = "tensor dtype") -> torch.dtype:
     if value not in _FROM_PB:
-        raise WireError(f"tensor dtype {value} is not one of DTYPE_F32, DTYPE_F16, DTYPE_BF16")
+        raise WireError(f"{field} = {value} is not one of DTYPE_F32, DTYPE_F16, DTYPE_BF16")
     return _FROM_PB[value]
 
 
-def tensor_to_pb(t: torch.Tensor, dtype: torch.dtype | None = None) -> common_pb2.Tensor:
+def dtype_name(value: int) -> str:
+    """f32 / f16 / bf16 for a DType value (its number if it is none of them)."""
+    return _NAMES.get(value, str(value))
+
+
+# Tensors decoded from the wire are views over the message's bytes (no copy): torch warns, once
+# per process, that such a buffer is not writable. Nothing writes them (the draft casts and
+# concatenates hidden states into its own cache; the target asks for a copy of draft_probs), so
+# that one warning is spent here, silenced, instead of on the first request.
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    torch.frombuffer(b"\0\0\0\0", dtype=torch.float32)
+
+_LITTLE = sys.byteorder == "little"
+
+
+def tensor_to_pb(t: torch.Tensor, dtype: torch.dtype | None = None,
+                 out: common_pb2.Tensor | None = None) -> common_pb2.Tensor:
+    """Encode t (cast to `dtype` first, when given) as raw little-endian bytes. With `out` (a
+    Tensor field of the message being built, e.g. `resp.hidden`), fill it in place: building a
+    Tensor and CopyFrom-ing it into the parent would copy the bytes once more."""
     t = t.detach().to("cpu", dtype or t.dtype).contiguous()
+    if t.dtype not in _TO_PB:
+        raise WireError(f"tensor dtype {t.dtype} cannot go on the wire (f32, f16 or bf16)")
     raw = t.view(torch.int16) if t.dtype == torch.bfloat16 else t   # numpy has no bfloat16
-    data = raw.numpy().astype(raw.numpy().dtype.newbyteorder("<"), copy=False).tobytes()
-    return common_pb2.Tensor(data=data, dtype=_TO_PB[t.dtype], shape=list(t.shape))
+    arr = raw.numpy()
+    if not _LITTLE:
+        arr = arr.byteswap()
+    msg = common_pb2.Tensor() if out is None else out
+    msg.data = arr.tobytes()            # the one copy out of the tensor; the message copies it once more
+    msg.dtype = _TO_PB[t.dtype]
+    msg.shape[:] = t.shape
+    return msg
 
 
 def tensor_from_pb(msg: common_pb2.Tensor, *, field: str = "tensor",
                    shape: tuple[int | None, ...] | None = None,
-                   allowed=(torch.float32, torch.float16, torch.bfloat16)) -> torch.Tensor:
+                   allowed=(torch.float32, torch.float16, torch.bfloat16), expected: str = "",
+                   writable: bool = False) -> torch.Tensor:
     """Decode a Tensor, checking dtype, byte count and (optionally) shape; None in `shape`
-    matches any size."""
-    dtype = dtype_from_pb(msg.dtype) if msg.dtype else None
+    matches any size. A dtype outside `allowed` is refused naming both; `expected` says why
+    those (e.g. "this draft takes f32 hidden states"). The result is a view over the message's
+    bytes, not a copy; pass writable=True for a tensor the caller may change in place."""
+    dtype = _FROM_PB.get(msg.dtype)
     if dtype is None or dtype not in allowed:
         names = ", ".join(_NAMES[_TO_PB[d]] for d in allowed)
-        raise WireError(f"{field}.dtype must be one of {names}, got {_NAMES.get(msg.dtype, msg.dtype)}")
+        why = f" ({expected})" if expected else ""
+        raise WireError(f"{field}.dtype is {_NAMES.get(msg.dtype, msg.dtype)}, expected "
+                        f"{'one of ' if len(allowed) > 1 else ''}{names}{why}")
     dims = tuple(msg.shape)
     if any(d < 0 for d in dims):
         raise WireError(f"{field}.shape {list(dims)} has a negative dimension")
@@ -55,14 +91,19 @@ def tensor_from_pb(msg: common_pb2.Tensor, *, field: str = "tensor",
         if len(dims) != len(shape) or any(e is not None and e != d for e, d in zip(shape, dims)):
             want = [("*" if e is None else e) for e in shape]
             raise WireError(f"{field}.shape is {list(dims)}, expected {want}")
-    elem = torch.empty((), dtype=dtype).element_size()
+    elem = _SIZES[dtype]
     count = math.prod(dims)
-    if len(msg.data) != count * elem:
-        raise WireError(f"{field}.data has {len(msg.data)} bytes; shape {list(dims)} of "
+    data = msg.data
+    if len(data) != count * elem:
+        raise WireError(f"{field}.data has {len(data)} bytes; shape {list(dims)} of "
                         f"{_NAMES[msg.dtype]} needs {count * elem}")
+    if count == 0:
+        return torch.empty(dims, dtype=dtype)
+    if _LITTLE:
+        t = torch.frombuffer(data, dtype=dtype).view(dims)
+        return t.clone() if writable else t
     np_dtype = {torch.float32: "<f4", torch.float16: "<f2", torch.bfloat16: "<i2"}[dtype]
-    arr = np.frombuffer(msg.data, dtype=np_dtype).reshape(dims).copy()
-    t = torch.from_numpy(arr)
+    t = torch.from_numpy(np.frombuffer(data, dtype=np_dtype).reshape(dims).astype(np_dtype.replace("<", "=")))
     return t.view(torch.bfloat16) if dtype == torch.bfloat16 else t
 
 
