@@ -16,6 +16,9 @@ from pathlib import Path
 import grpc
 
 from splitspec import logs
+from splitspec.colocation import HostShare, add_core_sharing_flag
+from splitspec.colocation import follow as follow_share
+from splitspec.colocation import start as start_share
 from splitspec.flags import apply_env
 from splitspec.metrics import add_metrics_flag, serve_engine_metrics
 from splitspec.security import add_tls_flags, server_credentials
@@ -169,49 +172,60 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
         if not prompt:
             raise WireError("open.prompt_token_ids is empty: at least one token id is needed")
         params = sampling_from_pb(msg.sampling)
-        wire_dtype = dtype_from_pb(msg.hidden_dtype) if msg.hidden_dtype else sched.dtype
+        # The dtype the caller's draft takes hidden states in (DraftInfo.hidden_dtype), cast here once
+        # per step; unset: the model's own (TargetInfo.dtype).
+        wire_dtype = dtype_from_pb(msg.hidden_dtype, "open.hidden_dtype") if msg.hidden_dtype else sched.dtype
         session, step = await sched.open(msg.session_id or uuid.uuid4().hex, prompt, params,
                                         hidden_layers=tuple(msg.hidden_layer_ids),
                                         max_new_tokens=msg.max_new_tokens,
                                         hidden_stream=msg.hidden_stream, generated_tokens=msg.generated_tokens)
         session.wire_dtype = wire_dtype
-        opened = target_pb2.TargetOpened(session_id=session.session_id, first_token_id=step.out.committed[0],
-                                          length=session.length, forward_ms=step.forward_ms,
-                                          queue_ms=step.queue_ms, batch_size=step.batch_size, batch_tokens=step.batch_tokens)
+        # Built inside the response: a TargetOpened wrapped afterwards would copy the prompt's
+        # hidden states (the largest message of a session) once more.
+        resp = target_pb2.TargetResponse()
+        opened = resp.opened
+        opened.session_id, opened.first_token_id, opened.length = session.session_id, step.out.committed[0], session.length
+        opened.forward_ms, opened.queue_ms = step.forward_ms, step.queue_ms
+        opened.batch_size, opened.batch_tokens = step.batch_size, step.batch_tokens
         if step.out.hidden is not None:
-            opened.hidden.CopyFrom(tensor_to_pb(step.out.hidden, wire_dtype))
+            tensor_to_pb(step.out.hidden, wire_dtype, out=opened.hidden)
         if step.out.logprobs:
             opened.first_logprob.CopyFrom(logprob_to_pb(step.out.logprobs[0]))
         opened.prompt_logprobs.extend(logprob_to_pb(lp) for lp in session.seq.prompt_logprobs)
-        return session, target_pb2.TargetResponse(opened=opened)
+        return session, resp
 
     async def _decode(self, sched: Scheduler, session, msg: target_pb2.TargetDecode, context) -> None:
         async for step in sched.decode(session, msg.n):
-            tok = target_pb2.TargetToken(token_id=step.out.committed[0], length=step.length,
-                                         forward_ms=step.forward_ms, queue_ms=step.queue_ms,
-                                         batch_size=step.batch_size, batch_tokens=step.batch_tokens)
+            # One message per streamed token, filled in place (no TargetToken to copy into it).
+            resp = target_pb2.TargetResponse()
+            tok = resp.token
+            tok.token_id, tok.length = step.out.committed[0], step.length
+            tok.forward_ms, tok.queue_ms = step.forward_ms, step.queue_ms
+            tok.batch_size, tok.batch_tokens = step.batch_size, step.batch_tokens
             if msg.return_hidden and step.out.hidden is not None:
-                tok.hidden.CopyFrom(tensor_to_pb(step.out.hidden, session.wire_dtype))
+                tensor_to_pb(step.out.hidden, session.wire_dtype, out=tok.hidden)
             if step.out.logprobs:
                 tok.logprob.CopyFrom(logprob_to_pb(step.out.logprobs[0]))
-            await context.write(target_pb2.TargetResponse(token=tok))
+            await context.write(resp)
 
     async def _verify(self, sched: Scheduler, session, msg: target_pb2.TargetVerify):
         tree = tree_from_pb(msg.tree, sched.cfg.vocab_size, MAX_TREE_NODES)
         draft_probs = None
         if msg.HasField("draft_probs"):
             draft_probs = tensor_from_pb(msg.draft_probs, field="verify.draft_probs",
-                                         shape=(len(tree), sched.cfg.vocab_size))
+                                         shape=(len(tree), sched.cfg.vocab_size), writable=True)
         step = await sched.verify(session, msg.base_len, tree, draft_probs)
-        verified = target_pb2.TargetVerified(
-            step=msg.step, committed_token_ids=step.out.committed, length=session.length,
-            num_accepted=step.out.result.num_accepted, forward_ms=step.forward_ms,
-            queue_ms=step.queue_ms, batch_size=step.batch_size, batch_tokens=step.batch_tokens)
+        resp = target_pb2.TargetResponse()      # filled in place: no copy of the hidden states
+        verified = resp.verified
+        verified.step, verified.length, verified.num_accepted = msg.step, session.length, step.out.result.num_accepted
+        verified.committed_token_ids.extend(step.out.committed)
+        verified.forward_ms, verified.queue_ms = step.forward_ms, step.queue_ms
+        verified.batch_size, verified.batch_tokens = step.batch_size, step.batch_tokens
         if step.out.hidden is not None:
-            verified.hidden.CopyFrom(tensor_to_pb(step.out.hidden, session.wire_dtype))
+            tensor_to_pb(step.out.hidden, session.wire_dtype, out=verified.hidden)
         if step.out.logprobs:
             verified.logprobs.extend(logprob_to_pb(lp) for lp in step.out.logprobs)
-        return target_pb2.TargetResponse(verified=verified)
+        return resp
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -223,12 +237,13 @@ def build_parser() -> argparse.ArgumentParser:
     a("--port", type=int, default=50051, help="port to listen on (0: any free port)")
     a("--device", default="cpu", help="cpu, cuda or cuda:N")
     a("--torch-threads", type=int, default=0,
-      help="intra-op CPU threads for this service's forwards (0: torch's default, one per core); services "
-           "sharing a small machine run faster with 1 each than fighting over every core")
+      help="intra-op CPU threads for this service's forwards (0: auto, the cores it may use divided among the "
+           "targets on this host, see --core-sharing; with --core-sharing off, torch's default, one per core)")
     a("--verify-torch-threads", type=int, default=0,
-      help="intra-op threads for forwards that verify drafts while several sessions run (0: as "
-           "--torch-threads); with a draft service on the same machine, fewer threads here leave it a core "
-           "while it drafts for the other sessions")
+      help="intra-op threads for forwards that verify drafts while several sessions run (0: auto, --torch-threads "
+           "less the share of the draft services on this host, so a co-located draft keeps its cores while it "
+           "drafts for the other sessions; as --torch-threads when none is found)")
+    add_core_sharing_flag(p)
     a("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
       help="weights and KV cache dtype (auto: bfloat16 on CUDA, float32 on CPU)")
     a("--max-running-requests", type=int, default=64,
@@ -315,9 +330,10 @@ def _load(args: argparse.Namespace):
     return model, make_verifier(args.sampling_backend, device)
 
 
-async def serve(args: argparse.Namespace, *, load=_load, started=None) -> None:
+async def serve(args: argparse.Namespace, *, load=_load, started=None, share: HostShare | None = None) -> None:
     """Listen at once (health NOT_SERVING), load and warm up on the engine thread, then go
-    SERVING. `load` and `started` (called with the Server once listening) are seams for tests."""
+    SERVING. `load` and `started` (called with the Server once listening) are seams for tests.
+    `share`: this process's entry in the host's core registry (splitspec/colocation.py)."""
     log = logs.get_logger()
     server = Server([SERVICE], max_message_mb=args.max_message_mb, credentials=server_credentials(args),
                     max_connection_age_s=args.max_connection_age_s,
@@ -333,6 +349,7 @@ async def serve(args: argparse.Namespace, *, load=_load, started=None) -> None:
         started(server)
     engine = EngineLoop()
     tp_driver = []      # rank 0's TensorParallelDriver once loaded, stopped with the service
+    followers = []      # the core-share watcher, cancelled with the service
 
     async def startup():
         t = time.perf_counter()
@@ -366,6 +383,12 @@ async def serve(args: argparse.Namespace, *, load=_load, started=None) -> None:
         warm_ms = await sched.warmup()
         if metrics is not None:
             sched.on_forward = metrics.on_forward
+        if share is not None:
+            # The engine thread switches to these before each forward (Scheduler.verify_threads).
+            def apply(plan):
+                sched.threads, sched.verify_threads = plan.threads, plan.verify_threads
+            apply(share.plan())
+            followers.append(asyncio.ensure_future(follow_share(share, apply, log)))
         state.scheduler = sched
         log.info("serving", model_id=state.model_id, architecture=cfg.architecture, layers=cfg.num_hidden_layers,
                  vocab_size=cfg.vocab_size, max_context=max_context, dtype=str(sched.dtype).removeprefix("torch."),
@@ -379,6 +402,8 @@ async def serve(args: argparse.Namespace, *, load=_load, started=None) -> None:
     try:
         await server.run(startup(), args.drain_timeout_s, on_drain=refuse_new)
     finally:
+        for task in followers:
+            task.cancel()
         engine.stop()
         for driver in tp_driver:
             driver.close()
@@ -387,12 +412,14 @@ async def serve(args: argparse.Namespace, *, load=_load, started=None) -> None:
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
     check_args(args)
-    if args.torch_threads > 0:
-        import torch
-        torch.set_num_threads(args.torch_threads)
     logs.configure("target", args.log_level)
-    run_main("splitspec-target", serve(args), (BackendError, AttentionBackendError, ConfigError, CheckpointError,
-                                               ValueError))
+    share = start_share("target", args, logs.get_logger())      # sets this process's threads
+    try:
+        run_main("splitspec-target", serve(args, share=share), (BackendError, AttentionBackendError, ConfigError,
+                                                                CheckpointError, ValueError))
+    finally:
+        if share is not None:
+            share.leave()
 
 
 if __name__ == "__main__":
