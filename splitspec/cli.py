@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--log-dir", default=None, help="where the services' logs go (default: a temporary folder)")
     a("--startup-timeout-s", type=float, default=600.0, help="how long to wait for each service to serve")
     a("--target-torch-threads", type=int, default=0,
-      help="intra-op threads of the target (0: torch's default, one per core)")
+      help="intra-op threads of the target (0: auto, see docs/configuration.md: all the cores for one target)")
     a("--target-verify-torch-threads", type=int, default=1,
       help="the target's threads for verify forwards while several sessions run, when the draft works on "
            "this machine too (0: as --target-torch-threads)")
