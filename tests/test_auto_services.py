@@ -111,7 +111,11 @@ def test_auto_sampling_follows_the_target_distribution(stub, model, draft_sampli
     drafted = sum(1 for _, st in results if any(s.k for s in st.steps))
     print(f"{draft_sampling}: {drafted} of {samples} requests verified drafts; "
           f"methods {collections.Counter(s.method for _, st in results for s in st.steps)}")
-    assert drafted > 0
+    # The chi-square says something about speculation only if a good share of the requests
+    # verified drafts: a few would barely move the joint even if their tokens were wrong.
+    # Which step auto picks depends on measured costs; on 2 loaded cores 20-26% of requests
+    # drafted, and the gateway's probing alone gives about 3%, so 10% sits between the two.
+    assert drafted >= samples // 10, drafted
     assert chi_square_pvalue(counts, joint, samples) > 1e-3
 
 
