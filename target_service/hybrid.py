@@ -192,8 +192,9 @@ class HybridLM(nn.Module):
         layers = list(hidden_layers)
         logits, hidden = self.forward_batch(input_ids.reshape(-1), torch.arange(T, device=dev).repeat(B), batch,
                                             hidden_layers=layers)
-        logits = logits.view(B, T, -1)
-        if logits_rows is not None:
-            logits = logits[:, logits_rows]
+        if logits is not None:          # None on a tensor-parallel rank other than 0
+            logits = logits.view(B, T, -1)
+            if logits_rows is not None:
+                logits = logits[:, logits_rows]
         feats = torch.cat([hidden[i].view(B, T, -1) for i in layers], dim=-1) if layers else None
         return ForwardOutput(logits=logits, hidden=feats)

@@ -53,6 +53,11 @@ class Layout:
         return self.rank * self.vocab
 
     def describe(self, cfg: ModelConfig) -> str:
+        if cfg.hybrid is not None:
+            h = cfg.hybrid
+            return (f"tp={self.world}: MLA heads {self.heads}/rank (latent cache whole on every rank), mlp "
+                    f"intermediate {self.intermediate}/rank, expert intermediate "
+                    f"{h.moe_intermediate_size // self.world}/rank (router replicated), vocab {self.vocab}/rank")
         kv = (f"kv heads replicated ({cfg.num_key_value_heads} for {self.world} ranks, 1/rank)" if self.kv_replicated
               else f"kv heads {self.kv_heads}/rank")
         return (f"tp={self.world}: attention heads {self.heads}/rank, {kv}, mlp intermediate "
@@ -64,9 +69,7 @@ def make_layout(cfg: ModelConfig, world: int, rank: int = 0) -> Layout:
     if world < 1:
         raise ConfigError(f"--tensor-parallel-size must be >= 1, got {world}")
     if cfg.hybrid is not None:
-        raise ConfigError(f"--tensor-parallel-size {world}: {cfg.architecture} (MLA / KDA / MoE layers) is not "
-                          f"sharded yet; tensor parallelism covers Llama, Qwen2 and Qwen3. Use "
-                          f"--tensor-parallel-size 1")
+        return _hybrid_layout(cfg, world, rank)
     h, kv = cfg.num_attention_heads, cfg.num_key_value_heads
     if h % world:
         raise ConfigError(f"--tensor-parallel-size {world} does not divide num_attention_heads={h}")
@@ -85,6 +88,23 @@ def make_layout(cfg: ModelConfig, world: int, rank: int = 0) -> Layout:
     return Layout(world=world, rank=rank, heads=h // world, kv_heads=kv_local, kv_replicated=replicated,
                   kv_head_start=kv_start, intermediate=cfg.intermediate_size // world,
                   vocab=-(-cfg.vocab_size // world))
+
+
+def _hybrid_layout(cfg: ModelConfig, world: int, rank: int) -> Layout:
+    """MLA heads split (the latent cache stays whole on every rank), MLP and expert intermediates split."""
+    h = cfg.hybrid
+    if h.kda_layers:
+        raise ConfigError(f"--tensor-parallel-size {world}: {cfg.architecture} has KDA layers, whose heads and "
+                          f"recurrent state are not sharded yet (MLA + MoE models such as DeepSeek-V3 are). Use "
+                          f"--tensor-parallel-size 1")
+    sizes = {"num_attention_heads": h.num_heads, "intermediate_size": h.intermediate_size,
+             "moe_intermediate_size": h.moe_intermediate_size,
+             "moe_intermediate_size x n_shared_experts": h.moe_intermediate_size * h.n_shared_experts}
+    for name, n in sizes.items():
+        if n % world:
+            raise ConfigError(f"--tensor-parallel-size {world} does not divide {name}={n}")
+    return Layout(world=world, rank=rank, heads=h.num_heads // world, kv_heads=1, kv_replicated=True,
+                  kv_head_start=0, intermediate=h.intermediate_size // world, vocab=-(-cfg.vocab_size // world))
 
 
 # ---- communication -----------------------------------------------------------------------------
@@ -182,6 +202,94 @@ def shard_model(model: CausalLM, layout: Layout) -> CausalLM:
     return model
 
 
+class _Slices(dict):
+    """Parameter name -> (dim, start, length) of this rank's slice of the checkpoint tensor."""
+
+    def column(self, prefix: str, module: nn.Linear, full_out: int, layout: Layout) -> None:
+        n = module.out_features
+        assert n * layout.world == full_out
+        self[f"{prefix}.weight"] = (0, layout.rank * n, n)
+        if module.bias is not None:
+            self[f"{prefix}.bias"] = (0, layout.rank * n, n)
+
+    def row(self, prefix: str, module: nn.Linear, layout: Layout) -> None:
+        n = module.in_features
+        self[f"{prefix}.weight"] = (1, layout.rank * n, n)
+
+
+def _parallel_moe_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """The router is replicated (every rank picks the same experts for a token: its input is the
+    full residual stream); each expert and the shared experts hold a slice of their intermediate,
+    so each rank's sum is partial and ONE all-reduce completes the block. K3's latent MoE needs
+    the routed sum whole before its RMSNorm, so it reduces that sum first (two all-reduces)."""
+    weights, ids = self.gate(x)
+    if self.latent:
+        y = all_reduce(self.routed(self.routed_expert_down_proj(x), weights, ids))
+        if hasattr(self, "routed_expert_norm"):
+            y = self.routed_expert_norm(y)
+        y = self.routed_expert_up_proj(y)
+        return y + all_reduce(self.shared_experts(x)) if hasattr(self, "shared_experts") else y
+    y = self.routed(x, weights, ids)
+    if hasattr(self, "shared_experts"):
+        y = y + self.shared_experts(x)
+    return all_reduce(y)
+
+
+def shard_hybrid(model, layout: Layout) -> tuple[nn.Module, _Slices]:
+    """An MLA + MoE (DeepSeek-V3 / Kimi-K2 shaped) HybridLM cut for `layout`, and the slice of
+    every sharded parameter."""
+    from .mla import MLAttention
+    from .moe import GLU, MoE
+    cfg, h = model.cfg, model.cfg.hybrid
+    H = cfg.hidden_size
+    sl = _Slices()
+    model.model.embed_tokens = VocabParallelEmbedding(layout.vocab, H, layout.vocab_start)
+    model.lm_head = ParallelLMHead(H, layout.vocab, cfg.vocab_size, layout.rank, layout.world)
+    for prefix in ("model.embed_tokens.weight", "lm_head.weight"):
+        sl[prefix] = (0, layout.vocab_start, layout.vocab)
+
+    def glu(prefix: str, mod: GLU, reduce: bool) -> None:
+        g, u, d = mod.names
+        inter = getattr(mod, g).out_features
+        local = inter // layout.world
+        for name in (g, u):
+            setattr(mod, name, nn.Linear(getattr(mod, name).in_features, local, bias=False))
+            sl.column(f"{prefix}.{name}", getattr(mod, name), inter, layout)
+        out = getattr(mod, d).out_features
+        setattr(mod, d, (RowParallelLinear if reduce else nn.Linear)(local, out, bias=False))
+        sl.row(f"{prefix}.{d}", getattr(mod, d), layout)
+
+    for i, layer in enumerate(model.model.layers):
+        p = f"model.layers.{i}"
+        a = layer.self_attn
+        if isinstance(a, MLAttention):
+            a.heads = layout.heads
+            qk, v, r = h.qk_head_dim, h.v_head_dim, h.kv_lora_rank
+            if h.q_lora_rank is None:
+                a.q_proj = nn.Linear(H, layout.heads * qk, bias=False)
+                sl.column(f"{p}.self_attn.q_proj", a.q_proj, h.num_heads * qk, layout)
+            else:
+                a.q_b_proj = nn.Linear(h.q_lora_rank, layout.heads * qk, bias=False)
+                sl.column(f"{p}.self_attn.q_b_proj", a.q_b_proj, h.num_heads * qk, layout)
+            a.kv_b_proj = nn.Linear(r, layout.heads * (h.qk_nope_head_dim + v), bias=False)
+            sl.column(f"{p}.self_attn.kv_b_proj", a.kv_b_proj, h.num_heads * (h.qk_nope_head_dim + v), layout)
+            if h.mla_output_gate:
+                a.g_proj = nn.Linear(H, layout.heads * v, bias=False)
+                sl.column(f"{p}.self_attn.g_proj", a.g_proj, h.num_heads * v, layout)
+            a.o_proj = RowParallelLinear(layout.heads * v, H, bias=h.attention_bias)
+            sl.row(f"{p}.self_attn.o_proj", a.o_proj, layout)
+        mlp = getattr(layer, layer.mlp_name)
+        if isinstance(mlp, MoE):
+            for e, expert in enumerate(mlp.experts):
+                glu(f"{p}.{layer.mlp_name}.experts.{e}", expert, reduce=False)
+            if hasattr(mlp, "shared_experts"):
+                glu(f"{p}.{layer.mlp_name}.shared_experts", mlp.shared_experts, reduce=False)
+            mlp.__class__ = type("ParallelMoE", (MoE,), {"forward": _parallel_moe_forward})
+        else:
+            glu(f"{p}.{layer.mlp_name}", mlp, reduce=True)
+    return model, sl
+
+
 def shard_tensor(name: str, t: torch.Tensor, cfg: ModelConfig, layout: Layout) -> torch.Tensor:
     """This rank's slice of the full checkpoint tensor for parameter `name`."""
     hd, r = cfg.head_dim, layout.rank
@@ -207,6 +315,36 @@ def shard_tensor(name: str, t: torch.Tensor, cfg: ModelConfig, layout: Layout) -
     return t            # norms: replicated
 
 
+def _cut(t: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
+    part = t.narrow(dim, start, min(length, t.shape[dim] - start))
+    if part.shape[dim] < length:        # a vocabulary range past the end: zero rows
+        pad = list(part.shape)
+        pad[dim] = length - part.shape[dim]
+        part = torch.cat([part, part.new_zeros(pad)], dim=dim)
+    return part
+
+
+def _load_hybrid(path: Path, cfg: ModelConfig, layout: Layout, dtype: torch.dtype, device: torch.device):
+    from .hybrid import HybridLM
+    from .hybrid_weights import adapt_tensor, checkpoint_name, ignored
+    from .loader import load_state, weight_files
+    with torch.device("meta"):
+        model, slices = shard_hybrid(HybridLM(cfg), layout)
+    model = model.to_empty(device=device).to(dtype)
+    for p in model.fp32_parameters():
+        p.data = p.data.float()
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+
+    def adapt(name, t, p):
+        t = adapt_tensor(name, t, p)
+        return _cut(t, *slices[name]) if name in slices else t
+    skip = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
+    load_state(model, weight_files(path), skip=skip, source=checkpoint_name, adapt=adapt,
+               ignored=lambda n: ignored(cfg, n))
+    return model.eval().requires_grad_(False), layout
+
+
 def load_sharded(path: str | Path, layout_world: int, rank: int, *, dtype: torch.dtype,
                  device: torch.device) -> tuple[CausalLM, Layout]:
     """Build and load rank `rank`'s shard of the checkpoint at `path`."""
@@ -217,6 +355,8 @@ def load_sharded(path: str | Path, layout_world: int, rank: int, *, dtype: torch
     if eos != cfg.eos_token_ids:
         cfg = ModelConfig(**{**cfg.__dict__, "eos_token_ids": eos})
     layout = make_layout(cfg, layout_world, rank)
+    if cfg.hybrid is not None:
+        return _load_hybrid(path, cfg, layout, dtype, device)
     with torch.device("meta"):
         model = shard_model(CausalLM(cfg), layout)
     model = model.to_empty(device=device).to(dtype)

@@ -24,7 +24,7 @@ from splitspec.v1 import target_pb2, target_pb2_grpc
 from target_service.engine import TargetSequence, generate
 from target_service.loader import load_model
 from tiny_models import save_tiny_model
-from tp_ranks import check_sharded_layers
+from tp_ranks import check_hybrid, check_sharded_layers
 
 N_NEW = 24
 PROMPTS = [[5, 9, 300, 17, 42, 42, 7], [100, 200, 300, 400, 100, 200, 300], [3]]
@@ -39,21 +39,39 @@ def test_sharded_layers_equal_unsharded_on_two_gloo_ranks(tmp_path):
     tmp.start_processes(check_sharded_layers, args=(2, free_port(), paths), nprocs=2, start_method="spawn")
 
 
+def test_mla_moe_model_sharded_equals_unsharded_on_two_gloo_ranks(tmp_path):
+    # DeepSeek-V3 shaped: q LoRA, MLA heads split over the ranks with the latent cache whole on each,
+    # a dense first layer, routed + shared experts cut along their intermediate (one all-reduce).
+    from hybrid_models import save_tiny_deepseek
+    paths = [str(save_tiny_deepseek(tmp_path / "ds", seed=4)), str(save_tiny_deepseek(tmp_path / "yarn", yarn=True))]
+    tmp.start_processes(check_hybrid, args=(2, free_port(), paths), nprocs=2, start_method="spawn")
+
+
 def test_uneven_shapes_are_refused_before_any_rank_starts(tmp_path):
     from target_service import tp_worker
     from target_service.config import ConfigError
     path = save_tiny_model(tmp_path / "m", "qwen3", num_heads=4, num_kv_heads=2)
     with pytest.raises(ConfigError, match="does not divide num_attention_heads=4"):
         tp_worker.start(path, 3, dtype=torch.float32, device=torch.device("cpu"), timeout_s=10)
+    from hybrid_models import save_tiny_kimi
+    kimi = save_tiny_kimi(tmp_path / "kimi")
+    with pytest.raises(ConfigError, match="KDA layers"):
+        tp_worker.start(kimi, 2, dtype=torch.float32, device=torch.device("cpu"), timeout_s=10)
 
 
-def test_driver_decodes_and_verifies_trees_like_one_process(tmp_path):
+@pytest.mark.parametrize("arch", ["qwen3", "deepseek"])
+def test_driver_decodes_and_verifies_trees_like_one_process(tmp_path, arch):
     """Rank 0 drives a spawned rank 1: greedy decode, taps, and a verify whose accepted node is a
-    second branch (its K/V is copied down on rank 0 and, at the next forward, on rank 1)."""
+    second branch (its K/V, or MLA latent row, is copied down on rank 0 and, at the next forward,
+    on rank 1)."""
     from splitspec.engine.tree import Tree
     from target_service import tp_worker
     from target_service.pools import make_pool
-    path = save_tiny_model(tmp_path / "m", "qwen3", vocab_size=130, num_heads=4, num_kv_heads=2, seed=11)
+    if arch == "deepseek":
+        from hybrid_models import save_tiny_deepseek
+        path = save_tiny_deepseek(tmp_path / "m", vocab_size=130, seed=11)
+    else:
+        path = save_tiny_model(tmp_path / "m", "qwen3", vocab_size=130, num_heads=4, num_kv_heads=2, seed=11)
     ref = load_model(path)
     drv = tp_worker.start(path, 2, dtype=torch.float32, device=torch.device("cpu"), timeout_s=60)
     try:

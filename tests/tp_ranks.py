@@ -44,3 +44,22 @@ def _check(rank: int, world: int, path: str) -> None:
             torch.testing.assert_close(out.logits, ref(ids).logits, rtol=1e-4, atol=1e-4)
         else:
             assert head is None and out.logits is None
+
+
+def check_hybrid(rank: int, world: int, port: int, paths: list[str]) -> None:
+    """An MLA + MoE checkpoint: whole-sequence logits and taps, rank 0 against the unsharded model."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=world, rank=rank)
+    try:
+        for path in paths:
+            ref = load_model(path)
+            tp, _ = load_sharded(path, world, rank, dtype=torch.float32, device=torch.device("cpu"))
+            ids = torch.randint(0, ref.cfg.vocab_size, (2, 11), generator=torch.Generator().manual_seed(1))
+            layers = list(range(ref.cfg.num_hidden_layers))
+            with torch.inference_mode():
+                mine, theirs = tp(ids, hidden_layers=layers), ref(ids, hidden_layers=layers)
+            # Every rank holds the full residual stream after each all-reduce: the taps match everywhere.
+            torch.testing.assert_close(mine.hidden, theirs.hidden, rtol=1e-4, atol=1e-4)
+            if rank == 0:
+                torch.testing.assert_close(mine.logits, theirs.logits, rtol=1e-4, atol=1e-4)
+    finally:
+        dist.destroy_process_group()
