@@ -47,6 +47,7 @@ class Layout:
     kv_head_start: int      # first KV head this rank holds
     intermediate: int       # MLP intermediate rows per rank
     vocab: int              # vocabulary rows per rank (the last rank's range is padded with zeros)
+    kda_heads: int = 0      # KDA heads (and their conv / recurrent state) per rank
 
     @property
     def vocab_start(self) -> int:
@@ -55,7 +56,8 @@ class Layout:
     def describe(self, cfg: ModelConfig) -> str:
         if cfg.hybrid is not None:
             h = cfg.hybrid
-            return (f"tp={self.world}: MLA heads {self.heads}/rank (latent cache whole on every rank), mlp "
+            kda = f"KDA heads and state {self.kda_heads}/rank, " if h.kda_layers else ""
+            return (f"tp={self.world}: {kda}MLA heads {self.heads}/rank (latent cache whole on every rank), mlp "
                     f"intermediate {self.intermediate}/rank, expert intermediate "
                     f"{h.moe_intermediate_size // self.world}/rank (router replicated), vocab {self.vocab}/rank")
         kv = (f"kv heads replicated ({cfg.num_key_value_heads} for {self.world} ranks, 1/rank)" if self.kv_replicated
@@ -93,18 +95,16 @@ def make_layout(cfg: ModelConfig, world: int, rank: int = 0) -> Layout:
 def _hybrid_layout(cfg: ModelConfig, world: int, rank: int) -> Layout:
     """MLA heads split (the latent cache stays whole on every rank), MLP and expert intermediates split."""
     h = cfg.hybrid
-    if h.kda_layers:
-        raise ConfigError(f"--tensor-parallel-size {world}: {cfg.architecture} has KDA layers, whose heads and "
-                          f"recurrent state are not sharded yet (MLA + MoE models such as DeepSeek-V3 are). Use "
-                          f"--tensor-parallel-size 1")
     sizes = {"num_attention_heads": h.num_heads, "intermediate_size": h.intermediate_size,
              "moe_intermediate_size": h.moe_intermediate_size,
-             "moe_intermediate_size x n_shared_experts": h.moe_intermediate_size * h.n_shared_experts}
+             "moe_intermediate_size x n_shared_experts": h.moe_intermediate_size * h.n_shared_experts,
+             "linear_attn_config.num_heads (KDA)": h.linear_num_heads if h.kda_layers else 0}
     for name, n in sizes.items():
         if n % world:
             raise ConfigError(f"--tensor-parallel-size {world} does not divide {name}={n}")
     return Layout(world=world, rank=rank, heads=h.num_heads // world, kv_heads=1, kv_replicated=True,
-                  kv_head_start=0, intermediate=h.intermediate_size // world, vocab=-(-cfg.vocab_size // world))
+                  kv_head_start=0, intermediate=h.intermediate_size // world, vocab=-(-cfg.vocab_size // world),
+                  kda_heads=h.linear_num_heads // world)
 
 
 # ---- communication -----------------------------------------------------------------------------
@@ -235,9 +235,43 @@ def _parallel_moe_forward(self, x: torch.Tensor) -> torch.Tensor:
     return all_reduce(y)
 
 
+def _shard_kda(p: str, a, layout: Layout, sl: _Slices) -> None:
+    """KDA by heads: q/k/v, their short convs, the decay's f_b and dt_bias, A_log, beta and the
+    output gate hold this rank's heads; f_a / g_a (low rank) and the per-head-dim o_norm are
+    replicated; o_proj is row-parallel. Each rank's recurrent and conv state is its heads' only."""
+    H, D, K = a.heads, a.head_dim, a.kernel
+    Hl = layout.kda_heads
+    C, Cl = H * D, Hl * D
+    hidden = a.q_proj.in_features
+    a.heads = Hl
+    for name in ("q_proj", "k_proj", "v_proj"):
+        setattr(a, name, nn.Linear(hidden, Cl, bias=False))
+        sl.column(f"{p}.{name}", getattr(a, name), C, layout)
+    for name in ("q_conv1d", "k_conv1d", "v_conv1d"):
+        setattr(a, name, nn.Conv1d(Cl, Cl, K, groups=Cl, bias=False))
+        sl[f"{p}.{name}.weight"] = (0, layout.rank * Cl, Cl)
+    a.f_b_proj = nn.Linear(D, Cl, bias=False)
+    sl.column(f"{p}.f_b_proj", a.f_b_proj, C, layout)
+    a.dt_bias = nn.Parameter(torch.zeros(Cl))
+    sl[f"{p}.dt_bias"] = (0, layout.rank * Cl, Cl)
+    a.A_log = nn.Parameter(torch.zeros(Hl))
+    sl[f"{p}.A_log"] = (0, layout.rank * Hl, Hl)
+    a.b_proj = nn.Linear(hidden, Hl, bias=False)
+    sl.column(f"{p}.b_proj", a.b_proj, H, layout)
+    if hasattr(a, "g_proj"):
+        a.g_proj = nn.Linear(hidden, Cl, bias=False)
+        sl.column(f"{p}.g_proj", a.g_proj, C, layout)
+    else:
+        a.g_b_proj = nn.Linear(D, Cl, bias=False)
+        sl.column(f"{p}.g_b_proj", a.g_b_proj, C, layout)
+    a.o_proj = RowParallelLinear(Cl, a.o_proj.out_features, bias=False)
+    sl.row(f"{p}.o_proj", a.o_proj, layout)
+
+
 def shard_hybrid(model, layout: Layout) -> tuple[nn.Module, _Slices]:
     """An MLA + MoE (DeepSeek-V3 / Kimi-K2 shaped) HybridLM cut for `layout`, and the slice of
     every sharded parameter."""
+    from .kda import KimiDeltaAttention
     from .mla import MLAttention
     from .moe import GLU, MoE
     cfg, h = model.cfg, model.cfg.hybrid
@@ -278,6 +312,8 @@ def shard_hybrid(model, layout: Layout) -> tuple[nn.Module, _Slices]:
                 sl.column(f"{p}.self_attn.g_proj", a.g_proj, h.num_heads * v, layout)
             a.o_proj = RowParallelLinear(layout.heads * v, H, bias=h.attention_bias)
             sl.row(f"{p}.self_attn.o_proj", a.o_proj, layout)
+        elif isinstance(a, KimiDeltaAttention):
+            _shard_kda(f"{p}.self_attn", a, layout, sl)
         mlp = getattr(layer, layer.mlp_name)
         if isinstance(mlp, MoE):
             for e, expert in enumerate(mlp.experts):
@@ -331,13 +367,20 @@ def _load_hybrid(path: Path, cfg: ModelConfig, layout: Layout, dtype: torch.dtyp
     with torch.device("meta"):
         model, slices = shard_hybrid(HybridLM(cfg), layout)
     model = model.to_empty(device=device).to(dtype)
+    if layout.kda_heads:        # pools.make_pool sizes this rank's KDA state by it
+        model.local_kda_heads = layout.kda_heads
     for p in model.fp32_parameters():
         p.data = p.data.float()
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
 
     def adapt(name, t, p):
-        t = adapt_tensor(name, t, p)
+        if name.endswith("A_log") and name in slices:
+            # Checkpoints store A_log [1, 1, H, 1] or padded to the head dim: the first H values
+            # are the heads', cut before this rank's slice is taken.
+            t = t.reshape(-1)[:cfg.hybrid.linear_num_heads]
+        else:
+            t = adapt_tensor(name, t, p)
         return _cut(t, *slices[name]) if name in slices else t
     skip = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
     load_state(model, weight_files(path), skip=skip, source=checkpoint_name, adapt=adapt,

@@ -42,9 +42,10 @@ def make_pool(model, *, block_size: int = 16, num_blocks: int | None = None, bud
                                                   device=device, **kw)
     if h is not None and h.kda_layers:
         d = h.linear_head_dim
-        pool.states = StatePool(num_layers=len(h.kda_layers), num_slots=max_sessions,
-                                conv_channels=3 * h.linear_num_heads * d, conv_kernel=h.conv_kernel,
-                                heads=h.linear_num_heads, k_dim=d, v_dim=d, device=device)
+        heads = getattr(model, "local_kda_heads", h.linear_num_heads)     # a tensor-parallel rank: its share
+        pool.states = getattr(model, "state_pool_class", StatePool)(
+            num_layers=len(h.kda_layers), num_slots=max_sessions, conv_channels=3 * heads * d,
+            conv_kernel=h.conv_kernel, heads=heads, k_dim=d, v_dim=d, device=device)
         pool.states.rollback = rollback
     if hasattr(model, "attach_pool"):       # tensor parallel: the workers build the same blocks
         model.attach_pool(pool)

@@ -89,6 +89,9 @@ class StatePlan:
         of the next): write the state they lead to, in every KDA layer."""
         for layer, record in self.pending.items():
             record.commit(self.pool, layer, row, path)
+        hook = getattr(self.pool, "on_commit", None)
+        if hook is not None:        # a tensor-parallel rank 0 replays this commit on its workers
+            hook(row, path)
 
     def pending_bytes(self) -> int:
         """Memory the forward's pending records hold until commit (what rollback costs)."""

@@ -42,6 +42,7 @@ from splitspec.engine.attention import AttentionPlan, Group
 from splitspec.engine.kv_pool import KVPool
 
 from .parallel import CommStats, Layout, TensorParallelError, load_sharded
+from .state_pool import StatePlan, StatePool, StateRow
 
 log = structlog.get_logger(__name__)
 
@@ -59,6 +60,24 @@ class RecordingKVPool(KVPool):
     def copy_slots(self, frm: torch.Tensor, to: torch.Tensor) -> None:
         super().copy_slots(frm, to)
         self.moves.append((frm.cpu(), to.cpu()))
+
+
+class RecordingStatePool(StatePool):
+    """Rank 0's KDA state slots: a slot zeroed for a new session and a committed row (which
+    tokens of the last forward stay) are kept for the workers, who apply them, commits first,
+    before the next forward, in the order rank 0 did them."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.events: list[tuple] = []
+
+    def allocate(self) -> int:
+        slot = super().allocate()
+        self.events.append(("zero", slot))
+        return slot
+
+    def on_commit(self, row: int, path: list[int]) -> None:
+        self.events.append(("commit", row, list(path)))
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
@@ -111,6 +130,7 @@ def worker_main(rank: int, world: int, port: int, spec: dict, conn) -> None:
         return
     conn.send(("ready", None))
     pool = None
+    last_states = None      # the KDA rows of the last forward: rank 0's commits for them come with the next
     try:
         while True:
             try:
@@ -123,15 +143,30 @@ def worker_main(rank: int, world: int, port: int, spec: dict, conn) -> None:
             if kind == "pool":
                 p = msg["pool"]
                 pool = KVPool(device=device, dtype=spec["dtype"], **p)
+                if msg.get("states"):
+                    pool.states = StatePool(device=device, **msg["states"])
+                last_states = None
             elif kind == "forward":
                 for frm, to in msg["moves"]:
                     pool.copy_slots(torch.from_numpy(frm).to(device), torch.from_numpy(to).to(device))
+                with torch.inference_mode():
+                    for event in msg.get("state_events", ()):
+                        if event[0] == "commit":
+                            last_states.commit(event[1], event[2])
+                        else:
+                            pool.states.conv[:, event[1]].zero_()
+                            pool.states.rec[:, event[1]].zero_()
                 from .model import PagedBatch
                 plan = _plan_from_wire(msg["plan"], device)
+                states = None
+                if msg.get("states") is not None:
+                    rows, rollback = msg["states"]
+                    states = last_states = StatePlan(pool.states, [StateRow(*r) for r in rows], rollback)
                 with torch.inference_mode():
                     model.forward_batch(torch.from_numpy(msg["ids"]).to(device),
                                         torch.from_numpy(msg["positions"]).to(device),
-                                        PagedBatch(pool, plan), logits_index=torch.from_numpy(msg["index"]).to(device))
+                                        PagedBatch(pool, plan, states),
+                                        logits_index=torch.from_numpy(msg["index"]).to(device))
             elif kind == "comm_stats":
                 CommStats.reset(msg["enabled"])
     finally:
@@ -168,6 +203,11 @@ class TensorParallelDriver:
         return self.layout.kv_heads
 
     pool_class = RecordingKVPool
+    state_pool_class = RecordingStatePool
+
+    @property
+    def local_kda_heads(self) -> int:
+        return self.layout.kda_heads
 
     @property
     def world(self) -> int:
@@ -185,9 +225,17 @@ class TensorParallelDriver:
     def attach_pool(self, pool: KVPool) -> None:
         """The workers build the same pool (same blocks, their share of the KV heads)."""
         self.pool = pool
+        states = None
+        if pool.states is not None:
+            st = pool.states
+            states = dict(num_layers=st.rec.shape[0], num_slots=st.num_slots, conv_channels=st.conv.shape[2],
+                          conv_kernel=st.conv.shape[3] + 1, heads=st.rec.shape[2], k_dim=st.rec.shape[3],
+                          v_dim=st.rec.shape[4])
+            st.events = []
         self._send({"kind": "pool", "pool": dict(num_layers=pool.k.shape[0], num_kv_heads=pool.k.shape[2],
                                                    head_dim=pool.k.shape[3], v_head_dim=pool.v.shape[3],
-                                                   num_blocks=pool.num_blocks, block_size=pool.block_size)})
+                                                   num_blocks=pool.num_blocks, block_size=pool.block_size),
+                    "states": states})
 
     def forward_batch(self, input_ids, positions, batch, *, hidden_layers=(), logits_index=None):
         if self.failure is not None:
@@ -197,8 +245,14 @@ class TensorParallelDriver:
             moves, batch.pool.moves = [(_np(f), _np(t)) for f, t in batch.pool.moves], []
         if logits_index is None:
             logits_index = torch.arange(input_ids.shape[0], device=input_ids.device)
+        events, states = [], None
+        if batch.states is not None:
+            st = batch.states
+            events, st.pool.events = st.pool.events, []
+            states = ([(r.slot, r.start, r.q_len, r.parents, r.verify) for r in st.rows], st.rollback)
         self._send({"kind": "forward", "moves": moves, "ids": _np(input_ids), "positions": _np(positions),
-                    "plan": _plan_to_wire(batch.plan), "index": _np(logits_index)})
+                    "plan": _plan_to_wire(batch.plan), "index": _np(logits_index), "states": states,
+                    "state_events": events})
         try:
             return self.inner.forward_batch(input_ids, positions, batch, hidden_layers=hidden_layers,
                                             logits_index=logits_index)

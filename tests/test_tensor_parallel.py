@@ -39,11 +39,14 @@ def test_sharded_layers_equal_unsharded_on_two_gloo_ranks(tmp_path):
     tmp.start_processes(check_sharded_layers, args=(2, free_port(), paths), nprocs=2, start_method="spawn")
 
 
-def test_mla_moe_model_sharded_equals_unsharded_on_two_gloo_ranks(tmp_path):
-    # DeepSeek-V3 shaped: q LoRA, MLA heads split over the ranks with the latent cache whole on each,
-    # a dense first layer, routed + shared experts cut along their intermediate (one all-reduce).
-    from hybrid_models import save_tiny_deepseek
-    paths = [str(save_tiny_deepseek(tmp_path / "ds", seed=4)), str(save_tiny_deepseek(tmp_path / "yarn", yarn=True))]
+def test_kimi_family_sharded_equals_unsharded_on_two_gloo_ranks(tmp_path):
+    # DeepSeek-V3: q LoRA, MLA heads split with the latent cache whole on each rank, a dense first
+    # layer, routed + shared experts cut along their intermediate (one all-reduce). KimiLinear: KDA
+    # heads, convs and state split by heads. K3's shape: latent MoE (two all-reduces), Attention
+    # Residuals, the MLA output gate, the padded A_log.
+    from hybrid_models import save_tiny_deepseek, save_tiny_k3, save_tiny_kimi
+    paths = [str(save_tiny_deepseek(tmp_path / "ds", yarn=True, seed=4)), str(save_tiny_kimi(tmp_path / "kimi")),
+             str(save_tiny_k3(tmp_path / "k3"))]
     tmp.start_processes(check_hybrid, args=(2, free_port(), paths), nprocs=2, start_method="spawn")
 
 
@@ -54,12 +57,12 @@ def test_uneven_shapes_are_refused_before_any_rank_starts(tmp_path):
     with pytest.raises(ConfigError, match="does not divide num_attention_heads=4"):
         tp_worker.start(path, 3, dtype=torch.float32, device=torch.device("cpu"), timeout_s=10)
     from hybrid_models import save_tiny_kimi
-    kimi = save_tiny_kimi(tmp_path / "kimi")
-    with pytest.raises(ConfigError, match="KDA layers"):
-        tp_worker.start(kimi, 2, dtype=torch.float32, device=torch.device("cpu"), timeout_s=10)
+    kimi = save_tiny_kimi(tmp_path / "kimi")       # 2 KDA heads
+    with pytest.raises(ConfigError, match="does not divide"):
+        tp_worker.start(kimi, 4, dtype=torch.float32, device=torch.device("cpu"), timeout_s=10)
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "deepseek"])
+@pytest.mark.parametrize("arch", ["qwen3", "deepseek", "kimi"])
 def test_driver_decodes_and_verifies_trees_like_one_process(tmp_path, arch):
     """Rank 0 drives a spawned rank 1: greedy decode, taps, and a verify whose accepted node is a
     second branch (its K/V, or MLA latent row, is copied down on rank 0 and, at the next forward,
@@ -70,6 +73,9 @@ def test_driver_decodes_and_verifies_trees_like_one_process(tmp_path, arch):
     if arch == "deepseek":
         from hybrid_models import save_tiny_deepseek
         path = save_tiny_deepseek(tmp_path / "m", vocab_size=130, seed=11)
+    elif arch == "kimi":        # KDA: the workers replay rank 0's state commits of the accepted path
+        from hybrid_models import save_tiny_kimi
+        path = save_tiny_kimi(tmp_path / "m", vocab_size=130, seed=11)
     else:
         path = save_tiny_model(tmp_path / "m", "qwen3", vocab_size=130, num_heads=4, num_kv_heads=2, seed=11)
     ref = load_model(path)
