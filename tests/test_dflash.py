@@ -10,8 +10,8 @@ import pytest
 import torch
 from scipy import stats as sstats
 
-from draft_service.dflash import (DFlashConfig, DraftCache, default_target_layer_ids, draft_block,
-                                  load_draft, new_draft, save_draft)
+from draft_service.architectures import load_draft
+from draft_service.dflash import DFlashConfig, DraftCache, default_target_layer_ids, draft_block, new_draft, save_draft
 from draft_service.proposer import DFlashProposer, NgramProposer, ProposerError
 from splitspec.ngram import lookup
 from splitspec.speculate import speculative_generate
