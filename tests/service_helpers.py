@@ -113,6 +113,26 @@ def collect(responses) -> tuple[list[int], list[str], gateway_pb2.Complete]:
     return ids, texts, complete
 
 
+def sampled_runs(stub, prompt: list[int], n: int, samples: int, *, method: str, draft_sampling: str = "greedy",
+                 workers: int = 8, **speculative) -> list[tuple[tuple[int, ...], object]]:
+    """(token ids, stats) of `samples` seeded requests (seeds 0..samples-1) at T=1 / top-k 3
+    for the distribution tests; `speculative` sets further SpeculativeParams fields."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from splitspec.client import build_request
+
+    def run(seed):
+        req = build_request(prompt, max_new_tokens=n, ignore_eos=True, temperature=1.0, top_k=3, seed=seed,
+                            method=method)
+        req.speculative.draft_sampling = draft_sampling
+        for name, value in speculative.items():
+            setattr(req.speculative, name, value)
+        ids, _, complete = collect(stub.Generate(req, timeout=120))
+        return tuple(ids), complete.stats
+    with ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(run, range(samples)))
+
+
 GARBAGE = b"\xff\xfe garbage \x00\x01"
 
 

@@ -13,7 +13,7 @@ import torch
 
 from draft_service.dflash import new_draft, save_draft
 from draft_service.dflash2 import new_dflash2
-from service_helpers import collect, running_stack, tiny_target_dir
+from service_helpers import collect, running_stack, sampled_runs, tiny_target_dir
 from splitspec.client import build_request
 from splitspec.engine.sample import SamplingParams
 from splitspec.v1 import common_pb2, draft_pb2_grpc
@@ -102,14 +102,7 @@ def test_sampled_tree_speculation_follows_the_target_distribution(stub, model, d
     params = SamplingParams(temperature=1.0, top_k=3)
     joint = exact_joint(model, prompt, params, n)
 
-    def run(seed):
-        req = build_request(prompt, max_new_tokens=n, ignore_eos=True, temperature=1.0, top_k=3, seed=seed,
-                            method="dflash")
-        req.speculative.draft_sampling = draft_sampling
-        ids, _, complete = collect(stub.Generate(req, timeout=120))
-        return tuple(ids), complete.stats
-    with ThreadPoolExecutor(8) as pool:
-        results = list(pool.map(run, range(samples)))
+    results = sampled_runs(stub, prompt, n, samples, method="dflash", draft_sampling=draft_sampling)
     counts = collections.Counter(ids for ids, _ in results)
     assert set(counts) <= set(joint)
     assert all(st.draft_fallbacks == 0 for _, st in results)
