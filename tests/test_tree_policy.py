@@ -123,3 +123,26 @@ def test_tree_shapes_past_the_drafters_limits_are_refused_by_name(kw, needle):
         TreeShape.resolve(max_depth=7, max_topk=4, what="this draft", **kw)
     assert TreeShape.resolve(num_draft_tokens=16, num_steps=None, topk=4, max_depth=7, max_topk=4,
                              what="d") == TreeShape(15, 7, 4)
+
+
+def test_plan_for_trees_honours_and_refuses_by_the_drafters_limits():
+    from gateway.request import RequestError
+    from test_policy import plan
+    from splitspec.v1 import draft_pb2
+    tree_draft = draft_pb2.DraftInfo(model_id="d2", method="dflash", block_size=8, target_layer_ids=[1, 3],
+                                     max_topk=4, max_draft_nodes=64)
+    p = plan("dflash", draft=tree_draft, topk=4, num_draft_tokens=16)
+    assert (p.speculative.topk, p.speculative.num_draft_tokens, p.speculative.num_steps) == (4, 16, 7)
+    assert p.max_k == 15 and not p.local_ngram
+    # auto: the numbers are upper bounds (topk cut to the draft's 4, nodes to the verify cap);
+    # the gateway's own n-gram index drafts tries too.
+    p = plan("auto", draft=tree_draft, topk=9, num_draft_tokens=100)
+    assert p.speculative.topk == 4 and p.speculative.num_draft_tokens == 65 and p.ngram_tree == (64, 7, 4)
+    # An explicit ngram goes to the draft service's n-gram; without one, to the gateway's own.
+    assert plan("ngram", draft=tree_draft, topk=3, num_draft_tokens=9).speculative.method == "ngram"
+    assert plan("ngram", draft=None, has_draft=False, topk=3, num_draft_tokens=9).ngram_tree == (8, 7, 3)
+    for kw, words in ((dict(topk=5), "offers per node (4)"), (dict(topk=2, num_draft_tokens=70), "verify cap"),
+                      (dict(topk=2, num_steps=8), "block size (8) minus one")):
+        with pytest.raises(RequestError) as err:
+            plan("dflash", draft=tree_draft, **kw)
+        assert words in str(err.value)
