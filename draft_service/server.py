@@ -41,7 +41,7 @@ from target_service.server import status_for
 
 from .architectures import load_draft
 from .dflash import BLOCK_SIZE_MEANINGS
-from .proposer import MAX_NGRAM_TOPK, DFlashProposer, NgramProposer, StaleProposeError, max_topk
+from .proposer import MAX_NGRAM_TOPK, DFlashProposer, NgramProposer, ProposerError, StaleProposeError, max_topk
 from .scheduler import DraftScheduler
 
 SERVICE = "splitspec.v1.Draft"
@@ -230,15 +230,21 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         if method == "ngram":
             if width < 2:
                 raise WireError(f"open.speculative.num_draft_tokens = {width} must be >= 2")
-            proposer = NgramProposer(num_draft_tokens=width, min_n=st.args.ngram_min, max_n=st.args.ngram_max,
-                                     num_steps=steps, topk=topk)
+            try:
+                proposer = NgramProposer(num_draft_tokens=width, min_n=st.args.ngram_min, max_n=st.args.ngram_max,
+                                         num_steps=steps, topk=topk)
+            except ProposerError as exc:
+                raise WireError(f"open.{exc}") from exc
             proposer.open(prompt)
             return proposer, proposer.width
         cfg = st.model.cfg
         hidden = st.hidden(msg.prompt_hidden, "open.prompt_hidden", (len(prompt), cfg.target_feature_size))
 
-        p = DFlashProposer(st.model, num_draft_tokens=width, max_len=st.args.max_context, num_steps=steps, topk=topk,
-                           sampling=sampling if spec.draft_sampling == "sample" else None, pool=st.pool)
+        try:
+            p = DFlashProposer(st.model, num_draft_tokens=width, max_len=st.args.max_context, num_steps=steps,
+                               topk=topk, sampling=sampling if spec.draft_sampling == "sample" else None, pool=st.pool)
+        except ProposerError as exc:      # the shape the client asked for: name its field on the wire
+            raise WireError(f"open.{exc}") from exc
         try:
             await st.scheduler.open(p, prompt, hidden)
         except BaseException:

@@ -120,7 +120,7 @@ def test_auto_sampling_follows_the_target_distribution(stub, model, draft_sampli
 
 
 def test_parameters_no_drafter_can_honour_are_refused_before_any_session(stub, services):
-    for method, field, value, words in [("dflash", "topk", 3, "chains only"),
+    for method, field, value, words in [("dflash", "topk", 17, "offers per node (16)"),
                                         ("dflash", "num_draft_tokens", 1000, "block size (8)"),
                                         ("dflash", "num_steps", 20, "block size")]:
         req = build_request([5, 6, 7], max_new_tokens=8, method=method)
@@ -134,7 +134,8 @@ def test_parameters_no_drafter_can_honour_are_refused_before_any_session(stub, s
     req = build_request([5, 6, 7], max_new_tokens=16, ignore_eos=True, method="auto")
     req.speculative.topk, req.speculative.num_draft_tokens = 3, 1000
     ids, _, complete = collect(stub.Generate(req, timeout=60))
-    assert len(ids) == 16 and all(s.k <= 7 for s in complete.stats.steps)
+    # (a tree of topk 3: at most the verify cap's 64 nodes, at most the block's 7 levels)
+    assert len(ids) == 16 and all(s.k <= 64 and s.depth <= 7 for s in complete.stats.steps)
     # The target alone honours k = 0 requests exactly: method none never drafts.
     ids, _, complete = collect(stub.Generate(build_request([5, 6, 7], max_new_tokens=8, method="none"), timeout=60))
     assert set(complete.stats.steps_by_method) == {"none"} and all(s.k == 0 for s in complete.stats.steps)
