@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import statistics
 import tempfile
 import time
@@ -67,6 +68,7 @@ def main(argv=None) -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--top-logprobs", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=5, help="interleaved repeats of each variant")
+    ap.add_argument("--parts", default="logprobs,n", help="which measures: logprobs, n or both")
     args = ap.parse_args(argv)
     with (contextlib.nullcontext(args.url) if args.url else stack(args)) as url:
         print(json.dumps(run(url, args), indent=1))
@@ -84,12 +86,37 @@ def run(url: str, args) -> dict:
         return r.usage.completion_tokens
 
     one(PROMPTS[0])                                                # warm-up: first forwards, caches
+    parts = set(args.parts.split(","))
+    out = {"method": args.method, "max_tokens": args.max_tokens, "rounds": args.rounds}
+    if "logprobs" in parts:
+        out["one_stream_tok_s"] = logprobs_overhead(one, args)
+    if "n" in parts:
+        out["n4_tok_s"] = n_against_separate(one, args)
+    return out
+
+
+def med(values) -> float:
+    return statistics.median(list(values))
+
+
+def logprobs_overhead(one, args) -> dict:
     plain, with_lp = [], []
     for r in range(args.rounds):
         prompt = PROMPTS[r % len(PROMPTS)]
         order = [(plain, None), (with_lp, args.top_logprobs)]
         for runs, lp in (order if r % 2 == 0 else order[::-1]):
             runs.append(tok_s(lambda: one(prompt, logprobs=lp)))
+    ratios = [b / a for a, b in zip(plain, with_lp)]
+    return {"plain": med(plain), f"logprobs_{args.top_logprobs}": med(with_lp),
+            "overhead_pct": round(100 * (1 - med(with_lp) / med(plain)), 2),
+            # Each round's pair ran back to back: their ratio cancels most of the drift a shared
+            # machine adds, which the medians of each side keep.
+            "paired_overhead_pct": round(100 * (1 - med(ratios)), 2),
+            "paired_geomean_overhead_pct": round(100 * (1 - math.exp(statistics.fmean(map(math.log, ratios)))), 2),
+            "runs_plain": plain, "runs_logprobs": with_lp}
+
+
+def n_against_separate(one, args) -> dict:
     n4, separate, sequential = [], [], []
     pool = ThreadPoolExecutor(4)
     for r in range(args.rounds):
@@ -101,15 +128,10 @@ def run(url: str, args) -> dict:
         for runs, fn in variants[r % 3:] + variants[:r % 3]:
             runs.append(tok_s(fn))
     pool.shutdown()
-    med = statistics.median
-    return {
-        "method": args.method, "max_tokens": args.max_tokens, "rounds": args.rounds,
-        "one_stream_tok_s": {"plain": med(plain), f"logprobs_{args.top_logprobs}": med(with_lp),
-                             "overhead_pct": round(100 * (1 - med(with_lp) / med(plain)), 2),
-                             "runs_plain": plain, "runs_logprobs": with_lp},
-        "n4_tok_s": {"n=4": med(n4), "4 separate at once": med(separate), "4 one after another": med(sequential),
-                     "runs_n4": n4, "runs_separate": separate, "runs_sequential": sequential},
-    }
+    return {"n=4": med(n4), "4 separate at once": med(separate), "4 one after another": med(sequential),
+            "paired_n4_over_separate": round(med(a / b for a, b in zip(n4, separate)), 3),
+            "paired_n4_over_sequential": round(med(a / b for a, b in zip(n4, sequential)), 3),
+            "runs_n4": n4, "runs_separate": separate, "runs_sequential": sequential}
 
 
 if __name__ == "__main__":
