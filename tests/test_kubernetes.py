@@ -404,4 +404,7 @@ def test_cuda_overlay_gives_target_and_draft_a_gpu():
         if module is gateway_server:
             assert gpus is None
         else:
-            assert gpus == "1" and args.device == "cuda"
+            # a target pod holds its tensor-parallel group: one GPU a rank
+            ranks = getattr(args, "tensor_parallel_size", 1)
+            assert gpus == str(ranks) and args.device == "cuda"
+            assert c["resources"]["requests"]["nvidia.com/gpu"] == gpus
