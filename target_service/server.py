@@ -273,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--tensor-parallel-size", "--tp-size", type=int, default=1,
       help="shard the model over this many ranks on torch.distributed (gloo on CPU, NCCL on CUDA: rank r on "
            "the r-th GPU from --device); the service process is rank 0 and spawns the others. Llama / Qwen2 / "
-           "Qwen3; --kv-cache-budget-mb is per rank")
+           "Qwen3 and the Kimi / DeepSeek-V3 family; --kv-cache-budget-mb is per rank")
     a("--tp-timeout-s", type=float, default=120.0,
       help="with --tensor-parallel-size > 1: the longest a collective may wait for a rank before the replica "
            "gives up and goes out of service (NOT_SERVING)")

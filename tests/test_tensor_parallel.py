@@ -1,6 +1,6 @@
-"""Tensor parallelism (target_service/parallel.py, tp_worker.py): each sharded layer against its
-unsharded reference on two gloo ranks; rank 0's driver (spawned worker, KV copies replayed)
-against the one-process engine; greedy output through the services at --tensor-parallel-size 2
+"""Tensor parallelism (target_service/parallel.py, tp_worker.py): each sharded layer (dense) and
+each sharded Kimi-family model against its unsharded reference on two gloo ranks; rank 0's driver
+(spawned worker, KV copies and KDA state commits replayed) against the one-process engine; greedy output through the services at --tensor-parallel-size 2
 equal to transformers and to TP=1, with DFlash and without speculation; a killed rank takes
 the replica out of service."""
 from __future__ import annotations
@@ -24,30 +24,25 @@ from splitspec.v1 import target_pb2, target_pb2_grpc
 from target_service.engine import TargetSequence, generate
 from target_service.loader import load_model
 from tiny_models import save_tiny_model
-from tp_ranks import check_hybrid, check_sharded_layers
+from tp_ranks import check_sharded
 
 N_NEW = 24
 PROMPTS = [[5, 9, 300, 17, 42, 42, 7], [100, 200, 300, 400, 100, 200, 300], [3]]
 
 
-def test_sharded_layers_equal_unsharded_on_two_gloo_ranks(tmp_path):
-    # KV heads split (4 over 2 ranks) and replicated (1 for 2 ranks); Qwen2's q/k/v biases; a tied
-    # head; 129 does not divide by 2, so the last vocabulary range is padded with zero rows.
-    paths = [str(save_tiny_model(tmp_path / arch, arch, vocab_size=129, num_heads=4, num_kv_heads=kv,
+def test_sharded_models_equal_unsharded_on_two_gloo_ranks(tmp_path):
+    """Dense, layer by layer: KV heads split (4 over 2 ranks) and replicated (1 for 2 ranks), Qwen2's
+    q/k/v biases, a tied head, a vocabulary of 129 (the last range padded with zero rows).
+    Kimi family, whole model and every tap: KimiLinear (KDA heads, convs and state split by heads;
+    MLA heads split with the latent cache whole on each rank; a dense first layer; routed + shared
+    experts cut along their intermediate); K3's shape (q LoRA, latent MoE, Attention Residuals, the
+    MLA output gate, the padded A_log)."""
+    from hybrid_models import save_tiny_k3, save_tiny_kimi
+    dense = [str(save_tiny_model(tmp_path / arch, arch, vocab_size=129, num_heads=4, num_kv_heads=kv,
                                  tie_word_embeddings=tied, seed=5))
              for arch, kv, tied in [("llama", 4, False), ("qwen3", 1, True), ("qwen2", 2, False)]]
-    tmp.start_processes(check_sharded_layers, args=(2, free_port(), paths), nprocs=2, start_method="spawn")
-
-
-def test_kimi_family_sharded_equals_unsharded_on_two_gloo_ranks(tmp_path):
-    # DeepSeek-V3: q LoRA, MLA heads split with the latent cache whole on each rank, a dense first
-    # layer, routed + shared experts cut along their intermediate (one all-reduce). KimiLinear: KDA
-    # heads, convs and state split by heads. K3's shape: latent MoE (two all-reduces), Attention
-    # Residuals, the MLA output gate, the padded A_log.
-    from hybrid_models import save_tiny_deepseek, save_tiny_k3, save_tiny_kimi
-    paths = [str(save_tiny_deepseek(tmp_path / "ds", yarn=True, seed=4)), str(save_tiny_kimi(tmp_path / "kimi")),
-             str(save_tiny_k3(tmp_path / "k3"))]
-    tmp.start_processes(check_hybrid, args=(2, free_port(), paths), nprocs=2, start_method="spawn")
+    hybrid = [str(save_tiny_kimi(tmp_path / "kimi")), str(save_tiny_k3(tmp_path / "k3"))]
+    tmp.start_processes(check_sharded, args=(2, free_port(), dense, hybrid), nprocs=2, start_method="spawn")
 
 
 def test_uneven_shapes_are_refused_before_any_rank_starts(tmp_path):
@@ -62,7 +57,7 @@ def test_uneven_shapes_are_refused_before_any_rank_starts(tmp_path):
         tp_worker.start(kimi, 4, dtype=torch.float32, device=torch.device("cpu"), timeout_s=10)
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "deepseek", "kimi"])
+@pytest.mark.parametrize("arch", ["qwen3", "kimi"])
 def test_driver_decodes_and_verifies_trees_like_one_process(tmp_path, arch):
     """Rank 0 drives a spawned rank 1: greedy decode, taps, and a verify whose accepted node is a
     second branch (its K/V, or MLA latent row, is copied down on rank 0 and, at the next forward,
@@ -70,10 +65,7 @@ def test_driver_decodes_and_verifies_trees_like_one_process(tmp_path, arch):
     from splitspec.engine.tree import Tree
     from target_service import tp_worker
     from target_service.pools import make_pool
-    if arch == "deepseek":
-        from hybrid_models import save_tiny_deepseek
-        path = save_tiny_deepseek(tmp_path / "m", vocab_size=130, seed=11)
-    elif arch == "kimi":        # KDA: the workers replay rank 0's state commits of the accepted path
+    if arch == "kimi":      # KDA + MLA + MoE: the workers replay rank 0's state commits of the kept path
         from hybrid_models import save_tiny_kimi
         path = save_tiny_kimi(tmp_path / "m", vocab_size=130, seed=11)
     else:

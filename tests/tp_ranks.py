@@ -10,12 +10,15 @@ from target_service.model import rope_cos_sin
 from target_service.parallel import load_sharded
 
 
-def check_sharded_layers(rank: int, world: int, port: int, paths: list[str]) -> None:
-    """Every sharded layer of each checkpoint in `paths` against the unsharded model (raises on a mismatch)."""
+def check_sharded(rank: int, world: int, port: int, dense: list[str], hybrid: list[str]) -> None:
+    """Each dense checkpoint layer by layer, each hybrid one whole, against the unsharded model
+    (raises on a mismatch). One process group for all: spawning ranks is what costs."""
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=world, rank=rank)
     try:
-        for path in paths:
+        for path in dense:
             _check(rank, world, path)
+        for path in hybrid:
+            _check_hybrid(rank, world, path)
     finally:
         dist.destroy_process_group()
 
@@ -46,20 +49,15 @@ def _check(rank: int, world: int, path: str) -> None:
             assert head is None and out.logits is None
 
 
-def check_hybrid(rank: int, world: int, port: int, paths: list[str]) -> None:
-    """An MLA + MoE checkpoint: whole-sequence logits and taps, rank 0 against the unsharded model."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=world, rank=rank)
-    try:
-        for path in paths:
-            ref = load_model(path)
-            tp, _ = load_sharded(path, world, rank, dtype=torch.float32, device=torch.device("cpu"))
-            ids = torch.randint(0, ref.cfg.vocab_size, (2, 11), generator=torch.Generator().manual_seed(1))
-            layers = list(range(ref.cfg.num_hidden_layers))
-            with torch.inference_mode():
-                mine, theirs = tp(ids, hidden_layers=layers), ref(ids, hidden_layers=layers)
-            # Every rank holds the full residual stream after each all-reduce: the taps match everywhere.
-            torch.testing.assert_close(mine.hidden, theirs.hidden, rtol=1e-4, atol=1e-4)
-            if rank == 0:
-                torch.testing.assert_close(mine.logits, theirs.logits, rtol=1e-4, atol=1e-4)
-    finally:
-        dist.destroy_process_group()
+def _check_hybrid(rank: int, world: int, path: str) -> None:
+    """A Kimi-family checkpoint: whole-sequence logits and every layer's tap against the unsharded model."""
+    ref = load_model(path)
+    tp, _ = load_sharded(path, world, rank, dtype=torch.float32, device=torch.device("cpu"))
+    ids = torch.randint(0, ref.cfg.vocab_size, (2, 11), generator=torch.Generator().manual_seed(1))
+    layers = list(range(ref.cfg.num_hidden_layers))
+    with torch.inference_mode():
+        mine, theirs = tp(ids, hidden_layers=layers), ref(ids, hidden_layers=layers)
+    # Every rank holds the full residual stream after each all-reduce: the taps match everywhere.
+    torch.testing.assert_close(mine.hidden, theirs.hidden, rtol=1e-4, atol=1e-4)
+    if rank == 0:
+        torch.testing.assert_close(mine.logits, theirs.logits, rtol=1e-4, atol=1e-4)
