@@ -17,7 +17,7 @@ import torch.multiprocessing as tmp
 
 from draft_service.dflash import new_draft, save_draft
 from service_helpers import (VOCAB, collect, gateway_stub, running_draft, running_gateway, running_target,
-                             target_info)
+                             target_info, tiny_target_dir)
 from splitspec.client import build_request
 from splitspec.ops.launch import free_port, health_status
 from splitspec.v1 import target_pb2, target_pb2_grpc
@@ -151,22 +151,43 @@ def _tp_workers(pid: int) -> list[int]:
     return [int(k) for k in kids if b"spawn_main" in Path(f"/proc/{k}/cmdline").read_bytes()]
 
 
-def test_killed_rank_takes_the_replica_out_of_service(tp_stack):
-    target, *_ = tp_stack
-    if tp_stack[3].cfg.num_key_value_heads != 1:
-        pytest.skip("one kill is enough: run on the last stack")
-    workers = _tp_workers(target.proc.pid)
-    assert len(workers) == 1
-    os.kill(workers[0], signal.SIGKILL)
-    deadline = time.monotonic() + 30
-    while health_status(target.address) != 2 and time.monotonic() < deadline:    # 2: NOT_SERVING
-        time.sleep(0.2)
-    assert health_status(target.address) == 2
-    with grpc.insecure_channel(target.address) as ch:
-        stub = target_pb2_grpc.TargetStub(ch)
-        req = target_pb2.TargetRequest(open=target_pb2.TargetOpen(prompt_token_ids=[1, 2, 3]))
-        with pytest.raises(grpc.RpcError) as err:
-            list(stub.Session(iter([req]), timeout=30))
-        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert "out of service" in err.value.details()
-    assert target.proc.poll() is None       # the process stays up to answer health and GetInfo
+def test_killed_rank_fails_the_request_over_and_takes_the_replica_out_of_service(tmp_path):
+    """A TP=2 replica and a TP=1 one behind a gateway: a rank of the TP=2 replica is killed while
+    it streams a request; the request finishes on the other replica with the same greedy tokens,
+    and the TP=2 replica turns NOT_SERVING and refuses new sessions with the reason, still up."""
+    path = tiny_target_dir(256)
+    model = load_model(path)
+    prompt = [7, 300, 12, 99, 41]
+    n = 160
+    want = generate(model, prompt, n)
+    with running_target(path, tmp_path, "--tensor-parallel-size", "2", "--torch-threads", "1") as tp2, \
+            running_target(path, tmp_path, "--torch-threads", "1") as tp1, \
+            running_gateway(f"{tp2.address},{tp1.address}", tmp_path, "--speculative-algorithm", "NONE",
+                            "--reconnect-max-s", "0.5") as gw:
+        ch, stub = gateway_stub(gw.address)
+        with ch:
+            # Round robin: of two concurrent requests, one runs on each replica.
+            calls = [stub.Generate(build_request(prompt, max_new_tokens=n, ignore_eos=True, method="none"),
+                                   timeout=300) for _ in range(2)]
+            firsts = [list(next(c).chunk.token_ids) for c in calls]
+            assert target_info(tp2.address).active_sessions == 1
+            workers = _tp_workers(tp2.proc.pid)
+            assert len(workers) == 1
+            os.kill(workers[0], signal.SIGKILL)
+            failovers = 0
+            for call, first in zip(calls, firsts):
+                ids, _, complete = collect(call)
+                assert first + ids == want
+                failovers += complete.stats.target_failovers
+            assert failovers == 1
+        deadline = time.monotonic() + 30
+        while health_status(tp2.address) != 2 and time.monotonic() < deadline:    # 2: NOT_SERVING
+            time.sleep(0.2)
+        assert health_status(tp2.address) == 2
+        with grpc.insecure_channel(tp2.address) as ch:
+            req = target_pb2.TargetRequest(open=target_pb2.TargetOpen(prompt_token_ids=[1, 2, 3]))
+            with pytest.raises(grpc.RpcError) as err:
+                list(target_pb2_grpc.TargetStub(ch).Session(iter([req]), timeout=30))
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "out of service" in err.value.details()
+        assert tp2.proc.poll() is None      # the process stays up to answer health and GetInfo
