@@ -15,6 +15,9 @@ def add_up_flags(p: argparse.ArgumentParser) -> None:
     a = p.add_argument
     a("--http-port", type=int, default=DEFAULT_HTTP_PORT,
       help="the gateway's OpenAI-compatible HTTP API (0: off; the default one, if taken, falls back to a free port)")
+    a("--chat-template", default=None,
+      help="the gateway's chat template for /v1/chat/completions: a file or the Jinja text (the bundled "
+           "models have none)")
     a("--metrics-port", type=int, default=0,
       help="Prometheus metrics: the gateway on this port, the target on +1, the draft on +2 (0: off)")
     a("--tls-dir", default=None,
@@ -65,6 +68,8 @@ def gateway_args(args, host: str) -> list[str]:
             from splitspec.ops.launch import free_port
             port = free_port(host)
         out += ["--http-port", str(port)]
+    if args.chat_template:
+        out += ["--chat-template", args.chat_template]
     return out
 
 
