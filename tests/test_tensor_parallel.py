@@ -1,8 +1,9 @@
 """Tensor parallelism (target_service/parallel.py, tp_worker.py): each sharded layer (dense) and
 each sharded Kimi-family model against its unsharded reference on two gloo ranks; rank 0's driver
-(spawned worker, KV copies and KDA state commits replayed) against the one-process engine; greedy output through the services at --tensor-parallel-size 2
-equal to transformers and to TP=1, with DFlash and without speculation; a killed rank takes
-the replica out of service."""
+(spawned worker, KV copies and KDA state commits replayed) against the one-process engine; greedy
+output through the services at --tensor-parallel-size 2 equal to transformers and to TP=1, with
+DFlash and without speculation; a rank killed mid-stream: the request fails over with the same
+tokens and the replica goes out of service."""
 from __future__ import annotations
 
 import os

@@ -7,6 +7,13 @@ Greedy tokens are compared between the two as a side check.
 
     python -m splitspec.bench.tp [--model-path models/splitspec-code-target] [--tp 2] [--threads 1]
                                  [--steps 30] [--context 256] [--json out.json]
+
+`--services`: the speculative loop through the real services instead (target at TP=1, then at
+TP=N, the same DFlash draft and gateway each time, one request at a time): accept length τ and
+tokens/s per configuration.
+
+    python -m splitspec.bench.tp --services [--draft-model-path models/splitspec-code-draft]
+                                 [--prompts 8] [--max-new-tokens 128] [--threads 1]
 """
 from __future__ import annotations
 
@@ -16,6 +23,7 @@ import statistics
 import time
 from pathlib import Path
 
+import grpc
 import torch
 
 from splitspec.engine.tree import Tree
@@ -109,6 +117,56 @@ def run(model_path: str, tp: int, steps: int, context: int, device: str, dtype: 
     return out
 
 
+def run_services(model_path: str, draft_path: str, tp: int, n_prompts: int, max_new: int, threads: int) -> dict:
+    import tempfile
+
+    from splitspec.bench.prompts import default_prompts
+    from splitspec.client import build_request
+    from splitspec.ops.launch import start_service
+    from splitspec.v1 import gateway_pb2_grpc
+    prompts = [p.text for p in default_prompts(n_prompts)]
+    log_dir = Path(tempfile.mkdtemp(prefix="splitspec-bench-tp-"))
+    out = {"model": model_path, "draft": draft_path, "prompts": len(prompts), "max_new_tokens": max_new,
+           "log_dir": str(log_dir)}
+    for size in (1, tp):
+        procs = []
+        try:
+            target = start_service("target", ["--model-path", model_path, "--tensor-parallel-size", str(size),
+                                              "--torch-threads", str(threads)], log_dir=log_dir)
+            procs.append(target)
+            draft = start_service("draft", ["--method", "dflash", "--model-path", draft_path, "--target-model-path",
+                                            model_path, "--torch-threads", str(threads)], log_dir=log_dir)
+            procs.append(draft)
+            target.wait_healthy(600)
+            draft.wait_healthy(600)
+            gw = start_service("gateway", ["--target", target.address, "--draft", draft.address,
+                                           "--speculative-algorithm", "DFLASH", "--draft-timeout-ms", "60000"],
+                               log_dir=log_dir)
+            procs.append(gw)
+            gw.wait_healthy(600)
+            taus, tokens, wall = [], 0, 0.0
+            with grpc.insecure_channel(gw.address) as ch:
+                stub = gateway_pb2_grpc.GenerationStub(ch)
+                for i, text in enumerate([prompts[0]] + prompts):      # the first is a warm-up
+                    t = time.perf_counter()
+                    n, tau = 0, None
+                    for resp in stub.Generate(build_request(text, max_new_tokens=max_new, ignore_eos=True,
+                                                            method="dflash"), timeout=600):
+                        if resp.HasField("chunk"):
+                            n += len(resp.chunk.token_ids)
+                        else:
+                            tau = resp.complete.stats.accept_length
+                    if i:
+                        taus.append(tau)
+                        tokens += n
+                        wall += time.perf_counter() - t
+            out[f"tp{size}"] = {"tau": statistics.mean(taus), "tokens_per_s": tokens / wall, "tokens": tokens}
+        finally:
+            for p in reversed(procs):
+                p.stop()
+    return out
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model-path", default=DEFAULT_MODEL)
@@ -119,7 +177,20 @@ def main(argv=None) -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--services", action="store_true", help="the speculative loop through the services instead")
+    ap.add_argument("--draft-model-path", default="models/splitspec-code-draft")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
     args = ap.parse_args(argv)
+    if args.services:
+        res = run_services(args.model_path, args.draft_model_path, args.tp, args.prompts, args.max_new_tokens,
+                           args.threads or 1)
+        for key in ("tp1", f"tp{args.tp}"):
+            r = res[key]
+            print(f"{key}: tau {r['tau']:.2f}, {r['tokens_per_s']:.1f} tok/s over {r['tokens']} tokens")
+        if args.json:
+            Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
     if not (Path(args.model_path) / "config.json").is_file():
@@ -130,8 +201,9 @@ def main(argv=None) -> None:
           f"{res['device']} {res['dtype']}, torch threads/rank {torch.get_num_threads()}")
     print(f"decode step      TP=1 {res['decode_ms']['tp1']:.2f} ms   TP={args.tp} {res['decode_ms'][tp]:.2f} ms")
     print(f"verify width 8   TP=1 {res['verify8_ms']['tp1']:.2f} ms   TP={args.tp} {res['verify8_ms'][tp]:.2f} ms")
-    print(f"all-reduce       {res['all_reduce_ms'] * 1e3:.0f} us each, {res['all_reduces_per_forward']:.0f} per forward, "
-          f"{res['collective_ms_per_layer'] * 1e3:.0f} us per layer, {res['collective_ms_per_forward']:.2f} ms per forward")
+    print(f"all-reduce       {res['all_reduce_ms'] * 1e3:.0f} us each, {res['all_reduces_per_forward']:.0f} per "
+          f"forward, {res['collective_ms_per_layer'] * 1e3:.0f} us per layer, "
+          f"{res['collective_ms_per_forward']:.2f} ms per forward")
     print(f"step to workers  {res['step_send_ms'] * 1e3:.0f} us, {res['step_send_bytes']:.0f} bytes per forward")
     print(f"greedy tokens equal: {res['greedy_equal']}")
     if args.json:
