@@ -113,9 +113,10 @@ def test_auto_sampling_follows_the_target_distribution(stub, model, draft_sampli
           f"methods {collections.Counter(s.method for _, st in results for s in st.steps)}")
     # The chi-square says something about speculation only if a good share of the requests
     # verified drafts: a few would barely move the joint even if their tokens were wrong.
-    # Which step auto picks depends on measured costs; on 2 loaded cores 20-26% of requests
-    # drafted, and the gateway's probing alone gives about 3%, so 10% sits between the two.
-    assert drafted >= samples // 10, drafted
+    # Which step auto picks depends on measured costs: 20-26% of requests drafted on 2 cores
+    # under moderate load, 6.7% under very heavy load (load average 10), and the gateway's
+    # probing alone gives about 2%; 1 in 16 sits between what probing gives and what auto does.
+    assert drafted >= samples // 16, drafted
     assert chi_square_pvalue(counts, joint, samples) > 1e-3
 
 
