@@ -142,7 +142,8 @@ def test_greedy_through_tp2_services_equals_transformers_and_tp1(tp_stack):
                 assert ids == want, (method, prompt)
                 assert complete.stats.method == method
                 if method == "dflash":
-                    assert complete.stats.draft_fallbacks == 0 and complete.stats.verify_steps > 0
+                    # verify_steps counts target-only Decode steps too: drafted tokens say it speculated
+                    assert complete.stats.draft_fallbacks == 0 and complete.stats.draft_tokens > 0
 
 
 def _tp_workers(pid: int) -> list[int]:
