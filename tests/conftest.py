@@ -155,6 +155,21 @@ def torch_one_thread():
 
 
 @pytest.fixture(scope="module")
+def target_dir(request):
+    """The tiny byte-level Qwen3 a service test module runs (its context: the module's
+    TARGET_CONTEXT, 512 when unset); a module with another target defines its own."""
+    from service_helpers import tiny_target_dir
+    return tiny_target_dir(getattr(request.module, "TARGET_CONTEXT", 512))
+
+
+@pytest.fixture(scope="module")
+def model(target_dir):
+    """`target_dir` loaded in process: the reference the services must equal."""
+    from target_service.loader import load_model
+    return load_model(target_dir)
+
+
+@pytest.fixture(scope="module")
 def stub(services):
     """A Generation stub on the gateway of the module's `services` (the gateway comes last)."""
     from service_helpers import gateway_stub

@@ -12,12 +12,11 @@ import pytest
 import torch
 
 from draft_service.dflash import new_draft, save_draft
-from service_helpers import collect, repeating_prompts, running_stack, target_info, tiny_target_dir
+from service_helpers import collect, repeating_prompts, running_stack, target_info
 from splitspec.client import build_request
 from splitspec.engine.sample import SamplingParams, probs_from_logits
 from splitspec.v1 import gateway_pb2
 from target_service.engine import generate
-from target_service.loader import load_model
 from test_dflash import chi_square_pvalue
 
 N_PROMPTS, N_NEW = 16, 64
@@ -27,14 +26,7 @@ def prompts():
     return repeating_prompts(N_PROMPTS, 99, (3, 10), repeat=4)
 
 
-@pytest.fixture(scope="module")
-def target_dir():
-    return tiny_target_dir(1024)
-
-
-@pytest.fixture(scope="module")
-def model(target_dir):
-    return load_model(target_dir)
+TARGET_CONTEXT = 1024
 
 
 @pytest.fixture(scope="module")

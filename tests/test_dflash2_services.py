@@ -12,24 +12,13 @@ import torch
 
 from draft_service.dflash import new_draft, save_draft
 from draft_service.dflash2 import new_dflash2
-from service_helpers import collect, running_stack, sampled_runs, tiny_target_dir
+from service_helpers import collect, running_stack, sampled_runs
 from splitspec.client import build_request
 from splitspec.engine.sample import SamplingParams
 from splitspec.v1 import common_pb2, draft_pb2_grpc
 from target_service.engine import generate
-from target_service.loader import load_model
 from test_auto_services import exact_joint
 from test_dflash import chi_square_pvalue
-
-
-@pytest.fixture(scope="module")
-def target_dir():
-    return tiny_target_dir(512)
-
-
-@pytest.fixture(scope="module")
-def model(target_dir):
-    return load_model(target_dir)
 
 
 @pytest.fixture(scope="module")

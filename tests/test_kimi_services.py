@@ -16,7 +16,6 @@ from service_helpers import (VOCAB, collect, gateway_stub, repeating_prompts, ru
 from splitspec.client import build_request
 from splitspec.engine.sample import SamplingParams
 from target_service.engine import generate
-from target_service.loader import load_model
 from test_auto_services import exact_joint
 from test_dflash import chi_square_pvalue
 
@@ -34,11 +33,6 @@ pytestmark = pytest.mark.usefixtures("torch_one_thread")
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory):
     return save_tiny_kimi(tmp_path_factory.mktemp("kimi") / "tiny-kimi", vocab_size=VOCAB, tokenizer=True)
-
-
-@pytest.fixture(scope="module")
-def model(target_dir):
-    return load_model(target_dir)
 
 
 @pytest.fixture(scope="module")

@@ -15,13 +15,12 @@ import pytest
 import torch
 
 from draft_service.dflash import new_draft, save_draft
-from service_helpers import collect, gateway_stub, running_gateway, running_stack, tiny_target_dir
+from service_helpers import collect, gateway_stub, running_gateway, running_stack
 from splitspec.client import build_request
 from splitspec.engine.penalties import process_logits
 from splitspec.engine.sample import SamplingParams, probs_from_logits
 from splitspec.ops.launch import free_port
 from target_service.engine import TargetSequence
-from target_service.loader import load_model
 from conftest import chi2_pvalue
 
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
@@ -32,14 +31,7 @@ PENALTIES = {"presence_penalty": 1.2, "frequency_penalty": 0.5, "repetition_pena
              "logit_bias": {"11": 4.0, "12": -3.0}}
 
 
-@pytest.fixture(scope="module")
-def target_dir():
-    return tiny_target_dir(1024)
-
-
-@pytest.fixture(scope="module")
-def model(target_dir):
-    return load_model(target_dir)
+TARGET_CONTEXT = 1024
 
 
 @pytest.fixture(scope="module")
