@@ -28,7 +28,7 @@ from .cost_model import Choice
 from .generation import Stats, Tokens
 from .policy import AutoPolicy, FixedPolicy, Measurements, Offer
 from .request import Request
-from .speculative import concat_rows, depths, record_step, tree_trials, trim_tree
+from .speculative import concat_rows, depths, is_chain, record_step, tree_trials, trim_tree
 
 
 class DraftLost(Exception):
@@ -139,7 +139,7 @@ class SpeculativeLoop:
             drafted = len(tree.token_ids)
             committed = list(verified.committed_token_ids)
             ran = Choice(choice.method, drafted, choice.tokens, choice.ms)
-            branched = any(p != i - 1 for i, p in enumerate(tree.parents))
+            branched = not is_chain(tree.parents)
             tried = tree_trials(list(tree.parents), list(tree.token_ids), committed) if branched else None
             self.policy.observe(ran, verified.num_accepted, match, tried=tried)
             record_step(stats, choice.method, drafted, verified.num_accepted, len(committed),
@@ -167,7 +167,7 @@ class SpeculativeLoop:
                 nodes, depth, topk = self.ngram_tree
                 conts, match = self.ngram.continuations(depth, 4 * topk)
                 ids, parents = trie_tree(conts, budget=nodes, max_depth=depth, topk=topk)
-                if any(p != i - 1 for i, p in enumerate(parents)):
+                if not is_chain(parents):
                     offer.shapes["ngram"] = parents
             local = common_pb2.TokenTree(token_ids=ids, parents=parents)
             offer.ngram, offer.ngram_match = len(ids), match
@@ -177,7 +177,7 @@ class SpeculativeLoop:
         """The part of a proposal worth verifying: a chain's first k tokens; a tree cut to the
         depth the request has left and to the size the policy prices best this step."""
         parents = list(tree.parents)
-        if all(p == i - 1 for i, p in enumerate(parents)):
+        if is_chain(parents):
             return trim_tree(tree, probs, choice.k)
         tree, probs = trim_tree(tree, probs, len(parents), max_depth=max(1, remaining - 1))
         n = self.policy.cut(choice.method, list(tree.parents), len(tree.parents), match)
@@ -200,7 +200,7 @@ class SpeculativeLoop:
         self.stats.queue_ms += prop.queue_ms
         self.m.proposal(self.draft.method, ms)
         probs = prop.draft_probs if prop.HasField("draft_probs") else None
-        if any(p != i - 1 for i, p in enumerate(prop.tree.parents)):
+        if not is_chain(prop.tree.parents):
             self.draft.shape = list(prop.tree.parents)
         return self._fit(choice, prop.tree, probs, remaining)
 

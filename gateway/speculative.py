@@ -8,6 +8,10 @@ from splitspec.v1 import common_pb2
 from .generation import Stats
 
 
+def is_chain(parents) -> bool:
+    return all(p == i - 1 for i, p in enumerate(parents))
+
+
 def depths(parents) -> list[int]:
     out: list[int] = []
     for p in parents:

@@ -15,26 +15,14 @@ import grpc
 import pytest
 
 from draft_service.dflash import new_draft, save_draft
-from service_helpers import (STARTUP_TIMEOUT_S, collect, gateway_stub, running, running_gateway, target_info,
-                             tiny_target_dir)
+from service_helpers import (STARTUP_TIMEOUT_S, collect, gateway_stub, running, running_gateway, target_info)
 from splitspec.client import build_request
 from splitspec.ops.launch import start_service
 from splitspec.ops.loadtest import open_sessions, run_load
 from target_service.engine import generate
-from target_service.loader import load_model
 
-MAX_CONTEXT = 1024
+MAX_CONTEXT = TARGET_CONTEXT = 1024
 N_LONG = 240            # long enough to kill a service while the request is still running
-
-
-@pytest.fixture(scope="module")
-def target_dir():
-    return tiny_target_dir(MAX_CONTEXT)
-
-
-@pytest.fixture(scope="module")
-def model(target_dir):
-    return load_model(target_dir)
 
 
 @pytest.fixture(scope="module")

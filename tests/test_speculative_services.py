@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from draft_service.dflash import new_draft, save_draft
-from service_helpers import collect, repeating_prompts, running_draft, running_stack, tiny_target_dir
+from service_helpers import collect, repeating_prompts, running_draft, running_stack
 from splitspec.client import build_request
 from splitspec.ops.launch import start_service
 from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
@@ -19,22 +19,12 @@ from splitspec.wire import tensor_to_pb
 from target_service.engine import generate
 from target_service.loader import load_model
 
-MAX_CONTEXT = 1024
+MAX_CONTEXT = TARGET_CONTEXT = 1024
 N_PROMPTS, N_NEW = 20, 64
 
 
 def prompts():
     return repeating_prompts(N_PROMPTS, 1234, (2, 12), repeat=3)
-
-
-@pytest.fixture(scope="module")
-def target_dir():
-    return tiny_target_dir(MAX_CONTEXT)
-
-
-@pytest.fixture(scope="module")
-def model(target_dir):
-    return load_model(target_dir)
 
 
 @pytest.fixture(scope="module")

@@ -13,13 +13,12 @@ import pytest
 import torch
 
 from draft_service.dflash import new_draft, save_draft
-from service_helpers import collect, running_stack, tiny_target_dir
+from service_helpers import collect, running_stack
 from splitspec.client import build_request
 from splitspec.colocation import HostShare, divide
 from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2
 from splitspec.wire import WireError, tensor_from_pb, tensor_to_pb
 from target_service.engine import generate
-from target_service.loader import load_model
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 N_NEW = 24
@@ -70,14 +69,7 @@ def test_dtype_mismatch_is_refused_by_name():
 
 # --- through the services ------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def target_dir():
-    return tiny_target_dir(1024)
-
-
-@pytest.fixture(scope="module")
-def model(target_dir):
-    return load_model(target_dir)
+TARGET_CONTEXT = 1024
 
 
 @pytest.fixture(scope="module")
