@@ -63,6 +63,6 @@ def load_draft(path: str | Path, target_path: str | Path, *, dtype="float32", de
     got = {}
     for key, name in names.items():
         with safe_open(tfiles[name], framework="pt") as f:
-            got[key] = f.get_tensor(name).to(dev, dt)
+            got[key] = f.get_tensor(tfiles.stored(name)).to(dev, dt)     # a wrapper's prefix put back
     model.attach_target(got["embed"], got["lm_head"])
     return model.eval().requires_grad_(False)

@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .hybrid_config import HYBRID_ARCHITECTURES, HybridConfig, HybridConfigError, parse_hybrid
+from .hybrid_config import HYBRID_ARCHITECTURES, WRAPPERS, HybridConfig, HybridConfigError, parse_hybrid, text_config
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM") + HYBRID_ARCHITECTURES
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
@@ -48,12 +48,18 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict) -> "ModelConfig":
+        """`raw` is a config.json: a text model's, or a multimodal wrapper's (Kimi-K3's
+        `KimiK3ForConditionalGeneration`), whose `text_config` is read instead."""
+        try:
+            raw = text_config(raw)
+        except HybridConfigError as exc:
+            raise ConfigError(str(exc)) from None
         archs = raw.get("architectures") or []
         arch = archs[0] if archs else None
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ConfigError(
                 f"config.json: architectures={archs!r} is not supported; expected one of "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+                f"{', '.join(SUPPORTED_ARCHITECTURES + tuple(WRAPPERS))}")
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                     "num_attention_heads"):
             if not isinstance(raw.get(key), int) or raw[key] <= 0:

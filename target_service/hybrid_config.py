@@ -5,7 +5,11 @@ router and K3 fields, read once from `config.json` so the modules never look at 
 Spellings: checkpoints write `linear_attn_config` with 1-based `kda_layers` / `full_attn_layers`
 and `first_k_dense_replace`; transformers re-saves them as `layer_types` / `mlp_layer_types` and
 renames router fields (`num_experts`, `num_experts_per_token`, `num_expert_group`,
-`moe_renormalize`, `num_shared_experts`, `model_max_length`). Both are accepted."""
+`moe_renormalize`, `num_shared_experts`, `model_max_length`). Both are accepted.
+
+A multimodal wrapper whose text model is one of these (Kimi-K3's release,
+`KimiK3ForConditionalGeneration`) is read through its `text_config` (`text_config()`); `WRAPPERS`
+also says which tensor prefix is the text model's and which parts (vision) the loader skips."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -13,6 +17,54 @@ from dataclasses import dataclass, field
 KIMI_ARCHITECTURES = ("KimiLinearForCausalLM",)
 DEEPSEEK_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
 HYBRID_ARCHITECTURES = KIMI_ARCHITECTURES + DEEPSEEK_ARCHITECTURES
+
+
+@dataclass(frozen=True)
+class Wrapper:
+    """A multimodal folder whose text model is one of ours: its config.json nests the text config
+    under `text_config`, its safetensors prefix the text model's tensors with `text_prefix`, and
+    the tensors under `other_prefixes` (vision tower, projector) are not the target's."""
+    text_model_types: dict                 # text_config.model_type -> our architecture
+    text_prefix: str
+    other_prefixes: tuple[str, ...]
+
+
+# Kimi-K3's release: model_type kimi_k3, text_config.model_type kimi_linear (KimiLinearForCausalLM
+# by remote code), tensors `language_model.model.…` / `language_model.lm_head.weight`, MoonViT
+# under `vision_tower.` and its patch merger under `mm_projector.`.
+WRAPPERS = {
+    "KimiK3ForConditionalGeneration": Wrapper({"kimi_linear": "KimiLinearForCausalLM"}, "language_model.",
+                                              ("vision_tower.", "mm_projector.")),
+}
+# Read from the wrapper when its text_config does not say (the release has them at the top level).
+_WRAPPER_FALLBACKS = ("eos_token_id", "bos_token_id", "pad_token_id", "tie_word_embeddings")
+
+
+def wrapper_of(raw: dict) -> Wrapper | None:
+    archs = raw.get("architectures") or []
+    return WRAPPERS.get(archs[0]) if archs else None
+
+
+def text_config(raw: dict) -> dict:
+    """The text model's config out of a wrapper's config.json (`raw` itself when it is no wrapper),
+    with `architectures` set to ours; HybridConfigError naming the field when it cannot be read."""
+    wrapper = wrapper_of(raw)
+    if wrapper is None:
+        return raw
+    arch = raw["architectures"][0]
+    text = raw.get("text_config")
+    if not isinstance(text, dict):
+        raise HybridConfigError(f"config.json: {arch} needs a text_config object (the text model's config.json "
+                                f"fields); found {type(text).__name__}")
+    mtype, archs = text.get("model_type"), text.get("architectures") or []
+    if mtype not in wrapper.text_model_types and not (archs and archs[0] in wrapper.text_model_types.values()):
+        raise HybridConfigError(f"config.json: text_config.model_type {mtype!r} of {arch} is not supported; "
+                                f"expected one of {', '.join(wrapper.text_model_types)}")
+    out = {k: raw[k] for k in _WRAPPER_FALLBACKS if k in raw}
+    out.update(text)
+    out["architectures"] = [archs[0] if archs and archs[0] in wrapper.text_model_types.values()
+                            else wrapper.text_model_types[mtype]]
+    return out
 ACTIVATIONS = ("silu", "situ")
 TAP_STREAMS = ("prefix", "attn_res")
 

@@ -1,5 +1,24 @@
 """Load a local Hugging Face checkpoint folder: config, safetensors weights (single file or
-sharded with an index, always memory-mapped, never pickle), generation config and tokenizer."""
+sharded with an index, always memory-mapped, never pickle), generation config and tokenizer.
+
+**Kimi-K3's released folder** loads as it is published:
+
+* The multimodal wrapper (`KimiK3ForConditionalGeneration`): the text model's config is its
+  `text_config` (`ModelConfig.from_dict`), its tensors are read without their `language_model.`
+  prefix, and the vision tower / projector (`vision_tower.*`, `mm_projector.*`) are skipped with
+  one log line (`checkpoint_tensors_skipped`); any other tensor outside the text model is an error
+  naming it (`hybrid_config.WRAPPERS`).
+* MXFP4 routed experts (compressed-tensors `mxfp4-pack-quantized`: `X.weight_packed` uint8 and
+  `X.weight_scale` E8M0 per 32 inputs, see `mxfp4.py`) are **dequantized at load**, one tensor
+  at a time, to the model's dtype; tensor parallelism then cuts the dequantized tensor along the
+  expert intermediate like any other (the `adapt` hook runs after dequantizing). Only modules the
+  `quantization_config` covers (a config group's `targets`, minus `ignore`) may be stored packed;
+  a covered module stored as a plain `X.weight` loads as it is (the release keeps its routers and
+  latent projections BF16 although they are Linear-class targets), everything else loads as today.
+  The cost is memory: at K3's shape the routed experts (2.72T weights) are 5.45 TB in bf16
+  against 1.45 TB packed (4.25 bits a weight): 681 GB against 181 GB per rank at TP=8; see
+  docs/hybrid-targets.md ("The released Kimi-K3 folder"). A dequantizing matmul that keeps them
+  packed is not built: this engine serves the test-sized models on CPU."""
 from __future__ import annotations
 
 import hashlib
@@ -7,14 +26,20 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import structlog
 import torch
 from safetensors import safe_open
 
 from .config import ConfigError, ModelConfig
+from .hybrid_config import wrapper_of
 from .model import CausalLM
+from .mxfp4 import Mxfp4Scheme, QuantizationConfigError, dequantize_mxfp4, parse_quantization
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+PACKED, SCALE = ".weight_packed", ".weight_scale"
+
+log = structlog.get_logger(__name__)
 
 
 class CheckpointError(ValueError):
@@ -38,57 +63,151 @@ def resolve_device(device: str) -> torch.device:
     return dev
 
 
-def weight_files(path: Path) -> dict[str, Path]:
-    """Map tensor name -> file holding it."""
+class WeightFiles(dict):
+    """Tensor name (the text model's own, a wrapper's prefix removed) -> file holding it;
+    `stored(name)` is the name inside the file."""
+
+    def __init__(self, items=(), prefix: str = ""):
+        super().__init__(items)
+        self.prefix = prefix
+
+    def stored(self, name: str) -> str:
+        return self.prefix + name
+
+
+def _read_config(path: Path) -> dict:
+    cfg = path / "config.json"
+    return json.loads(cfg.read_text()) if cfg.is_file() else {}
+
+
+def weight_files(path: Path) -> WeightFiles:
+    """Map tensor name -> file holding it. In a multimodal wrapper's folder (config.json's
+    architectures, `hybrid_config.WRAPPERS`) the names are the text model's, its prefix removed,
+    and the vision tower / projector tensors are left out (logged)."""
+    path = Path(path)
     index = path / "model.safetensors.index.json"
     if index.is_file():
         weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: path / fname for name, fname in weight_map.items()}
-    single = path / "model.safetensors"
-    if not single.is_file():
-        raise CheckpointError(f"{path}: neither model.safetensors nor model.safetensors.index.json found")
-    with safe_open(single, framework="pt") as f:
-        return {name: single for name in f.keys()}
+        stored = {name: path / fname for name, fname in weight_map.items()}
+    else:
+        single = path / "model.safetensors"
+        if not single.is_file():
+            raise CheckpointError(f"{path}: neither model.safetensors nor model.safetensors.index.json found")
+        with safe_open(single, framework="pt") as f:
+            stored = {name: single for name in f.keys()}
+    wrapper = wrapper_of(_read_config(path))
+    if wrapper is None:
+        return WeightFiles(stored)
+    files, skipped, unknown = WeightFiles(prefix=wrapper.text_prefix), {}, []
+    for name, file in stored.items():
+        if name.startswith(wrapper.text_prefix):
+            files[name[len(wrapper.text_prefix):]] = file
+        elif name.startswith(wrapper.other_prefixes):
+            part = next(p for p in wrapper.other_prefixes if name.startswith(p))
+            skipped[part] = skipped.get(part, 0) + 1
+        else:
+            unknown.append(name)
+    if unknown:
+        raise CheckpointError(f"{path}: tensors {sorted(unknown)[:5]} are neither the text model's "
+                              f"({wrapper.text_prefix}*) nor the vision parts this target skips "
+                              f"({', '.join(p + '*' for p in wrapper.other_prefixes)})")
+    if skipped:
+        log.info("checkpoint_tensors_skipped", path=str(path), why="vision tower / projector of a multimodal "
+                 "folder: the target serves its text model", tensors=skipped, text_prefix=wrapper.text_prefix)
+    return files
+
+
+def quantization_scheme(path: Path) -> Mxfp4Scheme | None:
+    """The folder's MXFP4 scheme (its config.json's quantization_config), or None; ConfigError
+    naming the field for a quantization this loader does not read."""
+    try:
+        return parse_quantization(_read_config(Path(path)))
+    except QuantizationConfigError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _stored(files: dict, name: str) -> str:
+    return files.stored(name) if isinstance(files, WeightFiles) else name
+
+
+def _read(f, files: dict, name: str) -> torch.Tensor:
+    return f.get_tensor(_stored(files, name))
 
 
 def load_state(module: torch.nn.Module, files: dict[str, Path], *, prefix: str = "",
                strict: bool = True, skip: tuple[str, ...] = (), source=None, adapt=None,
-               ignored=None) -> None:
+               ignored=None, quant: Mxfp4Scheme | None = None) -> None:
     """Copy tensors named `prefix + param_name` from safetensors files into `module`,
     checking every name and shape, converting dtype on the way. Hooks for families whose
     checkpoints spell things their own way: source(name, files) -> the checkpoint's name of a
-    parameter; adapt(name, tensor, param) -> the tensor reshaped to the parameter;
-    ignored(checkpoint name) -> True for tensors that may be present but are not used."""
+    parameter; adapt(name, tensor, param) -> the tensor reshaped to the parameter (it sees a
+    dequantized MXFP4 tensor whole, so tensor parallelism cuts it like any other);
+    ignored(checkpoint name) -> True for tensors that may be present but are not used.
+    With `quant`, a parameter `X.weight` whose module it covers may be stored as the MXFP4 pair
+    `X.weight_packed` / `X.weight_scale` (dequantized here)."""
     params = dict(module.named_parameters(remove_duplicate=True))
     by_file: dict[Path, list[str]] = {}
-    names = {}
+    names, packed = {}, {}
     for name in params:
         if name in skip:
             continue
         full = prefix + name if source is None else source(prefix + name, files)
+        base = full[:-len(".weight")] if full.endswith(".weight") else None
+        if full not in files and base is not None and base + PACKED in files:
+            pname, sname = base + PACKED, base + SCALE
+            stored = _stored(files, base)
+            owner = module.get_submodule(name.rpartition(".")[0]) if "." in name else module
+            if quant is None:
+                raise CheckpointError(f"tensor {stored + PACKED!r} is MXFP4-packed but config.json has no "
+                                      f"quantization_config (compressed-tensors mxfp4-pack-quantized) saying so")
+            if not quant.covers(stored, owner):
+                raise CheckpointError(f"tensor {stored + PACKED!r} is MXFP4-packed but config.json's "
+                                      f"quantization_config does not quantize {stored!r} (its targets / ignore lists)")
+            if sname not in files:
+                raise CheckpointError(f"tensor {stored + SCALE!r} is missing from the checkpoint: the MXFP4 tensor "
+                                      f"{stored + PACKED!r} needs its E8M0 scales")
+            packed[name] = (pname, sname)
+            by_file.setdefault(files[pname], []).append(name)
+            continue
         if full not in files:
-            raise CheckpointError(f"tensor {full!r} is missing from the checkpoint")
+            raise CheckpointError(f"tensor {_stored(files, full)!r} is missing from the checkpoint")
         names[name] = full
         by_file.setdefault(files[full], []).append(name)
     if strict:
         # Skipped names (a tied lm_head.weight some exports store anyway) are not "unexpected".
-        known = set(names.values()) | {prefix + n for n in skip}
+        known = set(names.values()) | {prefix + n for n in skip} | {n for pair in packed.values() for n in pair}
         extra = sorted(n for n in files if n.startswith(prefix) and n not in known
                        and not n.endswith("rotary_emb.inv_freq") and not (ignored and ignored(n)))
         if extra:
-            raise CheckpointError(f"unexpected tensors in the checkpoint: {extra[:5]}")
+            raise CheckpointError(f"unexpected tensors in the checkpoint: {[_stored(files, n) for n in extra[:5]]}")
     with torch.no_grad():
         for fname, pnames in by_file.items():
             with safe_open(fname, framework="pt") as f:
                 for name in pnames:
-                    t = f.get_tensor(names[name])
                     p = params[name]
+                    if name in packed:
+                        t, label = _dequantized(f, fname, files, *packed[name]), _stored(files, packed[name][0])
+                    else:
+                        t, label = _read(f, files, names[name]), _stored(files, names[name])
                     if adapt is not None:
                         t = adapt(name, t, p)
                     if tuple(t.shape) != tuple(p.shape):
-                        raise CheckpointError(f"tensor {names[name]!r} has shape {tuple(t.shape)}, "
+                        raise CheckpointError(f"tensor {label!r} has shape {tuple(t.shape)}, "
                                               f"expected {tuple(p.shape)} from config.json")
                     p.copy_(t.to(p.dtype))
+
+
+def _dequantized(f, fname: Path, files: dict, pname: str, sname: str) -> torch.Tensor:
+    """The float32 tensor of an MXFP4 pair (its scales may live in another shard)."""
+    if files[sname] == fname:
+        scales = _read(f, files, sname)
+    else:
+        with safe_open(files[sname], framework="pt") as g:
+            scales = _read(g, files, sname)
+    try:
+        return dequantize_mxfp4(_read(f, files, pname), scales)
+    except ValueError as exc:
+        raise CheckpointError(f"MXFP4 tensor {_stored(files, pname)!r} / {_stored(files, sname)!r}: {exc}") from None
 
 
 def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> CausalLM:
@@ -113,6 +232,7 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> C
 def load_model(path: str | Path, *, dtype="float32", device="cpu") -> CausalLM:
     path = Path(path)
     cfg = ModelConfig.from_dir(path)
+    quant = quantization_scheme(path)
     eos = read_eos_ids(path) or cfg.eos_token_ids
     if eos != cfg.eos_token_ids:
         cfg = ModelConfig(**{**cfg.__dict__, "eos_token_ids": eos})
@@ -122,9 +242,9 @@ def load_model(path: str | Path, *, dtype="float32", device="cpu") -> CausalLM:
     if cfg.hybrid is not None:
         from .hybrid_weights import adapt_tensor, checkpoint_name, ignored
         load_state(model, files, skip=skip, source=checkpoint_name, adapt=adapt_tensor,
-                   ignored=lambda n: ignored(cfg, n))
+                   ignored=lambda n: ignored(cfg, n), quant=quant)
     else:
-        load_state(model, files, skip=skip)
+        load_state(model, files, skip=skip, quant=quant)
     return model.eval().requires_grad_(False)
 
 

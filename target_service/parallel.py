@@ -363,7 +363,8 @@ def _cut(t: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
 def _load_hybrid(path: Path, cfg: ModelConfig, layout: Layout, dtype: torch.dtype, device: torch.device):
     from .hybrid import HybridLM
     from .hybrid_weights import adapt_tensor, checkpoint_name, ignored
-    from .loader import load_state, weight_files
+    from .loader import load_state, quantization_scheme, weight_files
+    quant = quantization_scheme(path)
     with torch.device("meta"):
         model, slices = shard_hybrid(HybridLM(cfg), layout)
     model = model.to_empty(device=device).to(dtype)
@@ -375,6 +376,8 @@ def _load_hybrid(path: Path, cfg: ModelConfig, layout: Layout, dtype: torch.dtyp
         model.lm_head.weight = model.model.embed_tokens.weight
 
     def adapt(name, t, p):
+        # `t` is the full checkpoint tensor (an MXFP4 expert already dequantized by load_state),
+        # so packed and plain experts are cut along their intermediate the same way.
         if name.endswith("A_log") and name in slices:
             # Checkpoints store A_log [1, 1, H, 1] or padded to the head dim: the first H values
             # are the heads', cut before this rank's slice is taken.
@@ -384,14 +387,14 @@ def _load_hybrid(path: Path, cfg: ModelConfig, layout: Layout, dtype: torch.dtyp
         return _cut(t, *slices[name]) if name in slices else t
     skip = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
     load_state(model, weight_files(path), skip=skip, source=checkpoint_name, adapt=adapt,
-               ignored=lambda n: ignored(cfg, n))
+               ignored=lambda n: ignored(cfg, n), quant=quant)
     return model.eval().requires_grad_(False), layout
 
 
 def load_sharded(path: str | Path, layout_world: int, rank: int, *, dtype: torch.dtype,
                  device: torch.device) -> tuple[CausalLM, Layout]:
     """Build and load rank `rank`'s shard of the checkpoint at `path`."""
-    from .loader import load_state, read_eos_ids, weight_files
+    from .loader import load_state, quantization_scheme, read_eos_ids, weight_files
     path = Path(path)
     cfg = ModelConfig.from_dir(path)
     eos = read_eos_ids(path) or cfg.eos_token_ids
@@ -406,6 +409,6 @@ def load_sharded(path: str | Path, layout_world: int, rank: int, *, dtype: torch
     if cfg.tie_word_embeddings:     # both vocab-parallel over the same ranges, so the tie holds per rank
         model.lm_head.weight = model.model.embed_tokens.weight
     skip = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
-    load_state(model, weight_files(path), skip=skip,
+    load_state(model, weight_files(path), skip=skip, quant=quantization_scheme(path),
                adapt=lambda name, t, p: shard_tensor(name, t, cfg, layout))
     return model.eval().requires_grad_(False), layout
