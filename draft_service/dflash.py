@@ -84,6 +84,14 @@ class DFlashConfig:
         return self.sliding_window if self.layer_type(i) == "sliding_attention" else None
 
     @property
+    def common_window(self) -> int | None:
+        """The window when every layer slides (then no query sees a key W or more positions
+        away, so a Propose reads only the last W - 1 context positions, whatever the prompt's
+        length); None when any layer attends to the whole context."""
+        windows = {self.layer_window(i) for i in range(self.num_hidden_layers)}
+        return windows.pop() if len(windows) == 1 and None not in windows else None
+
+    @property
     def target_feature_size(self) -> int:
         return len(self.target_layer_ids) * self.hidden_size
 
@@ -338,15 +346,18 @@ def ensure_room(cache: DraftCache, n: int) -> None:
     cache.table.ensure(cache.length + n)
 
 
-def layer_masks(cfg: DFlashConfig, lengths: torch.Tensor, positions: torch.Tensor, C: int) -> list[torch.Tensor]:
+def layer_masks(cfg: DFlashConfig, lengths: torch.Tensor, positions: torch.Tensor, C: int,
+                starts: torch.Tensor | None = None) -> list[torch.Tensor]:
     """Per-layer bool masks [R, 1, B, C + B] (True = may attend) for blocks whose queries sit at
-    positions [R, B], over each row's `lengths` cached context keys (at 0..len-1) + the block:
-    bidirectional or causal among the block, and, for sliding layers, a symmetric window
-    (|q - k| < W) as the public loaders apply it to non-causal drafts."""
+    positions [R, B], over each row's cached context keys at starts .. lengths - 1 (starts: 0 by
+    default) laid out from key 0, then the block: bidirectional or causal among the block, and,
+    for sliding layers, a symmetric window (|q - k| < W) as the public loaders apply it to
+    non-causal drafts."""
     R, B = positions.shape
     dev = positions.device
-    ctx_pos = torch.arange(C, device=dev)
-    ctx_ok = (ctx_pos[None] < lengths[:, None])[:, None, :].expand(R, B, C)
+    starts = torch.zeros_like(lengths) if starts is None else starts
+    ctx_pos = starts[:, None] + torch.arange(C, device=dev)[None]                    # [R, C]
+    ctx_ok = (ctx_pos < lengths[:, None])[:, None, :].expand(R, B, C)
     dist = None                                                                      # q - k, if a layer slides
     out, made = [], {}
     for i in range(cfg.num_hidden_layers):
@@ -358,7 +369,7 @@ def layer_masks(cfg: DFlashConfig, lengths: torch.Tensor, positions: torch.Tenso
             m = torch.cat([ctx_ok, blk], dim=2)
             if window:
                 if dist is None:
-                    keys = torch.cat([ctx_pos[None].expand(R, C), positions], dim=1)    # [R, C + B]
+                    keys = torch.cat([ctx_pos, positions], dim=1)                    # [R, C + B]
                     dist = positions[:, :, None] - keys[:, None, :]
                 m = m & (dist < window) & (-dist < window)
             made[kind] = m[:, None]
@@ -382,12 +393,17 @@ def block_hidden(model: DFlashDraft, caches: list[DraftCache], last_tokens: list
     ids = torch.full((R, B), cfg.mask_token_id, dtype=torch.long, device=p.device)
     ids[:, 0] = torch.tensor(last_tokens, device=p.device)     # slot 0 is the real last token, never MASK
     pos = torch.tensor(positions, device=p.device)[:, None] + torch.arange(B, device=p.device)
-    C = max(c.length for c in caches)
+    # With every layer sliding, keys before position - W + 1 are masked for every query of the
+    # block: reading only the window keeps a Propose's cost flat in the prompt's length.
+    W = cfg.common_window
+    starts = [max(0, q - W + 1) if W else 0 for q in positions]
+    starts = [min(s, c.length) for s, c in zip(starts, caches)]
+    C = max(c.length - s for c, s in zip(caches, starts))
     index = torch.zeros(R, C, dtype=torch.long, device=p.device)    # padding reads the zero block
-    for r, c in enumerate(caches):
-        index[r, :c.length] = c.table.slots(0, c.length)
+    for r, (c, s) in enumerate(zip(caches, starts)):
+        index[r, :c.length - s] = c.table.slots(s, c.length)
     lengths = torch.tensor([c.length for c in caches], device=p.device)
-    mask = layer_masks(cfg, lengths, pos, C)
+    mask = layer_masks(cfg, lengths, pos, C, torch.tensor(starts, device=p.device))
     pool = caches[0].pool
     flat, shape = index.view(-1), (R, C, pool.k.shape[2], pool.k.shape[3])
     ctx = [tuple(t[i].index_select(0, flat).view(shape).transpose(1, 2) for t in (pool.k, pool.v))

@@ -11,7 +11,8 @@ import torch
 from scipy import stats as sstats
 
 from draft_service.architectures import load_draft
-from draft_service.dflash import DFlashConfig, DraftCache, default_target_layer_ids, draft_block, new_draft, save_draft
+from draft_service.dflash import (DFlashConfig, DraftCache, default_target_layer_ids, draft_block, draft_blocks, new_draft,
+                                 new_pool, save_draft)
 from draft_service.proposer import DFlashProposer, NgramProposer, ProposerError
 from splitspec.ngram import lookup
 from splitspec.speculate import speculative_generate
@@ -37,8 +38,9 @@ def make_draft(target, block_size=4, num_layers=2, seed=0):
     return d.eval()
 
 
-def reference_block_logits(d, features, last_token, position):
-    """DFlash written out directly: no cache, explicit softmax attention, every K/V recomputed."""
+def reference_block_logits(d, features, last_token, position, window=None):
+    """DFlash written out directly: no cache, explicit softmax attention, every K/V recomputed;
+    with `window`, each query attends exactly to the keys fewer than `window` positions away."""
     cfg = d.cfg
     H, nh, nkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     C, B = features.shape[0], cfg.block_size
@@ -67,7 +69,11 @@ def reference_block_logits(d, features, last_token, position):
         v = (kin @ a.v_proj.weight.T).view(C + B, nkv, hd)
         rep = nh // nkv
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-        att = torch.softmax(torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(hd), -1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(hd)
+        if window:
+            dist = blk_pos[:, None] - torch.cat([ctx_pos, blk_pos])[None, :]
+            scores = scores.masked_fill(dist.abs() >= window, float("-inf"))
+        att = torch.softmax(scores, -1)
         o = torch.einsum("hqk,khd->qhd", att, v).reshape(B, nh * hd)
         x = x + o @ a.o_proj.weight.T
         h = rms(x, layer.post_attention_layernorm.weight)
@@ -102,6 +108,33 @@ def test_forward_matches_reference(target):
         want = reference_block_logits(d, feats, 7, 9)
     assert got.shape == (4, target.cfg.vocab_size)
     assert (got - want).abs().max().item() < 1e-5
+
+
+def test_windowed_propose_attends_to_exactly_the_window(target):
+    """A draft whose layers all slide (W = 12) on a 300-token context equals the reference that
+    masks every key W or more positions from its query, alone and batched with a row whose context
+    is shorter than the window; without the window the result differs."""
+    import dataclasses
+    d = make_draft(target, block_size=5, seed=3)
+    W = 12
+    d.cfg = dataclasses.replace(d.cfg, layer_types=("sliding_attention",) * 2, sliding_window=W, is_causal=False)
+    assert d.cfg.common_window == W
+    feats = torch.randn(300, d.cfg.target_feature_size)
+    pool = new_pool(d, 64)                 # one pool for both rows, as the draft service shares one
+    long_cache, short_cache = DraftCache(d, 400, pool), DraftCache(d, 400, pool)
+    long_cache.append(d, feats[:150])
+    long_cache.append(d, feats[150:])
+    short_cache.append(d, feats[:7])
+    with torch.no_grad():
+        alone = draft_block(d, long_cache, last_token=9, position=300)
+        both = draft_blocks(d, [short_cache, long_cache], [4, 9], [7, 300])
+        want_long = reference_block_logits(d, feats, 9, 300, window=W)
+        want_short = reference_block_logits(d, feats[:7], 4, 7, window=W)
+        unwindowed = reference_block_logits(d, feats, 9, 300)
+    assert (alone - want_long).abs().max().item() < 1e-5
+    assert (both[1] - want_long).abs().max().item() < 1e-5
+    assert (both[0] - want_short).abs().max().item() < 1e-5
+    assert (alone - unwindowed).abs().max().item() > 1e-3
 
 
 def test_slot0_is_the_real_last_token(target):

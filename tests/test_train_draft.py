@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -64,7 +65,7 @@ def sequence(target, n_seqs, S, seed=0):
 
 
 def inference_logits(d, feats_row, tokens_row, anchor):
-    cache = DraftCache(d, 256)
+    cache = DraftCache(d, max(256, anchor + BLOCK))
     cache.append(d, feats_row[:anchor])
     with torch.no_grad():
         return draft_block(d, cache, int(tokens_row[anchor]), anchor)
@@ -107,6 +108,50 @@ def test_training_forward_equals_inference_many_anchors(target, attention):
             torch.testing.assert_close(train_logits[i, j], ref, atol=1e-5, rtol=1e-5)
             expect = [p < S and bool(valid[i, j]) for p in range(a + 1, a + BLOCK)]
             assert lvalid[i, j].tolist() == expect
+
+
+def windowed(d, window, layers=None):
+    """d with a sliding window on `layers` (default: all), bidirectional in the block."""
+    n = d.cfg.num_hidden_layers
+    types = tuple("sliding_attention" if layers is None or i in layers else "full_attention" for i in range(n))
+    d.cfg = dataclasses.replace(d.cfg, layer_types=types, sliding_window=window, is_causal=False)
+    return d
+
+
+@pytest.mark.parametrize("attention", ["dense", "factored"])
+@pytest.mark.parametrize("layers", [None, (0,)], ids=["all-sliding", "mixed"])
+def test_windowed_training_equals_inference_on_a_long_window(target, attention, layers):
+    """A sliding-window draft on a 700-token sequence: anchors near the start (fewer than W keys
+    before them), in the middle and near the end, in one batch; the training layouts (dense mask,
+    and the per-anchor band of `_banded_attention` when every layer slides) equal the cached
+    inference forward position by position, and the context each block sees is the window."""
+    d = windowed(make_draft(target, seed=4), 24, layers)
+    S = 700
+    tokens, feats = sequence(target, 2, S, seed=4)
+    feats = feats[:, :S - 1]
+    pos = torch.tensor([[1, 10, 23, 24, 25, 300, 301, 690], [2, 5, 30, 160, 161, 400, 600, 697]])
+    an = Anchors(pos, torch.ones_like(pos, dtype=torch.bool))
+    with torch.no_grad():
+        h, _, _ = draft_hidden(d, feats, tokens, an, attention=attention)
+        train_logits = d.logits(h[:, :, 1:])
+    for i in range(2):
+        for j in range(pos.shape[1]):
+            ref = inference_logits(d, feats[i], tokens[i], int(pos[i, j]))
+            torch.testing.assert_close(train_logits[i, j], ref, atol=1e-5, rtol=1e-5)
+    # the window matters: without it the far anchors' blocks see other keys and differ
+    full = make_draft(target, seed=4)
+    with torch.no_grad():
+        h_full, _, _ = draft_hidden(full, feats, tokens, an, attention=attention)
+    assert not torch.allclose(full.logits(h_full[0, -1, 1:]), train_logits[0, -1], atol=1e-3)
+
+
+def test_windowed_block_mask_structure():
+    an = Anchors(torch.tensor([[3, 9]]), torch.tensor([[True, True]]))
+    m = block_mask(an, 12, 4, window=5)[0, 0]
+    for qi in range(8):
+        a, k = [3, 9][qi // 4], qi % 4
+        assert m[qi, :12].tolist() == [j < a and a + k - j < 5 for j in range(12)], qi
+        assert m[qi, 12:].tolist() == [j // 4 == qi // 4 for j in range(8)]
 
 
 def test_block_mask_structure():
@@ -274,6 +319,32 @@ def test_trainer_end_to_end(target_dir, target, tmp_path):
     assert trainer.main(run_args(target_dir, tmp_path, 16, producer="thread") + ["--max-reuse", "1"]) == 0
     m = json.loads((out / "training_metrics.json").read_text())
     assert m["step"] == 16 and m["data"]["consumed_seqs"] == consumed + 8
+
+
+def test_trainer_resumes_to_the_same_state_as_an_uninterrupted_run(target_dir, tmp_path):
+    """Stopped at step 4 (`--stop-at-step`, as a run cut by a session's end) and re-run, the
+    windowed trainer ends with the same weights as a run that never stopped (same seed)."""
+    from safetensors.torch import load_file
+
+    def args(sub, *extra):
+        return run_args(target_dir, tmp_path / sub, 8) + [
+            "--raw-frac", "1", "--max-reuse", "1", "--eval-every", "0", "--export-every-minutes", "0",
+            "--sliding-window", "16", *extra]
+    assert trainer.main(args("whole")) == 0
+    assert trainer.main(args("cut", "--stop-at-step", "4")) == 0
+    assert not (tmp_path / "cut" / "draft").exists()          # no final export when stopped
+    assert torch.load(tmp_path / "cut" / "run" / "ckpt.pt", weights_only=False)["state"]["step"] == 4
+    assert trainer.main(args("cut")) == 0
+    whole = load_file(str(tmp_path / "whole" / "draft" / "model.safetensors"))
+    cut = load_file(str(tmp_path / "cut" / "draft" / "model.safetensors"))
+    assert whole.keys() == cut.keys()
+    for k in whole:
+        assert torch.equal(whole[k], cut[k]), k
+    cfg = json.loads((tmp_path / "cut" / "draft" / "config.json").read_text())
+    assert cfg["sliding_window"] == 16 and cfg["is_causal"] is False
+    assert cfg["layer_types"] == ["sliding_attention"]
+    m = json.loads((tmp_path / "cut" / "draft" / "training_metrics.json").read_text())
+    assert m["step"] == 8 and m["data"]["consumed_seqs"] == 16
 
 
 def test_decode_step_equals_model_forward(target_variant):

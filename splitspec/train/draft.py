@@ -78,6 +78,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--final-logit-softcapping", type=float, default=None, help="dflash2: tanh cap of the unary logits")
     a("--layers", type=int, default=2, help="draft decoder layers")
     a("--block-size", type=int, default=8, help="verify width B: last token + B-1 drafted tokens")
+    a("--sliding-window", type=int, default=None, metavar="W",
+      help="every draft layer attends only to keys fewer than W positions away (bidirectional in the "
+           "block; `layer_types` sliding_attention, `is_causal` false in the config). Applies to a "
+           "--init-from draft too. A Propose then reads the last W - 1 context positions whatever the "
+           "prompt's length, and the draft sees at inference exactly the relative positions it was "
+           "trained on")
     a("--target-layer-ids", default=None,
       help="comma-separated target layers to tap (default: default_target_layer_ids(L, --num-taps))")
     a("--num-taps", type=int, default=None, help="number of target layers to tap (default: --layers)")
@@ -136,6 +142,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--max-minutes", type=float, default=None,
       help="training time budget: the LR schedule follows max(step/steps, time/budget) and stops at it")
     a("--ckpt-every", type=int, default=100)
+    a("--stop-at-step", type=int, default=None, metavar="N",
+      help="checkpoint and exit after step N without the final evaluation, as if the run were stopped "
+           "there (the LR schedule still follows --steps): re-run without it to go on, e.g. in the next "
+           "session")
     # evaluation and export
     a("--eval-every", type=int, default=500, help="steps between in-process tau evaluations (0: never)")
     a("--eval-prompts", type=int, default=6, help="held-out prompts in the periodic evaluation")
@@ -211,21 +221,32 @@ def build_draft(args, target, layer_ids, mask_id) -> DFlashDraft:
                             final_logit_softcapping=args.final_logit_softcapping, seed=args.seed)
     elif args.arch == "dflash" and isinstance(draft, DFlash2Draft):
         raise SystemExit(f"--init-from {args.init_from} is a DFlash2 draft; pass --arch dflash2")
+    if args.sliding_window:
+        draft = with_window(draft, args.sliding_window)
     check_trainable(draft.cfg, args.seq_len)
     return draft.to(target.lm_head.weight.device).train()
 
 
+def with_window(draft, window: int):
+    """The same draft with every layer sliding over `window` positions, bidirectional in the block."""
+    import dataclasses
+    n = draft.cfg.num_hidden_layers
+    draft.cfg = dataclasses.replace(draft.cfg, layer_types=("sliding_attention",) * n, sliding_window=window,
+                                    is_causal=False)
+    return draft
+
+
 def check_trainable(cfg, seq_len: int) -> None:
-    """The training layouts build bidirectional blocks over the whole context; refuse a draft whose
-    attention they would not reproduce."""
+    """The training layouts build bidirectional blocks (with each layer's window); refuse a draft
+    whose attention they would not reproduce."""
     for i in range(cfg.num_hidden_layers):
         if cfg.layer_causal(i):
             raise SystemExit(f"draft layer {i} is causal within the block; the trainer builds only "
                              f"bidirectional blocks (is_causal: false)")
         window = cfg.layer_window(i)
-        if window and window < seq_len + cfg.block_size:
-            raise SystemExit(f"draft layer {i} has sliding_window {window} < --seq-len + block size; "
-                             f"the trainer does not apply windows")
+        if window and window < cfg.block_size:
+            raise SystemExit(f"draft layer {i} has sliding_window {window} < block size {cfg.block_size}; "
+                             f"the block's own tokens would not all see each other")
 
 
 def new_backbone(args, target, layer_ids, mask_id) -> DFlashDraft:
@@ -349,6 +370,9 @@ def main(argv=None) -> int:
     finally:
         producer.close()
     save_ckpt(ckpt_path, draft, opt, state, args)
+    if args.stop_at_step is not None and state["step"] < args.steps:
+        print(f"stopped at step {state['step']} (--stop-at-step); re-run without it to resume", flush=True)
+        return 0
 
     # final evaluation: the producer is gone
     torch.set_num_threads(args.threads or (1 if cores <= 2 else cores))
@@ -440,6 +464,8 @@ def train_loop(args, draft, opt, producer, state, ckpt_path, target, periodic, e
     while True:
         train_s = base_train_s + time.time() - seg_start
         if state["step"] >= args.steps or (args.max_minutes and train_s >= args.max_minutes * 60):
+            break
+        if args.stop_at_step is not None and state["step"] >= args.stop_at_step:
             break
         step = state["step"]
         items, fresh = [], []

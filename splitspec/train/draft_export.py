@@ -16,7 +16,7 @@ from draft_service.dflash import default_target_layer_ids, save_draft
 RESUME_KEYS = ("arch", "init_from", "layers", "block_size", "target_layer_ids", "num_taps", "intermediate_size", "init",
                "prompt_len", "seq_len", "num_seqs", "greedy_frac", "regen_temperature", "regen_top_p",
                "raw_frac", "gen_batch", "replay_batch", "max_files", "batch_seqs", "seed", "distill",
-               "replay_kinds")
+               "replay_kinds", "sliding_window")
 
 
 def save_ckpt(path: Path, draft, opt, state: dict, args) -> None:

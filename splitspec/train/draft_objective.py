@@ -87,16 +87,67 @@ def block_inputs(model: DFlashDraft, tokens: torch.Tensor, anchors: Anchors):
     return ids.flatten(1), positions.flatten(1), labels, valid
 
 
-def block_mask(anchors: Anchors, seq_len: int, block_size: int) -> torch.Tensor:
+def block_mask(anchors: Anchors, seq_len: int, block_size: int, window: int | None = None) -> torch.Tensor:
     """Bool [N, 1, nA*B, S + nA*B] (True = may attend): block query of anchor a sees context
-    keys j < a and the keys of its own block, nothing else."""
+    keys j < a and the keys of its own block, nothing else; with a sliding `window`, only keys
+    fewer than `window` positions away (|q - k| < W, as inference masks sliding layers)."""
     pos = anchors.pos
     N, nA = pos.shape
-    q_anchor = pos.repeat_interleave(block_size, dim=1)                        # [N, T]
-    ctx = torch.arange(seq_len, device=pos.device)[None, None, :] < q_anchor[..., None]
+    ctx = _context_allowed(anchors, seq_len, block_size, window)
     blk = torch.arange(nA, device=pos.device).repeat_interleave(block_size)
     own = (blk[:, None] == blk[None, :]).expand(N, -1, -1)
+    if window:
+        off = torch.arange(block_size, device=pos.device).repeat(nA)
+        own = own & ((off[:, None] - off[None, :]).abs() < window)
     return torch.cat([ctx, own], dim=-1)[:, None]
+
+
+def _context_allowed(anchors: Anchors, seq_len: int, block_size: int, window: int | None) -> torch.Tensor:
+    """Bool [N, nA*B, S]: context key j is visible to the query at a + k iff j < a and, with a
+    window, a + k - j < W."""
+    q_anchor = anchors.pos.repeat_interleave(block_size, dim=1)                # [N, T]
+    j = torch.arange(seq_len, device=anchors.pos.device)[None, None, :]
+    ok = j < q_anchor[..., None]
+    if window:
+        q = q_anchor + torch.arange(block_size, device=q_anchor.device).repeat(anchors.pos.shape[1])
+        ok = ok & (q[..., None] - j < window)
+    return ok
+
+
+def _banded_attention(attn, x, cos, sin, ctx_k, ctx_v, anchor_pos, window: int, block_size: int):
+    """`_factored_attention` for a layer whose every query slides with window W: each anchor's
+    block reads only the W - 1 context keys before its anchor, gathered per anchor, instead of
+    scoring all S context keys and masking most of them (S / W times less work on long
+    sequences). x: [N, nA*B, H]; anchor_pos: [N, nA]."""
+    N, T, _ = x.shape
+    nA, B, W = T // block_size, block_size, window
+    h, kv, D = attn.n_heads, attn.n_kv, attn.head_dim
+    g = h // kv
+    q = attn.q_norm(attn.q_proj(x).view(N, T, h, D)).transpose(1, 2)
+    q = apply_rope(q, cos, sin)                                    # [N, h, T, D]
+    k, v = attn.kv(x, cos, sin)                                    # [N, kv, T, D]
+    scale = 1.0 / math.sqrt(D)
+    # context band of anchor a: keys a - W + 1 + o, o = 0 .. W - 2; query a + k sees o >= k
+    band = anchor_pos[:, :, None] - W + 1 + torch.arange(W - 1, device=x.device)     # [N, nA, W-1]
+    idx = band.clamp(min=0).flatten(1)                                               # [N, nA*(W-1)]
+    gather = idx[:, None, :, None].expand(N, kv, idx.shape[1], D)
+    bk = ctx_k.gather(2, gather).view(N, kv, nA, W - 1, D)
+    bv = ctx_v.gather(2, gather).view(N, kv, nA, W - 1, D)
+    qg = q.view(N, kv, g, nA, B, D)
+    s_ctx = torch.einsum("nkgabd,nkawd->nkgabw", qg, bk) * scale                   # [N, kv, g, nA, B, W-1]
+    kk = torch.arange(B, device=x.device)[:, None]
+    oo = torch.arange(W - 1, device=x.device)[None, :]
+    ok = (oo >= kk)[None, None, :, :] & (band >= 0)[:, :, None, :]                   # [N, nA, B, W-1]
+    s_ctx = s_ctx.masked_fill(~ok[:, None, None], float("-inf"))
+    kb, vb = k.view(N, kv, nA, B, D), v.view(N, kv, nA, B, D)
+    s_blk = torch.einsum("nkgabd,nkacd->nkgabc", qg, kb) * scale                   # [N, kv, g, nA, B, B]
+    if W < B:
+        near = (kk - kk.T).abs() < W
+        s_blk = s_blk.masked_fill(~near, float("-inf"))
+    p = torch.softmax(torch.cat([s_ctx, s_blk], -1).float(), -1).to(q.dtype)
+    out = (torch.einsum("nkgabw,nkawd->nkgabd", p[..., :W - 1], bv)
+           + torch.einsum("nkgabc,nkacd->nkgabd", p[..., W - 1:], vb))
+    return attn.o_proj(out.reshape(N, h, T, D).transpose(1, 2).reshape(N, T, -1))
 
 
 def _factored_attention(attn, x, cos, sin, ctx_k, ctx_v, ctx_allowed, block_size: int):
@@ -142,16 +193,22 @@ def draft_hidden(model: DFlashDraft, features: torch.Tensor, tokens: torch.Tenso
     ids, positions, labels, valid = block_inputs(model, tokens, anchors)
     fused = model.fuse(features)
     ctx_kv = model.context_kv(fused, torch.arange(C, device=tokens.device))
+    windows = [cfg.layer_window(i) for i in range(cfg.num_hidden_layers)]
     if attention == "dense":
-        mask = block_mask(anchors, C, B)
-        h = model.block_forward(ids, positions, ctx_kv, mask)
+        masks = {w: block_mask(anchors, C, B, w) for w in set(windows)}
+        h = model.block_forward(ids, positions, ctx_kv, [masks[w] for w in windows])
     elif attention == "factored":
-        q_anchor = anchors.pos.repeat_interleave(B, dim=1)
-        allowed = torch.arange(C, device=tokens.device)[None, None, :] < q_anchor[..., None]
+        allowed = {w: _context_allowed(anchors, C, B, w) for w in set(windows) if not w}
         x = model.embed(ids)
         cos, sin = model.rope(positions, x.dtype)
-        for layer, (ck, cv) in zip(model.layers, ctx_kv):
-            x = layer(x, lambda attn, u, ck=ck, cv=cv: _factored_attention(attn, u, cos, sin, ck, cv, allowed, B))
+        for layer, (ck, cv), w in zip(model.layers, ctx_kv, windows):
+            if w:
+                run = (lambda attn, u, ck=ck, cv=cv, w=w:
+                       _banded_attention(attn, u, cos, sin, ck, cv, anchors.pos, w, B))
+            else:
+                run = (lambda attn, u, ck=ck, cv=cv:
+                       _factored_attention(attn, u, cos, sin, ck, cv, allowed[None], B))
+            x = layer(x, run)
         h = model.norm(x)
     else:
         raise ValueError(f"attention={attention!r}; expected 'dense' or 'factored'")
