@@ -12,6 +12,11 @@ ceiling` τ of the same prompts and setting. At T=0 every draft must give the sa
 
     splitspec bench-drafts --draft runs/out-dflash --draft runs/out-dflash2      # ~25 min on 2 idle cores
     splitspec bench-drafts --draft A --draft B --num-prompts 10 --ceiling-paths 0    # no ceiling
+    splitspec bench-drafts --draft A --draft B --prompt-lengths 128,512,1024,1800   # τ by prompt length
+
+With `--prompt-lengths`, the same prompts run at every length: long function cuts (at least the
+longest length, in tokens), each cut to its last L tokens, so a length only changes how much of
+the file before the function the models see, not which continuation they must draft.
 """
 from __future__ import annotations
 
@@ -43,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--max-prompt-chars", type=int, default=1500)
     a("--max-prompt-tokens", type=int, default=512)
     a("--max-new-tokens", type=int, default=128, help="tokens per request (eos ignored)")
+    a("--prompt-lengths", default=None, metavar="L1,L2,…",
+      help="run every setting at each prompt length (tokens): the same long prompts cut to their last L tokens")
     a("--repeats", type=int, default=1)
     a("--warmup", type=int, default=2, help="warm-up requests per draft and setting (not timed)")
     a("--temperatures", default="0,1.0")
@@ -102,6 +109,42 @@ class DraftBench(Bench):
         self.settings = [(t, m) for t in temps for m in (["greedy"] if t == 0 else modes)]
         self.target_address = None
 
+    def prepare_prompts(self) -> None:
+        """With --prompt-lengths: long cuts of the default prompts (or the JSONL's), keeping those
+        with at least the longest length in tokens; `self.by_length` maps L to each prompt's last
+        L tokens."""
+        a = self.args
+        self.lengths = [int(x) for x in _csv(a.prompt_lengths)] if a.prompt_lengths else []
+        if not self.lengths:
+            super().prepare_prompts()
+            self.by_length = {None: self.prompt_ids}
+            return
+        longest = max(self.lengths)
+        room = self.max_context() - a.max_new_tokens - self.width - 2
+        if longest > room:
+            raise SystemExit(f"--prompt-lengths: {longest} tokens + {a.max_new_tokens} new exceed the target's "
+                             f"context ({self.max_context()}); the longest length can be at most {room}")
+        from .prompts import default_prompts, load_jsonl
+        tok = self.load_tokenizer()
+        pool = (load_jsonl(a.prompts) if a.prompts else
+                default_prompts(a.num_prompts * 4, max_chars=max(a.max_prompt_chars, 8 * longest)))
+        kept, names = [], []
+        for p in pool:
+            ids = list(p.token_ids) or tok.encode(p.text).ids
+            if len(ids) >= longest:
+                kept.append(ids)
+                names.append(p.id)
+            if len(kept) == a.num_prompts:
+                break
+        if not kept:
+            raise SystemExit(f"--prompt-lengths: no prompt has {longest} tokens")
+        if len(kept) < a.num_prompts:
+            log(f"only {len(kept)} prompts have {longest} tokens (asked for {a.num_prompts})")
+        self.by_length = {L: [ids[-L:] for ids in kept] for L in self.lengths}
+        self.prompt_ids, self.prompt_names = self.by_length[self.lengths[0]], names
+        self.prompt_source = (f"file {a.prompts}" if a.prompts else "function cuts from installed third-party "
+                              f"packages") + f" with at least {longest} tokens, cut to their last L tokens"
+
     def start_services(self) -> None:
         from splitspec.ops.launch import free_port, start_service
         a = self.args
@@ -137,13 +180,23 @@ class DraftBench(Bench):
         self.target_address = target.address
 
     def measure(self) -> tuple[list[dict], list[str]]:
+        entries, mismatches = [], []
+        for L, ids in self.by_length.items():
+            self.prompt_ids = ids
+            e, m = self.measure_length(L)
+            entries += e
+            mismatches += m
+        return entries, mismatches
+
+    def measure_length(self, L: int | None) -> tuple[list[dict], list[str]]:
         a = self.args
         entries, mismatches = [], []
+        at = f" at {L} prompt tokens" if L else ""
         for t, mode in self.settings:
             runners = [GatewayRunner(gw.address, "dflash", self.width, mode, a.timeout_s) for gw in self.gateways]
             self.runners += runners
             name = setting_name(t, mode, a.top_p)
-            log(f"{name}: warming up")
+            log(f"{name}{at}: warming up")
             for runner in runners:      # this setting's own path (sampled drafts too), not timed
                 for ids in self.prompt_ids[:a.warmup]:
                     runner.run(ids, min(16, a.max_new_tokens), self.params(t, a.seed + 999_999))
@@ -160,13 +213,15 @@ class DraftBench(Bench):
                         for d in range(1, len(runners)):
                             if samples[d][-1].tokens != samples[0][-1].tokens:
                                 mismatches.append(f"{self.drafts[d]['label']} ≠ {self.drafts[0]['label']} on "
-                                                  f"{self.prompt_names[i]} (repeat {rep + 1})")
-                    log(f"{name} rep {rep + 1}/{a.repeats} prompt {i + 1}/{len(self.prompt_ids)}: τ " +
+                                                  f"{self.prompt_names[i]}{at} (repeat {rep + 1})")
+                    log(f"{name}{at} rep {rep + 1}/{a.repeats} prompt {i + 1}/{len(self.prompt_ids)}: τ " +
                         ", ".join(f"{dr['label']} {_tau(s[-1]):.2f}" for dr, s in zip(self.drafts, samples)))
             rows = [summarize(dr, s, f, t, mode, a.top_p if t > 0 else None, name) for dr, s, f in
                     zip(self.drafts, samples, fwd)]
             ref = rows[0]
             for r in rows:
+                r["prompt_tokens"] = L if L else statistics.mean(map(len, self.prompt_ids))
+                r["length_key"] = L
                 r["tau_vs_first"] = r["tau_pooled"] / ref["tau_pooled"] if ref["tau_pooled"] else None
                 ms = (r["draft_forward_ms_p50"], ref["draft_forward_ms_p50"])
                 r["draft_forward_ms_vs_first"] = ms[0] - ms[1] if None not in ms else None
@@ -174,12 +229,13 @@ class DraftBench(Bench):
         return entries, mismatches
 
     def ceilings(self) -> dict:
-        """`splitspec ceiling` on the same prompts, width and settings, in this process once the
-        services are gone (so it does not slow them). T=0 needs no computing: the target is
-        deterministic, so a perfect drafter's τ is the width."""
+        """`splitspec ceiling` on the same prompts, width and settings, per prompt length, in this
+        process once the services are gone (so it does not slow them); keyed by (length, T). T=0
+        needs no computing: the target is deterministic, so a perfect drafter's τ is the width."""
         a = self.args
-        out = {0.0: {"greedy_tau": float(self.width), "greedy_reach_per_position": [1.0] * (self.width - 1),
-                     "seconds": 0.0, "source": "exact (the target is deterministic at T=0)"}} if 0 in self.temperatures else {}
+        exact = {"greedy_tau": float(self.width), "greedy_reach_per_position": [1.0] * (self.width - 1),
+                 "seconds": 0.0, "source": "exact (the target is deterministic at T=0)"}
+        out = {(L, 0.0): exact for L in self.by_length} if 0 in self.temperatures else {}
         hot = sorted({t for t, _ in self.settings if t > 0})
         if hot and a.ceiling_paths <= 0:
             self.skipped.append("ceiling at T > 0: --ceiling-paths 0")
@@ -191,13 +247,15 @@ class DraftBench(Bench):
         from .ceiling import ceiling
         model = load_model(self.target_path, device=a.device)
         offsets = list(range(0, a.max_new_tokens, 40))     # the contexts a drafter meets along a request
-        for t in hot:
-            log(f"ceiling at T={t:g}: {len(self.prompt_ids) * len(offsets)} contexts, {a.ceiling_paths} paths each")
-            t0 = time.perf_counter()
-            res = ceiling(model, self.prompt_ids, block_size=self.width, num_paths=a.ceiling_paths, offsets=offsets,
-                          params=SamplingParams(temperature=t, top_p=a.top_p).validate(), seed=a.seed)
-            out[t] = {**res, "seconds": time.perf_counter() - t0,
-                      "source": f"splitspec ceiling, {a.ceiling_paths} paths/context, offsets {offsets}"}
+        for L, ids in self.by_length.items():
+            for t in hot:
+                log(f"ceiling at T={t:g}{f', {L} prompt tokens' if L else ''}: {len(ids) * len(offsets)} "
+                    f"contexts, {a.ceiling_paths} paths each")
+                t0 = time.perf_counter()
+                res = ceiling(model, ids, block_size=self.width, num_paths=a.ceiling_paths, offsets=offsets,
+                              params=SamplingParams(temperature=t, top_p=a.top_p).validate(), seed=a.seed)
+                out[(L, t)] = {**res, "seconds": time.perf_counter() - t0,
+                               "source": f"splitspec ceiling, {a.ceiling_paths} paths/context, offsets {offsets}"}
         return out
 
     def run(self) -> tuple[dict, int]:
@@ -217,7 +275,7 @@ class DraftBench(Bench):
                 p.stop()
         ceil = self.ceilings()
         for e in entries:
-            c = ceil.get(e["temperature"])
+            c = ceil.get((e.pop("length_key"), e["temperature"]))
             key = "sampled" if e["draft_sampling"] == "sample" and e["temperature"] > 0 else "greedy"
             e["ceiling_tau"] = c[f"{key}_tau"] if c else None
             e["ceiling_share"] = e["tau_pooled"] / e["ceiling_tau"] if c and e["tau_pooled"] else None
@@ -231,12 +289,14 @@ class DraftBench(Bench):
                     "prompt_source": self.prompt_source, "prompt_digest": digest(self.prompt_ids),
                     "prompt_tokens_mean": statistics.mean(map(len, self.prompt_ids)),
                     "max_new_tokens": a.max_new_tokens, "repeats": a.repeats, "num_draft_tokens": self.width,
+                    "prompt_lengths": self.lengths,
                     "seed": a.seed},
             "drafts": self.drafts,
-            "ceilings": {f"{t:g}": c for t, c in ceil.items()},
+            "ceilings": {(f"{L}:{t:g}" if L else f"{t:g}"): c for (L, t), c in ceil.items()},
             "results": entries,
             "lossless": {"checked": "T=0 outputs of every draft equal to the first draft's, token for token",
-                         "requests": len(self.prompt_ids) * a.repeats if 0.0 in self.temperatures else 0,
+                         "requests": (len(self.prompt_ids) * a.repeats * len(self.by_length)
+                                      if 0.0 in self.temperatures else 0),
                          "mismatches": mismatches},
             "skipped": self.skipped,
         }
@@ -278,6 +338,7 @@ def summarize(draft: dict, samples: list, fwd: list, t: float, mode: str, top_p,
 
 COLUMNS = [
     ("setting", lambda e: e["setting"]),
+    ("prompt tokens", lambda e: fmt(e.get("prompt_tokens"), "{:.0f}")),
     ("draft", lambda e: f"{e['draft']} ({e['architecture'].replace('DraftModel', '')})"),
     ("τ pooled", lambda e: fmt(e["tau_pooled"])),
     ("τ mean of requests", lambda e: fmt(e["tau_mean"])),
@@ -306,6 +367,20 @@ def markdown(r: dict) -> str:
              f"interleaved per prompt; one target service shared",
              f"- started {run['started']}, took {run['duration_s']:.0f} s", "", "## τ through the services", ""]
     lines += table([c for c, _ in COLUMNS], [[f(e) for _, f in COLUMNS] for e in entries])
+    if run.get("prompt_lengths"):
+        lines += ["", "## By prompt length", "",
+                  "τ pooled (share of the ceiling) and the draft's forward ms per Propose, the same prompts cut to "
+                  "their last L tokens:", ""]
+        Ls = run["prompt_lengths"]
+        keys = list(dict.fromkeys((e["setting"], e["draft"]) for e in entries))
+        at = {(e["setting"], e["draft"], e["prompt_tokens"]): e for e in entries}
+        rows = []
+        for setting, draft in keys:
+            cells = [at.get((setting, draft, L)) for L in Ls]
+            rows.append([setting, draft,
+                         *[f"{fmt(c['tau_pooled'])} ({fmt(c['ceiling_share'], '{:.0%}')})" if c else "–" for c in cells],
+                         *[fmt(c["draft_forward_ms_p50"]) if c else "–" for c in cells]])
+        lines += table(["setting", "draft", *[f"τ @{L}" for L in Ls], *[f"ms @{L}" for L in Ls]], rows)
     lines += ["", "Ratios to the first draft:", ""]
     for e in entries:
         if e["draft"] != first:
