@@ -2,13 +2,17 @@
 each sharded Kimi-family model against its unsharded reference on two gloo ranks; rank 0's driver
 (spawned worker, KV copies and KDA state commits replayed) against the one-process engine; greedy
 output through the services at --tensor-parallel-size 2 equal to transformers and to TP=1, with
-DFlash and without speculation; a rank killed mid-stream: the request fails over with the same
-tokens and the replica goes out of service."""
+DFlash, n-gram and without speculation, on dense, KimiLinear and DeepSeek-V3 targets; T=1 sampled
+speculation through a TP=2 target follows the exact target distribution; a rank killed
+mid-stream: the request fails over with the same tokens and the replica goes out of service."""
 from __future__ import annotations
 
+import collections
+import contextlib
 import os
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -18,12 +22,15 @@ import torch.multiprocessing as tmp
 
 from draft_service.dflash import new_draft, save_draft
 from service_helpers import (VOCAB, collect, gateway_stub, running_draft, running_gateway, running_target,
-                             target_info, tiny_target_dir)
+                             sampled_runs, target_info, tiny_target_dir)
 from splitspec.client import build_request
+from splitspec.engine.sample import SamplingParams
 from splitspec.ops.launch import free_port, health_status
 from splitspec.v1 import target_pb2, target_pb2_grpc
 from target_service.engine import TargetSequence, generate
 from target_service.loader import load_model
+from test_auto_services import exact_joint
+from test_dflash import chi_square_pvalue
 from tiny_models import save_tiny_model
 from tp_ranks import check_sharded
 
@@ -193,3 +200,136 @@ def test_killed_rank_fails_the_request_over_and_takes_the_replica_out_of_service
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
             assert "out of service" in err.value.details()
         assert tp2.proc.poll() is None      # the process stays up to answer health and GetInfo
+
+
+# ---- n-gram through the dense TP=2 stack; the Kimi family through the services ---------------
+
+NGRAM_PROMPTS = [[11, 250, 37, 11, 250, 37, 11, 250], [400, 7, 99, 18, 400, 7, 99, 18, 400, 7]]
+
+
+def test_ngram_through_tp2_services_equals_tp1(tp_stack):
+    """Prompt lookup through the TP=2 target: the prompts repeat, so the gateway's n-gram index
+    drafts from the first steps on, and the verified output is TP=1's greedy output."""
+    _, gw, _, model = tp_stack
+    ch, stub = gateway_stub(gw.address)
+    with ch:
+        for prompt in NGRAM_PROMPTS:
+            req = build_request(prompt, max_new_tokens=N_NEW, ignore_eos=True, method="ngram")
+            req.speculative.num_draft_tokens = 4
+            ids, _, complete = collect(stub.Generate(req, timeout=120))
+            assert ids == generate(model, prompt, N_NEW), prompt
+            assert complete.stats.method == "ngram" and complete.stats.draft_tokens > 0
+
+
+SMALL_VOCAB = 16        # small enough that a random draft's token is often among the target's top 3
+HYBRID_PROMPTS = [[5, 9, 3, 12, 7, 5, 9, 3, 12, 7, 5], [4, 4, 8, 15, 6, 8, 15, 6, 8], [3, 11, 13]]
+
+
+@contextlib.contextmanager
+def _hybrid_tp_stack(root: Path, family: str):
+    """A TP=2 Kimi-family target (KimiLinear: KDA + MLA + MoE; DeepSeek-V3: MLA + grouped-routing
+    MoE), a DFlash draft and a gateway; yields (target, gateway, checkpoint, TP=1 model)."""
+    from hybrid_models import save_tiny_deepseek, save_tiny_kimi
+    from tiny_models import save_tiny_tokenizer
+    if family == "kimi":
+        path = save_tiny_kimi(root / "target", vocab_size=SMALL_VOCAB, tokenizer=True, seed=4)
+        taps = (1, 3)       # a KDA layer and the last (MLA) one
+    else:
+        path = save_tiny_tokenizer(save_tiny_deepseek(root / "target", vocab_size=SMALL_VOCAB, seed=4), SMALL_VOCAB)
+        taps = None
+    model = load_model(path)
+    draft = root / "draft"
+    save_draft(new_draft(model.cfg, num_layers=1, block_size=4, mask_token_id=2, target_layer_ids=taps, seed=3),
+               draft)
+    with running_target(path, root, "--tensor-parallel-size", "2", "--torch-threads", "1") as target, \
+            running_draft(path, root, "--torch-threads", "1", draft_dir=draft) as drafter, \
+            running_gateway(target, root, "--draft", drafter.address, "--draft-timeout-ms", "60000") as gw:
+        yield target, gw, path, model
+
+
+@pytest.fixture(scope="module")
+def kimi_tp_stack(tmp_path_factory):
+    with _hybrid_tp_stack(tmp_path_factory.mktemp("kimi-tp"), "kimi") as stack:
+        yield stack
+
+
+@pytest.fixture(scope="module")
+def deepseek_tp_stack(tmp_path_factory):
+    with _hybrid_tp_stack(tmp_path_factory.mktemp("deepseek-tp"), "deepseek") as stack:
+        yield stack
+
+
+def _hf_argmax(path: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """transformers' greedy continuation, eos included among the candidates: the services'
+    ignore_eos keeps eos sampleable, while generate's min_new_tokens would mask it (with 16 tokens
+    eos is the argmax now and then)."""
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = list(prompt)
+            for _ in range(n):
+                ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+            out.append(ids[len(prompt):])
+    return out
+
+
+@pytest.mark.usefixtures("torch_one_thread")
+@pytest.mark.parametrize("family", ["kimi", "deepseek"])
+def test_kimi_family_greedy_through_tp2_services_equals_transformers_and_tp1(request, family):
+    """dflash, ngram and none, three streams at a time (batched TP forwards over several
+    sessions' KDA state rows and MLA latent rows): each equals the TP=1 engine and transformers."""
+    target, gw, path, model = request.getfixturevalue(f"{family}_tp_stack")
+    info = target_info(target.address)
+    assert info.tensor_parallel_size == 2 and "MLA heads 1/rank" in info.parallel_layout
+    if family == "kimi":
+        assert "KDA heads and state 1/rank" in info.parallel_layout
+    refs = [generate(model, p, N_NEW) for p in HYBRID_PROMPTS]
+    assert refs == _hf_argmax(path, HYBRID_PROMPTS, N_NEW)
+
+    def run(case):
+        prompt, method = case
+        req = build_request(prompt, max_new_tokens=N_NEW, ignore_eos=True, method=method)
+        if method != "none":
+            req.speculative.num_draft_tokens = 3
+        return collect(stub.Generate(req, timeout=300))
+    cases = [(p, m) for m in ("dflash", "ngram", "none") for p in HYBRID_PROMPTS]
+    ch, stub = gateway_stub(gw.address)
+    with ch, ThreadPoolExecutor(3) as pool:
+        results = list(pool.map(run, cases))
+    for (prompt, method), (ids, _, complete) in zip(cases, results):
+        assert ids == refs[HYBRID_PROMPTS.index(prompt)], (method, prompt)
+        st = complete.stats
+        assert st.method == method and st.draft_fallbacks == 0
+        # 16 tokens over 24 generated: every prompt repeats a token, so n-gram drafts too
+        assert (st.draft_tokens > 0) == (method != "none"), (method, prompt)
+
+
+@pytest.mark.usefixtures("torch_one_thread")
+def test_sampled_speculation_through_tp2_follows_the_target_distribution(kimi_tp_stack):
+    """T=1 / top-k 3, seeded, greedy DFlash drafts verified by the TP=2 KimiLinear target: the
+    joint of the first tokens equals the exact target distribution computed in process (TP=1).
+    Three tokens, not two: the first comes from the prefill and the gateway drafts only when at
+    least two tokens remain, so the second is the verified draft (or the residual's sample) and
+    the third the bonus after an accepted draft (or a decode after a rejected one).
+    Power: the test requires drafts both accepted and rejected often (88 of 400 accepted), so a
+    wrong rule shows. Checked locally on a copy of the tree: with verify.py's rejection rule
+    broken (`p[x] = 0.0` dropped, so the rejected draft token stays in the residual) the same 400
+    seeded samples give p = 1.5e-8; correct, p = 0.77. Far smaller errors are not caught at this
+    size (the T=1.2 joint as the expectation gives p = 0.9)."""
+    _, gw, _, model = kimi_tp_stack
+    prompt = [10, 8, 12, 6, 11]     # the draft's first guess is often among the target's top 3 here
+    n, samples = 3, 400
+    joint = exact_joint(model, prompt, SamplingParams(temperature=1.0, top_k=3), n)
+    ch, stub = gateway_stub(gw.address)
+    with ch:
+        results = sampled_runs(stub, prompt, n, samples, method="dflash", draft_sampling="greedy")
+    counts = collections.Counter(ids for ids, _ in results)
+    assert set(counts) <= set(joint)
+    assert all(st.draft_fallbacks == 0 and st.steps[0].k == 1 for _, st in results)
+    accepted = sum(1 for _, st in results if st.steps[0].accepted)
+    print(f"TP=2 distribution: {accepted} of {samples} first drafts accepted, {len(counts)} of {len(joint)} "
+          f"continuations seen")
+    assert samples // 10 <= accepted <= samples - samples // 10
+    assert chi_square_pvalue(counts, joint, samples) > 1e-3
