@@ -141,6 +141,7 @@ AdamW (betas 0.9/0.95, weight decay {args.weight_decay}), peak LR {args.lr}, {ar
 cosine decay to {args.min_lr_ratio} x peak{f' over a {args.max_minutes:g}-minute budget' if args.max_minutes else ''},
 gradient clipping {args.clip}, bfloat16 autocast {'on' if args.bf16 else 'off'}, seed {args.seed}.
 Wall time: {m['train_seconds'] / 60:.1f} min training, {m['total_seconds'] / 60:.1f} min end to end, on a {m['machine']}.
+{_budget(m, args)}
 Producer: {rates.get('producer_seq_s', 0):.2f} seq/s ({rates.get('producer_tok_s', 0):.0f} tokens/s) while busy;
 trainer: {rates.get('consumer_seq_s', 0):.2f} seq/s ({rates.get('consumer_blocktok_s', 0):.0f} block tokens/s) while busy,
 waiting on the producer {rates.get('consumer_wait_frac', 0):.0%} of the time.
@@ -170,6 +171,20 @@ Resumable: re-running the command continues from `{args.run_dir}/ckpt.pt` and th
 under `{args.run_dir}/data/`. Same interpreter (the corpus is its standard library) and seed;
 the producer runs asynchronously, so results match up to floating-point differences.
 """
+
+
+def _budget(m: dict, args) -> str:
+    """The run's budget in the units drafts are compared by: steps, tokens, sequence length and
+    CPU-hours (wall time x the cores its trainer and producer threads occupy)."""
+    data = m["data"]
+    seqs = data["consumed_seqs"] + data.get("reused_seqs", 0)
+    cores = (args.threads or 1) + args.producer_threads
+    window = getattr(args, "sliding_window", None)
+    return (f"**Budget of this run:** {m['step']:,} steps; {seqs:,} sequences of {args.seq_len:,} tokens "
+            f"({seqs * args.seq_len:,} context tokens, {m['step'] * args.batch_seqs * args.anchors * args.block_size:,} "
+            f"block tokens); {m['train_seconds'] / 3600 * cores:.2f} CPU-hours ({cores} threads x "
+            f"{m['train_seconds'] / 3600:.2f} h)" + (f"; every draft layer slides over {window} positions"
+                                                   if window else "") + ".")
 
 
 def _dflash2_rows(cfg: dict) -> str:
