@@ -294,16 +294,40 @@ class DFlashDraft(nn.Module):
 class DraftCache:
     """Injected context K/V of one sequence, in blocks of a draft KV pool (its own, or one
     shared by every session of the draft service). Only committed tokens whose target features
-    exist are appended; the block's own K/V is never stored."""
+    exist are appended; the block's own K/V is never stored.
 
-    def __init__(self, model: DFlashDraft, max_len: int, pool: KVPool | None = None, block_size: int = 16):
+    `offset` is the absolute position of the block table's first slot: positions before it are
+    never stored (a windowed draft opened with only the prompt's tail, DraftOpen.prompt_hidden_start),
+    and `drop_before` moves it on as whole blocks fall out of the window. `length` stays the
+    absolute number of context positions; `slots` takes absolute positions."""
+
+    def __init__(self, model: DFlashDraft, max_len: int, pool: KVPool | None = None, block_size: int = 16,
+                 offset: int = 0):
         self.pool = pool or new_pool(model, -(-max_len // block_size) + 1, block_size)
         self.table = BlockTable(self.pool)
         self.max_len = max_len
+        self.offset = offset
 
     @property
     def length(self) -> int:
-        return self.table.length
+        return self.offset + self.table.length
+
+    def slots(self, start: int, end: int) -> torch.Tensor:
+        """Pool slot ids of absolute context positions [start, end) (all at or past `offset`)."""
+        if start < self.offset:
+            raise ValueError(f"context position {start} is before this cache's offset {self.offset}")
+        return self.table.slots(start - self.offset, end - self.offset)
+
+    def drop_before(self, position: int) -> None:
+        """Give back the blocks that hold only positions before `position` (never read again)."""
+        n = (position - self.offset) // self.pool.block_size
+        n = min(n, len(self.table.blocks))
+        if n <= 0:
+            return
+        self.pool.release(self.table.blocks[:n])
+        del self.table.blocks[:n]
+        self.offset += n * self.pool.block_size
+        self.table.length -= n * self.pool.block_size
 
     def append(self, model: DFlashDraft, features: torch.Tensor) -> None:
         """features: [n, len(target_layer_ids) * H_t] for the next n context positions."""
@@ -330,7 +354,7 @@ def append_context(model: DFlashDraft, items: list[tuple[DraftCache, torch.Tenso
     p = next(model.parameters())
     feats = torch.cat([f for _, f in items]).to(p.device, p.dtype)
     positions = torch.cat([torch.arange(c.length, c.length + f.shape[0]) for c, f in items]).to(p.device)
-    slots = torch.cat([c.table.slots(c.length, c.length + f.shape[0]) for c, f in items])
+    slots = torch.cat([c.slots(c.length, c.length + f.shape[0]) for c, f in items])
     fused = model.fuse(feats)[None]
     pool = items[0][0].pool
     for i, (k, v) in enumerate(model.context_kv(fused, positions)):
@@ -343,7 +367,7 @@ def append_context(model: DFlashDraft, items: list[tuple[DraftCache, torch.Tenso
 def ensure_room(cache: DraftCache, n: int) -> None:
     if cache.length + n > cache.max_len:
         raise ValueError(f"draft context would reach {cache.length + n} tokens; max is {cache.max_len}")
-    cache.table.ensure(cache.length + n)
+    cache.table.ensure(cache.length - cache.offset + n)
 
 
 def layer_masks(cfg: DFlashConfig, lengths: torch.Tensor, positions: torch.Tensor, C: int,
@@ -397,11 +421,12 @@ def block_hidden(model: DFlashDraft, caches: list[DraftCache], last_tokens: list
     # block: reading only the window keeps a Propose's cost flat in the prompt's length.
     W = cfg.common_window
     starts = [max(0, q - W + 1) if W else 0 for q in positions]
-    starts = [min(s, c.length) for s, c in zip(starts, caches)]
+    # Nothing before a cache's offset was stored (a windowed draft is sent only the window).
+    starts = [min(max(s, c.offset), c.length) for s, c in zip(starts, caches)]
     C = max(c.length - s for c, s in zip(caches, starts))
     index = torch.zeros(R, C, dtype=torch.long, device=p.device)    # padding reads the zero block
     for r, (c, s) in enumerate(zip(caches, starts)):
-        index[r, :c.length - s] = c.table.slots(s, c.length)
+        index[r, :c.length - s] = c.slots(s, c.length)
     lengths = torch.tensor([c.length for c in caches], device=p.device)
     mask = layer_masks(cfg, lengths, pos, C, torch.tensor(starts, device=p.device))
     pool = caches[0].pool

@@ -101,14 +101,22 @@ class DFlashProposer(_Tokens):
         self.cache = DraftCache(model, max_len, pool)
         self.tokens: list[int] = []
 
-    def check_open(self, prompt_ids: list[int], prompt_hidden: torch.Tensor | None) -> None:
-        want = self.model.cfg.target_feature_size
-        if prompt_hidden is None or tuple(prompt_hidden.shape) != (len(prompt_ids), want):
-            got = None if prompt_hidden is None else list(prompt_hidden.shape)
-            raise ProposerError(f"prompt_hidden has shape {got}, expected [{len(prompt_ids)}, {want}]")
+    @property
+    def context_window(self) -> int:
+        return context_window(self.model)
 
-    def open(self, prompt_ids: list[int], prompt_hidden: torch.Tensor | None) -> None:
-        self.check_open(prompt_ids, prompt_hidden)
+    def check_open(self, prompt_ids: list[int], prompt_hidden: torch.Tensor | None, start: int = 0) -> None:
+        """prompt_hidden holds the features of prompt positions start .. len(prompt_ids) - 1."""
+        check_hidden_start(self.model, len(prompt_ids), start)
+        want = self.model.cfg.target_feature_size
+        rows = len(prompt_ids) - start
+        if prompt_hidden is None or tuple(prompt_hidden.shape) != (rows, want):
+            got = None if prompt_hidden is None else list(prompt_hidden.shape)
+            raise ProposerError(f"prompt_hidden has shape {got}, expected [{rows}, {want}]")
+
+    def open(self, prompt_ids: list[int], prompt_hidden: torch.Tensor | None, start: int = 0) -> None:
+        self.check_open(prompt_ids, prompt_hidden, start)
+        self.cache.offset = start
         self.cache.append(self.model, prompt_hidden)
         self.tokens = list(prompt_ids)
 
@@ -187,6 +195,12 @@ def propose_batch(model: DFlashDraft, items: list[tuple]) -> list[Proposal | Exc
             items[i][0].tokens.extend(items[i][2])
         hidden = block_hidden(model, [items[i][0].cache for i in live], [items[i][0].tokens[-1] for i in live],
                               [items[i][1] - 1 for i in live])
+        W = model.cfg.common_window
+        if W:
+            # Later Proposes sit no earlier, so their windows start no earlier: blocks wholly
+            # before this one's window are never read again.
+            for i in live:
+                items[i][0].cache.drop_before(items[i][1] - 1 - W + 1)
         logits = model.logits(hidden).float()
         trees = [items[i][0].finish(hidden[row], logits[row]) for row, i in enumerate(live)]
     ms = (time.perf_counter() - t0) * 1e3
@@ -226,6 +240,33 @@ class NgramProposer(_Tokens):
         conts, _ = self.index.continuations(shape.depth, 4 * shape.topk)
         ids, parents = trie_tree(conts, budget=shape.nodes, max_depth=shape.depth, topk=shape.topk)
         return Proposal(Tree(tuple(ids), tuple(parents)), None, (time.perf_counter() - t0) * 1e3)
+
+
+def context_window(model: DFlashDraft | None) -> int:
+    """The most trailing context positions a Propose reads (DraftInfo.context_window): W - 1
+    when every layer slides over a window W, else 0 (all of them; ngram: None model)."""
+    W = model.cfg.common_window if model is not None else None
+    return max(W - 1, 0) if W else 0
+
+
+def check_hidden_start(model: DFlashDraft, prompt_len: int, start: int) -> None:
+    """A prompt_hidden that starts at prompt position `start` must still hold every position
+    a Propose reads: only a windowed draft may be sent a tail, and at least its window of it."""
+    if start == 0:
+        return
+    cw = context_window(model)
+    if start < 0 or start > prompt_len:
+        raise ProposerError(f"prompt_hidden_start = {start} is outside the prompt's {prompt_len} positions: "
+                            f"send 0 (the whole prompt's features) or a start in 0 .. {prompt_len}")
+    if cw == 0:
+        raise ProposerError(f"prompt_hidden_start = {start}, but this draft attends to the whole context "
+                            f"(DraftInfo.context_window = 0): send prompt_hidden_start = 0 and every prompt "
+                            f"position's features")
+    need = min(prompt_len, cw)
+    if prompt_len - start < need:
+        raise ProposerError(f"prompt_hidden_start = {start} leaves {prompt_len - start} prompt positions' "
+                            f"features, but this draft reads the last {cw} (DraftInfo.context_window): send "
+                            f"prompt_hidden_start <= {prompt_len - need} with the features from there on")
 
 
 def max_topk(model: DFlashDraft) -> int:

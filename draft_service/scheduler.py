@@ -62,8 +62,10 @@ class DraftScheduler:
         self.threads = 0
         engine.attach(self)
 
-    async def open(self, proposer: DFlashProposer, prompt: list[int], hidden: torch.Tensor) -> None:
-        proposer.check_open(prompt, hidden)
+    async def open(self, proposer: DFlashProposer, prompt: list[int], hidden: torch.Tensor, start: int = 0) -> None:
+        """hidden: the features of prompt positions start .. len(prompt) - 1 (a windowed draft's tail)."""
+        proposer.check_open(prompt, hidden, start)
+        proposer.cache.offset = start       # the cache is still empty: nothing before start is ever stored
         await self._submit(proposer, "open", prompt, hidden)
 
     async def propose(self, proposer: DFlashProposer, base_len: int, new_ids: list[int],

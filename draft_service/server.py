@@ -41,7 +41,8 @@ from target_service.server import status_for
 
 from .architectures import load_draft
 from .dflash import BLOCK_SIZE_MEANINGS
-from .proposer import MAX_NGRAM_TOPK, DFlashProposer, NgramProposer, ProposerError, StaleProposeError, max_topk
+from .proposer import (MAX_NGRAM_TOPK, DFlashProposer, NgramProposer, ProposerError, StaleProposeError,
+                       check_hidden_start, context_window, max_topk)
 from .scheduler import DraftScheduler
 
 SERVICE = "splitspec.v1.Draft"
@@ -131,6 +132,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
             info.target_layer_ids.extend(cfg.target_layer_ids)
             info.dtype = str(next(st.model.parameters()).dtype).removeprefix("torch.")
             info.hidden_dtype = dtype_to_pb(st.hidden_dtype)
+            info.context_window = context_window(st.model)
         if st.pool is not None:
             info.kv_block_size = st.pool.block_size
             info.kv_blocks_used = st.pool.used_blocks
@@ -235,10 +237,24 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
                                          num_steps=steps, topk=topk)
             except ProposerError as exc:
                 raise WireError(f"open.{exc}") from exc
+            if msg.prompt_hidden_start:
+                raise WireError(f"open.prompt_hidden_start = {msg.prompt_hidden_start}, but an ngram session takes "
+                                "no features (DraftInfo.context_window = 0): send 0")
             proposer.open(prompt)
             return proposer, proposer.width
         cfg = st.model.cfg
-        hidden = st.hidden(msg.prompt_hidden, "open.prompt_hidden", (len(prompt), cfg.target_feature_size))
+        start = msg.prompt_hidden_start
+        try:
+            check_hidden_start(st.model, len(prompt), start)
+        except ProposerError as exc:
+            raise WireError(f"open.{exc}") from exc
+        rows = len(prompt) - start
+        dims = list(msg.prompt_hidden.shape)
+        if start and dims and dims[0] != rows:
+            raise WireError(f"open.prompt_hidden.shape is {dims}, but open.prompt_hidden_start = {start} of a "
+                            f"{len(prompt)}-token prompt needs {rows} rows: send the features of prompt positions "
+                            f"{start} .. {len(prompt) - 1}, or prompt_hidden_start = {len(prompt) - dims[0]}")
+        hidden = st.hidden(msg.prompt_hidden, "open.prompt_hidden", (rows, cfg.target_feature_size))
 
         try:
             p = DFlashProposer(st.model, num_draft_tokens=width, max_len=st.args.max_context, num_steps=steps,
@@ -246,7 +262,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         except ProposerError as exc:      # the shape the client asked for: name its field on the wire
             raise WireError(f"open.{exc}") from exc
         try:
-            await st.scheduler.open(p, prompt, hidden)
+            await st.scheduler.open(p, prompt, hidden, start)
         except BaseException:
             st.scheduler.close(p)
             raise

@@ -126,11 +126,13 @@ class TargetSession(_StreamSession):
 
     async def open(self, session_id: str, prompt_ids: list[int], sampling: common_pb2.SamplingParams, *,
                    hidden_layer_ids=(), max_new_tokens: int = 0, hidden_dtype: int = 0,
-                   hidden_stream: str = "", generated_tokens: int = 0) -> target_pb2.TargetOpened:
+                   hidden_stream: str = "", generated_tokens: int = 0,
+                   hidden_last: int = 0) -> target_pb2.TargetOpened:
         await self._send(target_pb2.TargetRequest(open=target_pb2.TargetOpen(
             session_id=session_id, prompt_token_ids=prompt_ids, sampling=sampling,
             hidden_layer_ids=list(hidden_layer_ids), max_new_tokens=max_new_tokens,
-            hidden_dtype=hidden_dtype, hidden_stream=hidden_stream, generated_tokens=generated_tokens)))
+            hidden_dtype=hidden_dtype, hidden_stream=hidden_stream, generated_tokens=generated_tokens,
+            hidden_last=hidden_last)))
         opened = await self._recv("opened")
         self.opened = True
         return opened
@@ -170,10 +172,11 @@ class DraftSession(_StreamSession):
 
     async def open(self, session_id: str, prompt_ids: list[int], prompt_hidden: common_pb2.Tensor | None,
                    speculative: common_pb2.SpeculativeParams, sampling: common_pb2.SamplingParams,
-                   target_tokenizer_hash: str = "") -> draft_pb2.DraftOpened:
+                   target_tokenizer_hash: str = "", prompt_hidden_start: int = 0) -> draft_pb2.DraftOpened:
         req = draft_pb2.DraftRequest()      # built in place: the prompt's hidden states are copied once
         msg = req.open
         msg.session_id, msg.target_tokenizer_hash = session_id, target_tokenizer_hash
+        msg.prompt_hidden_start = prompt_hidden_start
         msg.prompt_token_ids.extend(prompt_ids)
         if speculative is not None:
             msg.speculative.CopyFrom(speculative)

@@ -13,7 +13,8 @@ The gateway owns the token history of every request, which makes both recoveries
   `SpeculativeStats.draft_fallbacks` and logged as `draft_fallback`.
 * **Target failure** (UNAVAILABLE, UNKNOWN or CANCELLED by the replica: it died or is
   draining): the request opens a session on another replica with prompt + the tokens committed
-  so far as its prompt (re-prefill), re-opens the draft with the new hidden states, and goes on.
+  so far as its prompt (re-prefill), re-opens the draft with the new hidden states (for a windowed
+  draft, DraftInfo.context_window > 0, only the last context_window rows of them), and goes on.
   The Open samples the next token, so greedy output is identical to an uninterrupted run;
   sampled output stays a correct sample but not the same one (the replica's sampler is seeded
   afresh). Counted in `target_failovers`, logged as `target_failover`. After
@@ -244,10 +245,13 @@ class ResilientSource:
         """The draft session of this attempt, or None (the fallback is logged and counted)."""
         plan, req = self.plan, self.req
         self.draft = self.b.draft.session(self.timeout_s())
+        # A windowed draft was sent only the prompt's last rows (TargetOpen.hidden_last): say where they start.
+        start = len(prefix) - opened.hidden.shape[0] if plan.layer_ids and opened.hidden.shape else 0
         try:
             answer = await self._draft_call(self.draft.open(
                 req.request_id, prefix, opened.hidden if plan.layer_ids else None, plan.speculative,
-                req.sampling, plan.tokenizer_hash), 4 * self.cfg.draft_timeout_ms / 1e3,   # Open also prefills
+                req.sampling, plan.tokenizer_hash, prompt_hidden_start=start),
+                4 * self.cfg.draft_timeout_ms / 1e3,   # Open also prefills
                 client_errors=True)
         except DraftLost:
             return None
@@ -269,5 +273,6 @@ class ResilientSource:
             ngram=NgramIndex(1, 4) if plan.local_ngram else None,
             max_width=max(width, plan.max_k + 1), step_timeout_s=self.cfg.draft_timeout_ms / 1e3,
             ngram_tree=plan.ngram_tree,
-            hidden_dtype=self.b.draft_info.hidden_dtype if remote and self.b.draft_info is not None else 0)
+            hidden_dtype=self.b.draft_info.hidden_dtype if remote and self.b.draft_info is not None else 0,
+            hidden_last=self.b.draft_info.context_window if remote and self.b.draft_info is not None else 0)
         return loop.steps(self.history)

@@ -65,15 +65,18 @@ class SpeculativeLoop:
                  measurements: Measurements, draft_call: Callable[[Awaitable, float], Awaitable],
                  open_draft: Callable[[object, list[int]], Awaitable[RemoteDraft | None]] | None,
                  layer_ids: list[int], ngram: NgramIndex | None, max_width: int, step_timeout_s: float,
-                 hidden_stream: str = "", ngram_tree: tuple[int, int, int] | None = None, hidden_dtype: int = 0):
+                 hidden_stream: str = "", ngram_tree: tuple[int, int, int] | None = None, hidden_dtype: int = 0,
+                 hidden_last: int = 0):
         """ngram_tree: (nodes, depth, topk) when the gateway's own n-gram index drafts tries.
         hidden_dtype: the DType the draft takes hidden states in (DraftInfo.hidden_dtype), asked
-        of the target at Open so that features reach the draft as it wants them, never cast there."""
+        of the target at Open so that features reach the draft as it wants them, never cast there.
+        hidden_last: a windowed draft's DraftInfo.context_window (0: the whole prompt): the target's
+        Open returns only that many trailing prompt features, all such a draft ever reads."""
         self.target, self.req, self.stats, self.policy = target, req, stats, policy
         self.m = measurements
         self.draft_call, self.open_draft = draft_call, open_draft
         self.layer_ids, self.ngram, self.max_width = layer_ids, ngram, max_width
-        self.hidden_stream, self.hidden_dtype = hidden_stream, hidden_dtype
+        self.hidden_stream, self.hidden_dtype, self.hidden_last = hidden_stream, hidden_dtype, hidden_last
         self.step_s = step_timeout_s
         self.ngram_tree = ngram_tree if ngram_tree and ngram_tree[2] > 1 else None
         self.draft: RemoteDraft | None = None
@@ -93,7 +96,8 @@ class SpeculativeLoop:
         opened = await self.target.open(req.request_id, prefix, sampling, hidden_layer_ids=self.layer_ids,
                                         max_new_tokens=remaining + self.max_width, hidden_stream=self.hidden_stream,
                                         hidden_dtype=self.hidden_dtype if self.layer_ids else 0,
-                                        generated_tokens=len(history))
+                                        generated_tokens=len(history),
+                                        hidden_last=self.hidden_last if self.layer_ids else 0)
         stats.model_ms += opened.forward_ms
         stats.queue_ms += opened.queue_ms
         stats.verify_ms += (time.perf_counter() - t) * 1e3

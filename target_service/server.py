@@ -171,6 +171,9 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
         prompt = check_token_ids(msg.prompt_token_ids, sched.cfg.vocab_size, "open.prompt_token_ids")
         if not prompt:
             raise WireError("open.prompt_token_ids is empty: at least one token id is needed")
+        if msg.hidden_last < 0:
+            raise WireError(f"open.hidden_last = {msg.hidden_last} is negative: send 0 for every prompt "
+                            "position's features, or n > 0 for the last n")
         params = sampling_from_pb(msg.sampling)
         # The dtype the caller's draft takes hidden states in (DraftInfo.hidden_dtype), cast here once
         # per step; unset: the model's own (TargetInfo.dtype).
@@ -188,7 +191,11 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
         opened.forward_ms, opened.queue_ms = step.forward_ms, step.queue_ms
         opened.batch_size, opened.batch_tokens = step.batch_size, step.batch_tokens
         if step.out.hidden is not None:
-            tensor_to_pb(step.out.hidden, wire_dtype, out=opened.hidden)
+            hidden = step.out.hidden
+            if msg.hidden_last > 0:
+                # A windowed draft reads only the trailing positions: ship just those.
+                hidden = hidden[-msg.hidden_last:]
+            tensor_to_pb(hidden, wire_dtype, out=opened.hidden)
         if step.out.logprobs:
             opened.first_logprob.CopyFrom(logprob_to_pb(step.out.logprobs[0]))
         opened.prompt_logprobs.extend(logprob_to_pb(lp) for lp in session.seq.prompt_logprobs)

@@ -168,6 +168,8 @@ TARGET_CASES = [
         base_len=4, tree=common_pb2.TokenTree(token_ids=[5] * 300, parents=list(range(-1, 299)))))],
      INVALID, "limit"),
     ("bad hidden dtype", [dict(open=open_msg(hidden_dtype=9))], INVALID, "dtype"),
+    ("negative hidden_last", [dict(open=open_msg(hidden_layer_ids=[0], hidden_last=-1))], INVALID,
+     "open.hidden_last = -1"),
     ("oversized message", [dict(open=open_msg(prompt=[300] * 600_000))], grpc.StatusCode.RESOURCE_EXHAUSTED,
      "larger than max"),
     ("kv budget", [dict(open=open_msg(max_new_tokens=0))], grpc.StatusCode.RESOURCE_EXHAUSTED, "--kv-cache-budget-mb"),
@@ -193,6 +195,22 @@ def test_target_refuses_bad_messages(services, messages, code, text):
     finally:
         s.close()
         good.close()
+
+
+def test_target_open_sends_only_the_last_hidden_last_rows(services):
+    """hidden_last = n: TargetOpened.hidden is the last n rows of what hidden_last = 0 sends
+    (all of them when n is past the prompt)."""
+    from splitspec.wire import tensor_from_pb
+    prompt = (5, 6, 7, 8, 9)
+    got = {}
+    for last in (0, 2, 9):
+        s = Stream(services[0].address).send(open=open_msg(prompt=prompt, hidden_layer_ids=[0, 1], hidden_last=last))
+        try:
+            got[last] = tensor_from_pb(s.recv().opened.hidden)
+        finally:
+            s.close()
+    assert got[0].shape[0] == len(prompt) and got[2].shape[0] == 2
+    assert torch.equal(got[2], got[0][-2:]) and torch.equal(got[9], got[0])
 
 
 def test_target_refuses_garbage_bytes(services):

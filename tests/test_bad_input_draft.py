@@ -123,6 +123,10 @@ def cases(feat):
          INVALID, "propose.new_token_ids[0]"),
         ("propose hidden misshapen", [ok, dict(propose=draft_pb2.DraftPropose(
             base_len=4, new_token_ids=[1], new_hidden=hidden(1, feat - 1)))], INVALID, "propose.new_hidden"),
+        ("tail to a full-attention draft", [dict(open=open_msg(feat, h=hidden(2, feat), prompt_hidden_start=1))],
+         INVALID, "open.prompt_hidden_start = 1, but this draft attends to the whole context"),
+        ("negative prompt_hidden_start", [dict(open=open_msg(feat, prompt_hidden_start=-1))], INVALID,
+         "open.prompt_hidden_start = -1"),
         ("oversized message", [dict(open=open_msg(feat, prompt=[5] * 300, h=hidden(300, 1024)))],
          grpc.StatusCode.RESOURCE_EXHAUSTED, ""),
     ]
@@ -152,6 +156,66 @@ def test_draft_refuses_bad_messages(draft, feat, index):
     finally:
         s.close()
         good.close()
+
+
+WINDOW = 16       # the windowed draft's sliding window: a Propose reads the last 15 positions
+
+
+@pytest.fixture(scope="module")
+def windowed_draft(dirs, tmp_path_factory):
+    import dataclasses
+    target = dirs[0]
+    d = new_draft(load_model(target).cfg, num_layers=1, block_size=8, mask_token_id=2, seed=3)
+    d.cfg = dataclasses.replace(d.cfg, layer_types=("sliding_attention",), sliding_window=WINDOW, is_causal=False)
+    path = tmp_path_factory.mktemp("windowed") / "tiny-dflash-windowed"
+    save_draft(d, path)
+    with running_draft(target, tmp_path_factory.mktemp("logs"), draft_dir=path) as svc:
+        yield svc
+
+
+def test_windowed_draft_takes_the_tail_and_refuses_too_little(windowed_draft, draft, feat):
+    """A windowed draft reports context_window = W - 1 (a full-attention one 0) and opens with
+    only the prompt's last W - 1 rows; rows that do not match prompt_hidden_start, or a start that
+    leaves fewer than the window, are refused naming the fields and what to send."""
+    cw = WINDOW - 1
+    assert _info(windowed_draft.address).context_window == cw
+    assert _info(draft.address).context_window == 0
+    prompt = [5 + i % 40 for i in range(40)]
+    start = len(prompt) - cw
+    s = Stream(windowed_draft.address).send(open=open_msg(feat, prompt=prompt, h=hidden(cw, feat),
+                                                          prompt_hidden_start=start))
+    try:
+        assert s.recv().HasField("opened")
+        s.send(propose=draft_pb2.DraftPropose(base_len=len(prompt) + 1, new_token_ids=[9]))
+        assert len(s.recv().proposal.tree.token_ids) == 7
+        s.send(propose=draft_pb2.DraftPropose(base_len=len(prompt) + 3, new_token_ids=[9, 10],
+                                              new_hidden=hidden(2, feat)))
+        assert len(s.recv().proposal.tree.token_ids) == 7
+    finally:
+        s.close()
+    short = Stream(windowed_draft.address).send(open=open_msg(feat, prompt=prompt[:5], h=hidden(5, feat)))
+    try:
+        assert short.recv().HasField("opened")      # shorter than the window: the whole prompt, start 0
+    finally:
+        short.close()
+    bad = [
+        (hidden(cw + 1, feat), start, ["open.prompt_hidden.shape is [16,", f"open.prompt_hidden_start = {start}",
+                                       f"needs {cw} rows", f"prompt_hidden_start = {start - 1}"]),
+        (hidden(cw - 1, feat), start + 1, [f"open.prompt_hidden_start = {start + 1} leaves {cw - 1}",
+                                           f"reads the last {cw}", f"prompt_hidden_start <= {start}"]),
+        (hidden(0, feat), len(prompt) + 1, [f"open.prompt_hidden_start = {len(prompt) + 1} is outside"]),
+    ]
+    for h, st, texts in bad:
+        s = Stream(windowed_draft.address).send(open=open_msg(feat, prompt=prompt, h=h, prompt_hidden_start=st))
+        try:
+            with pytest.raises(grpc.RpcError) as err:
+                s.recv()
+            assert err.value.code() == INVALID, err.value.details()
+            for t in texts:
+                assert t in err.value.details(), err.value.details()
+        finally:
+            s.close()
+    assert health_status(windowed_draft.address) == 1
 
 
 def _info(address):

@@ -137,6 +137,59 @@ def test_windowed_propose_attends_to_exactly_the_window(target):
     assert (alone - unwindowed).abs().max().item() > 1e-3
 
 
+def test_windowed_cache_opened_with_an_offset_proposes_what_a_full_cache_does(target):
+    """A windowed draft (W = 12: Proposes read the last 11 positions) opened with only the
+    prompt's tail (cache offset 100 - 11) proposes, step after step, exactly what the same draft
+    opened with all 100 rows proposes; both give back the blocks that fall out of the window (pool
+    use stays flat as the session grows), and a full-attention draft refuses a tail."""
+    import dataclasses
+    from draft_service.proposer import check_hidden_start, context_window
+    d = make_draft(target, block_size=5, seed=5)
+    full_attention_cw = context_window(d)
+    W = 12
+    d.cfg = dataclasses.replace(d.cfg, layer_types=("sliding_attention",) * 2, sliding_window=W, is_causal=False)
+    cw = context_window(d)
+    assert (full_attention_cw, cw) == (0, W - 1)
+    g = torch.Generator().manual_seed(11)
+    P, n = 100, 60
+    feats = torch.randn(P + n, d.cfg.target_feature_size, generator=g)
+    ids = torch.randint(3, 60, (P + n + 1,), generator=g).tolist()
+    full_pool, tail_pool = new_pool(d, 64, block_size=4), new_pool(d, 64, block_size=4)
+    full = DFlashProposer(d, max_len=400, pool=full_pool)
+    tail = DFlashProposer(d, max_len=400, pool=tail_pool)
+    start = P - cw
+    full.open(ids[:P], feats[:P])
+    tail.open(ids[:P], feats[start:P], start)
+    assert tail.cache.offset == start and tail.cache.length == full.cache.length == P
+    assert tail_pool.used_blocks == -(-cw // 4) < full_pool.used_blocks
+    base, new_ids, new_h, k = P + 1, [ids[P]], None, 1
+    with torch.no_grad():
+        while base + k <= P + n:
+            a, b = full.propose(base, new_ids, new_h), tail.propose(base, new_ids, new_h)
+            assert a.tree == b.tree
+            la = draft_block(d, full.cache, ids[base - 1], base - 1)
+            lb = draft_block(d, tail.cache, ids[base - 1], base - 1)
+            assert (la - lb).abs().max().item() < 1e-5
+            # The next step commits k tokens (their features arrive with them).
+            new_ids, new_h = ids[base:base + k], feats[base - 1:base - 1 + k]
+            base += k
+            k = k % 3 + 1
+    assert tail.cache.length == full.cache.length
+    assert tail.cache.offset > start                          # whole blocks left the window...
+    bound = -(-(cw + 4) // 4) + 1
+    assert tail_pool.used_blocks <= bound                     # ...and went back to the pool,
+    assert full.cache.offset > 0 and full_pool.used_blocks <= bound    # the full cache's too, once proposed
+    with pytest.raises(ProposerError, match="context_window = 0"):
+        check_hidden_start(make_draft(target, block_size=5), P, start)
+    with pytest.raises(ProposerError, match="reads the last 11"):
+        check_hidden_start(d, P, P - cw + 1)
+    check_hidden_start(d, 5, 0)                               # a short prompt: all of it
+    with pytest.raises(ProposerError, match="reads the last 11"):
+        check_hidden_start(d, 5, 1)
+    full.close(), tail.close()
+    assert tail_pool.used_blocks == 0
+
+
 def test_slot0_is_the_real_last_token(target):
     d = make_draft(target)
     cache = DraftCache(d, 32)

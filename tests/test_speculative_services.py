@@ -14,7 +14,7 @@ from draft_service.dflash import new_draft, save_draft
 from service_helpers import collect, repeating_prompts, running_draft, running_stack
 from splitspec.client import build_request
 from splitspec.ops.launch import start_service
-from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
+from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, gateway_pb2_grpc
 from splitspec.wire import tensor_to_pb
 from target_service.engine import generate
 from target_service.loader import load_model
@@ -127,6 +127,55 @@ def test_draft_refuses_stale_base_len_and_bad_hidden(services, target_dir, draft
         assert err is None and len(ok[1].proposal.tree.token_ids) == 7
         info = stub.GetInfo(common_pb2.GetInfoRequest(), timeout=10)
         assert info.active_sessions == 0 and info.method == "dflash" and info.block_size == 8
+
+
+def _open_rows(stub, prompt, info, model):
+    """Greedy DFlash through a gateway: the output must equal target-only decoding; returns how
+    many prompt feature rows the session's Open carried, from the request's hidden_state_bytes
+    (the Open's rows plus one row per token committed by a Verify)."""
+    ids, _, complete = collect(stub.Generate(speculative_request(prompt, "dflash", 8), timeout=300))
+    assert ids == generate(model, prompt, N_NEW)
+    st = complete.stats
+    assert st.method == "dflash" and st.draft_fallbacks == 0 and st.draft_tokens > 0
+    dtype_bytes = {common_pb2.DTYPE_F32: 4, common_pb2.DTYPE_F16: 2, common_pb2.DTYPE_BF16: 2}[info.hidden_dtype]
+    row = len(info.target_layer_ids) * info.target_hidden_size * dtype_bytes
+    assert st.hidden_state_bytes % row == 0
+    return st.hidden_state_bytes // row - (st.verify_steps + sum(st.accepted_per_position))
+
+
+def test_windowed_draft_open_carries_only_its_window(services, stub, model, target_dir, tmp_path_factory):
+    """A draft whose layers all slide over W = 16 reports context_window 15: the gateway asks the
+    target for only the last 15 prompt features and opens the draft with prompt_hidden_start, and
+    greedy output on prompts longer than the window still equals target-only decoding; the
+    full-attention draft of this module still gets every prompt row."""
+    import dataclasses
+    import random
+    from service_helpers import running_gateway
+    W = 16
+    d = new_draft(model.cfg, num_layers=1, block_size=8, mask_token_id=2, seed=3)
+    d.cfg = dataclasses.replace(d.cfg, layer_types=("sliding_attention",), sliding_window=W, is_causal=False)
+    path = tmp_path_factory.mktemp("windowed") / "tiny-dflash-windowed"
+    save_draft(d, path)
+    rng = random.Random(77)
+    long_prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (70, 140)]
+    with grpc.insecure_channel(services[1].address) as ch:
+        full_info = draft_pb2_grpc.DraftStub(ch).GetInfo(common_pb2.GetInfoRequest(), timeout=10)
+    assert full_info.context_window == 0
+    logs = tmp_path_factory.mktemp("windowed-logs")
+    with running_draft(target_dir, logs, draft_dir=path) as draft, \
+            running_gateway(services[0], logs, "--draft", draft.address, "--speculative-algorithm", "DFLASH",
+                            "--draft-timeout-ms", "60000") as gw:
+        with grpc.insecure_channel(draft.address) as ch:
+            info = draft_pb2_grpc.DraftStub(ch).GetInfo(common_pb2.GetInfoRequest(), timeout=10)
+        assert info.context_window == W - 1
+        with grpc.insecure_channel(gw.address) as ch:
+            wstub = gateway_pb2_grpc.GenerationStub(ch)
+            for p in long_prompts:
+                assert _open_rows(wstub, p, info, model) == W - 1
+            short = long_prompts[0][:9]                   # shorter than the window: all of it
+            assert _open_rows(wstub, short, info, model) == len(short)
+    for p in long_prompts:
+        assert _open_rows(stub, p, full_info, model) == len(p)
 
 
 def test_incompatible_pair_is_refused_at_start(tmp_path, target_dir, services):

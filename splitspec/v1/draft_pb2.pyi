@@ -28,20 +28,22 @@ class DraftResponse(_message.Message):
     def __init__(self, opened: _Optional[_Union[DraftOpened, _Mapping]] = ..., proposal: _Optional[_Union[Proposal, _Mapping]] = ..., closed: _Optional[_Union[DraftClosed, _Mapping]] = ...) -> None: ...
 
 class DraftOpen(_message.Message):
-    __slots__ = ("session_id", "prompt_token_ids", "prompt_hidden", "speculative", "sampling", "target_tokenizer_hash")
+    __slots__ = ("session_id", "prompt_token_ids", "prompt_hidden", "speculative", "sampling", "target_tokenizer_hash", "prompt_hidden_start")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_HIDDEN_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TARGET_TOKENIZER_HASH_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_HIDDEN_START_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     prompt_hidden: _common_pb2.Tensor
     speculative: _common_pb2.SpeculativeParams
     sampling: _common_pb2.SamplingParams
     target_tokenizer_hash: str
-    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt_hidden: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., speculative: _Optional[_Union[_common_pb2.SpeculativeParams, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., target_tokenizer_hash: _Optional[str] = ...) -> None: ...
+    prompt_hidden_start: int
+    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt_hidden: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., speculative: _Optional[_Union[_common_pb2.SpeculativeParams, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., target_tokenizer_hash: _Optional[str] = ..., prompt_hidden_start: _Optional[int] = ...) -> None: ...
 
 class DraftOpened(_message.Message):
     __slots__ = ("session_id", "method", "num_draft_tokens")
@@ -88,7 +90,7 @@ class DraftClosed(_message.Message):
     def __init__(self) -> None: ...
 
 class DraftInfo(_message.Message):
-    __slots__ = ("model_id", "method", "block_size", "mask_token_id", "target_layer_ids", "target_hidden_size", "target_vocab_size", "target_num_layers", "target_tokenizer_hash", "active_sessions", "max_sessions", "dtype", "kv_block_size", "kv_blocks_used", "kv_blocks_free", "forward_passes", "batched_steps", "busy_ms", "architecture", "target_hidden_stream", "max_topk", "max_draft_nodes", "hidden_dtype")
+    __slots__ = ("model_id", "method", "block_size", "mask_token_id", "target_layer_ids", "target_hidden_size", "target_vocab_size", "target_num_layers", "target_tokenizer_hash", "active_sessions", "max_sessions", "dtype", "kv_block_size", "kv_blocks_used", "kv_blocks_free", "forward_passes", "batched_steps", "busy_ms", "architecture", "target_hidden_stream", "max_topk", "max_draft_nodes", "hidden_dtype", "context_window")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     METHOD_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -112,6 +114,7 @@ class DraftInfo(_message.Message):
     MAX_TOPK_FIELD_NUMBER: _ClassVar[int]
     MAX_DRAFT_NODES_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_WINDOW_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     method: str
     block_size: int
@@ -135,4 +138,5 @@ class DraftInfo(_message.Message):
     max_topk: int
     max_draft_nodes: int
     hidden_dtype: _common_pb2.DType
-    def __init__(self, model_id: _Optional[str] = ..., method: _Optional[str] = ..., block_size: _Optional[int] = ..., mask_token_id: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., target_hidden_size: _Optional[int] = ..., target_vocab_size: _Optional[int] = ..., target_num_layers: _Optional[int] = ..., target_tokenizer_hash: _Optional[str] = ..., active_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_block_size: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., forward_passes: _Optional[int] = ..., batched_steps: _Optional[int] = ..., busy_ms: _Optional[float] = ..., architecture: _Optional[str] = ..., target_hidden_stream: _Optional[str] = ..., max_topk: _Optional[int] = ..., max_draft_nodes: _Optional[int] = ..., hidden_dtype: _Optional[_Union[_common_pb2.DType, str]] = ...) -> None: ...
+    context_window: int
+    def __init__(self, model_id: _Optional[str] = ..., method: _Optional[str] = ..., block_size: _Optional[int] = ..., mask_token_id: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., target_hidden_size: _Optional[int] = ..., target_vocab_size: _Optional[int] = ..., target_num_layers: _Optional[int] = ..., target_tokenizer_hash: _Optional[str] = ..., active_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_block_size: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., forward_passes: _Optional[int] = ..., batched_steps: _Optional[int] = ..., busy_ms: _Optional[float] = ..., architecture: _Optional[str] = ..., target_hidden_stream: _Optional[str] = ..., max_topk: _Optional[int] = ..., max_draft_nodes: _Optional[int] = ..., hidden_dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., context_window: _Optional[int] = ...) -> None: ...

@@ -32,7 +32,7 @@ class TargetResponse(_message.Message):
     def __init__(self, opened: _Optional[_Union[TargetOpened, _Mapping]] = ..., token: _Optional[_Union[TargetToken, _Mapping]] = ..., verified: _Optional[_Union[TargetVerified, _Mapping]] = ..., closed: _Optional[_Union[TargetClosed, _Mapping]] = ...) -> None: ...
 
 class TargetOpen(_message.Message):
-    __slots__ = ("session_id", "prompt_token_ids", "sampling", "hidden_layer_ids", "max_new_tokens", "hidden_dtype", "hidden_stream", "generated_tokens")
+    __slots__ = ("session_id", "prompt_token_ids", "sampling", "hidden_layer_ids", "max_new_tokens", "hidden_dtype", "hidden_stream", "generated_tokens", "hidden_last")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,7 @@ class TargetOpen(_message.Message):
     HIDDEN_DTYPE_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_STREAM_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_LAST_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -49,7 +50,8 @@ class TargetOpen(_message.Message):
     hidden_dtype: _common_pb2.DType
     hidden_stream: str
     generated_tokens: int
-    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., hidden_layer_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., hidden_dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., hidden_stream: _Optional[str] = ..., generated_tokens: _Optional[int] = ...) -> None: ...
+    hidden_last: int
+    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., hidden_layer_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., hidden_dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., hidden_stream: _Optional[str] = ..., generated_tokens: _Optional[int] = ..., hidden_last: _Optional[int] = ...) -> None: ...
 
 class TargetOpened(_message.Message):
     __slots__ = ("session_id", "first_token_id", "hidden", "length", "forward_ms", "queue_ms", "batch_size", "batch_tokens", "first_logprob", "prompt_logprobs")
