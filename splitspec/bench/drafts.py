@@ -384,7 +384,8 @@ def markdown(r: dict) -> str:
     lines += ["", "Ratios to the first draft:", ""]
     for e in entries:
         if e["draft"] != first:
-            lines.append(f"- {e['setting']}: {e['draft']} / {first} τ = {fmt(e['tau_vs_first'], '{:.2f}x')}, "
+            at = f" at {e['prompt_tokens']:.0f} prompt tokens" if run.get("prompt_lengths") else ""
+            lines.append(f"- {e['setting']}{at}: {e['draft']} / {first} τ = {fmt(e['tau_vs_first'], '{:.2f}x')}, "
                          f"draft forward {fmt(e['draft_forward_ms_vs_first'], '{:+.2f}')} ms per Propose")
     depth = max((len(e["per_position_acceptance"]) for e in entries), default=0)
     rows = []
