@@ -65,7 +65,7 @@ def test_uneven_shapes_are_refused_before_any_rank_starts(tmp_path):
         tp_worker.start(kimi, 4, dtype=torch.float32, device=torch.device("cpu"), timeout_s=10)
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "kimi"])
+@pytest.mark.parametrize("arch", ["qwen3", "kimi", "default"])
 def test_driver_decodes_and_verifies_trees_like_one_process(tmp_path, arch):
     """Rank 0 drives a spawned rank 1: greedy decode, taps, and a verify whose accepted node is a
     second branch (its K/V, or MLA latent row, is copied down on rank 0 and, at the next forward,
@@ -76,6 +76,9 @@ def test_driver_decodes_and_verifies_trees_like_one_process(tmp_path, arch):
     if arch == "kimi":      # KDA + MLA + MoE: the workers replay rank 0's state commits of the kept path
         from hybrid_models import save_tiny_kimi
         path = save_tiny_kimi(tmp_path / "m", vocab_size=130, seed=11)
+    elif arch == "default":  # the bundled target (Qwen3, 8 layers): TP=2 equals TP=1 on it too
+        from splitspec.defaults import DEFAULT_TARGET, model_dir
+        path = model_dir(None, DEFAULT_TARGET)
     else:
         path = save_tiny_model(tmp_path / "m", "qwen3", vocab_size=130, num_heads=4, num_kv_heads=2, seed=11)
     ref = load_model(path)
