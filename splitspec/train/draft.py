@@ -223,7 +223,7 @@ def build_draft(args, target, layer_ids, mask_id) -> DFlashDraft:
         raise SystemExit(f"--init-from {args.init_from} is a DFlash2 draft; pass --arch dflash2")
     if args.sliding_window:
         draft = with_window(draft, args.sliding_window)
-    check_trainable(draft.cfg, args.seq_len)
+    check_trainable(draft.cfg)
     return draft.to(target.lm_head.weight.device).train()
 
 
@@ -236,7 +236,7 @@ def with_window(draft, window: int):
     return draft
 
 
-def check_trainable(cfg, seq_len: int) -> None:
+def check_trainable(cfg) -> None:
     """The training layouts build bidirectional blocks (with each layer's window); refuse a draft
     whose attention they would not reproduce."""
     for i in range(cfg.num_hidden_layers):

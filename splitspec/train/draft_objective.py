@@ -198,7 +198,8 @@ def draft_hidden(model: DFlashDraft, features: torch.Tensor, tokens: torch.Tenso
         masks = {w: block_mask(anchors, C, B, w) for w in set(windows)}
         h = model.block_forward(ids, positions, ctx_kv, [masks[w] for w in windows])
     elif attention == "factored":
-        allowed = {w: _context_allowed(anchors, C, B, w) for w in set(windows) if not w}
+        # full-attention layers share one context mask; sliding ones gather their band instead
+        allowed = _context_allowed(anchors, C, B, None) if None in windows else None
         x = model.embed(ids)
         cos, sin = model.rope(positions, x.dtype)
         for layer, (ck, cv), w in zip(model.layers, ctx_kv, windows):
@@ -207,7 +208,7 @@ def draft_hidden(model: DFlashDraft, features: torch.Tensor, tokens: torch.Tenso
                        _banded_attention(attn, u, cos, sin, ck, cv, anchors.pos, w, B))
             else:
                 run = (lambda attn, u, ck=ck, cv=cv:
-                       _factored_attention(attn, u, cos, sin, ck, cv, allowed[None], B))
+                       _factored_attention(attn, u, cos, sin, ck, cv, allowed, B))
             x = layer(x, run)
         h = model.norm(x)
     else:
