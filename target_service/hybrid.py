@@ -108,7 +108,7 @@ class HybridLM(nn.Module):
         return self.model.norm(x) if layer == self.cfg.num_hidden_layers - 1 else x
 
     def forward_batch(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: PagedBatch, *,
-                      hidden_layers=(), logits_index: torch.Tensor | None = None):
+                      hidden_layers=(), logits_index: torch.Tensor | None = None, max_position: int | None = None):
         """As `CausalLM.forward_batch`; `batch.states` carries the KDA rows (None: no KDA layer)."""
         if self.cfg.hybrid.attn_res_block_size:
             return self._forward_attn_res(input_ids, positions, batch, list(hidden_layers), logits_index)

@@ -88,8 +88,7 @@ def latent_attention(q: torch.Tensor, c_all: torch.Tensor, pe_all: torch.Tensor,
         flat = g.kv_index.view(-1)
         c = c_all.index_select(0, flat).view(R, 1, -1, r)
         kk = torch.cat([c, pe_all.index_select(0, flat).view(R, 1, -1, pe_all.shape[-1])], dim=-1)
-        mask = g.mask.repeat(1, 1, H, 1)
-        o = F.scaled_dot_product_attention(qq, kk, c, attn_mask=mask, scale=scale)
+        o = F.scaled_dot_product_attention(qq, kk, c, attn_mask=g.mask_for(H), scale=scale)
         o = o.view(R, H, Q, r).transpose(1, 2)
         out.index_copy_(0, g.flat, o[g.valid])
     return out

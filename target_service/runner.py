@@ -159,7 +159,8 @@ def run_batch(model: CausalLM, pool: KVPool, verifier, steps: list,
         with torch.inference_mode():
             logits, hidden = model.forward_batch(
                 torch.tensor(ids, dtype=torch.long, device=device), torch.tensor(positions, device=device),
-                PagedBatch(pool, plan, states), hidden_layers=layers, logits_index=index)
+                PagedBatch(pool, plan, states), hidden_layers=layers, logits_index=index,
+                max_position=max(positions))
     except TensorParallelError as exc:
         # The forward itself failed (a tensor-parallel rank is gone): every row fails with it and
         # no table moved, so each session is as it was before this step.

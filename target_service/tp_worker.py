@@ -86,12 +86,13 @@ def _np(t: torch.Tensor) -> np.ndarray:
 
 def _plan_to_wire(plan: AttentionPlan) -> dict:
     return {"slots": _np(plan.slot_mapping),
-            "groups": [(_np(g.q_index), _np(g.kv_index), _np(g.mask), _np(g.valid), _np(g.flat)) for g in plan.groups]}
+            "groups": [((_np(g.q_index), _np(g.kv_index), _np(g.mask), _np(g.valid), _np(g.flat)),
+                        (g.in_order, g.kv_start, g.no_mask)) for g in plan.groups]}
 
 
 def _plan_from_wire(d: dict, device) -> AttentionPlan:
     t = lambda a: torch.from_numpy(a).to(device)  # noqa: E731
-    return AttentionPlan(t(d["slots"]), [Group(*(t(a) for a in g)) for g in d["groups"]])
+    return AttentionPlan(t(d["slots"]), [Group(*(t(a) for a in g), *flags) for g, flags in d["groups"]])
 
 
 def free_port() -> int:
@@ -237,7 +238,7 @@ class TensorParallelDriver:
                                                    num_blocks=pool.num_blocks, block_size=pool.block_size),
                     "states": states})
 
-    def forward_batch(self, input_ids, positions, batch, *, hidden_layers=(), logits_index=None):
+    def forward_batch(self, input_ids, positions, batch, *, hidden_layers=(), logits_index=None, max_position=None):
         if self.failure is not None:
             raise TensorParallelError(self.failure)
         moves = []
@@ -255,7 +256,7 @@ class TensorParallelDriver:
                     "state_events": events})
         try:
             return self.inner.forward_batch(input_ids, positions, batch, hidden_layers=hidden_layers,
-                                            logits_index=logits_index)
+                                            logits_index=logits_index, max_position=max_position)
         except RuntimeError as exc:     # a collective failed: a peer died or timed out
             self._fail(f"a collective failed: {exc}")
             raise TensorParallelError(self.failure) from exc

@@ -12,7 +12,7 @@ of one width together); a long row (a prefill chunk) gets a group of its own, so
 prompt does not pad every decode row to its length."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +36,20 @@ class Group:
     mask: torch.Tensor       # [R, 1, Q, C + Q] bool
     valid: torch.Tensor      # [R, Q] which query cells are real tokens
     flat: torch.Tensor       # flat index of each real cell, in valid's row-major order
+    # Shortcuts the plan finds once for every layer (each is also what the general path computes):
+    in_order: bool = False   # the group is every flat token, in order, unpadded: no gather or scatter of q
+    kv_start: int = -1       # >= 0: kv_index is the one contiguous range kv_start + arange(C + Q): a view, no gather
+    no_mask: bool = False    # every cell of `mask` is True (one decode row): SDPA runs without one
+    _masks: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def mask_for(self, rep: int) -> torch.Tensor | None:
+        """The mask with each query row repeated `rep` times (grouped-query heads as extra query
+        rows), built once per batch rather than once per layer; None when nothing is masked."""
+        if self.no_mask:
+            return None
+        if rep not in self._masks:
+            self._masks[rep] = self.mask if rep == 1 else self.mask.repeat(1, 1, rep, 1)
+        return self._masks[rep]
 
 
 @dataclass
@@ -47,6 +61,8 @@ class AttentionPlan:
 
 def _group(rows: list[Row], starts: list[int], slots: list[torch.Tensor], n: int, device) -> Group:
     """slots[i]: row i's slots for its context and its new tokens."""
+    if len(rows) == 1:
+        return _one_row(rows[0], starts[0], slots[0], n, device)
     R = len(rows)
     Q = max(r.q_len for r in rows)
     C = max(r.table.length for r in rows)
@@ -68,7 +84,23 @@ def _group(rows: list[Row], starts: list[int], slots: list[torch.Tensor], n: int
         ctx[i, :q, :c] = True
     valid = q_index < n
     mask = torch.cat([ctx, inner], dim=2)[:, None]
-    return Group(q_index.to(device), kv_index, mask.to(device), valid.to(device), q_index[valid].to(device))
+    in_order = R * Q == n and bool(valid.all()) and starts == list(range(0, n, Q))
+    return Group(q_index.to(device), kv_index, mask.to(device), valid.to(device), q_index[valid].to(device),
+                 in_order=in_order)
+
+
+def _one_row(row: Row, start: int, row_slots: torch.Tensor, n: int, device) -> Group:
+    """The group of a row alone (one stream, a long prefill chunk): no padding, so no loops; and
+    when its blocks are consecutive in the pool its K/V are read in place."""
+    c, q = row.table.length, row.q_len
+    q_index = torch.arange(start, start + q, device=device).view(1, q)
+    inner = torch.ones(q, q, dtype=torch.bool).tril_() if row.mask is None else row.mask.cpu()
+    mask = torch.cat([torch.ones(q, c, dtype=torch.bool), inner], dim=1).view(1, 1, q, c + q)
+    bs = row.table.pool.block_size
+    used = row.table.blocks[:-(-(c + q) // bs)]
+    kv_start = used[0] * bs if used == list(range(used[0], used[0] + len(used))) else -1
+    return Group(q_index, row_slots.view(1, c + q), mask.to(device), torch.ones(1, q, dtype=torch.bool, device=device),
+                 q_index.view(q), in_order=start == 0 and q == n, kv_start=kv_start, no_mask=q == 1)
 
 
 def plan_attention(rows: list[Row], device, *, groups: bool = True) -> AttentionPlan:
@@ -106,19 +138,30 @@ def paged_attention(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, p
     N, Hq, D = q.shape
     Hkv = k_all.shape[1]
     rep = Hq // Hkv
+    if len(plan.groups) == 1 and plan.groups[0].in_order:
+        g = plan.groups[0]
+        return _group_attention(q.reshape(g.q_index.shape + (Hq, D)), k_all, v_all, g, rep).reshape(N, Hq, D)
     out = q.new_empty(N, Hq, D)
     padded = torch.cat([q, q.new_zeros(1, Hq, D)])
     for g in plan.groups:
         R, Q = g.q_index.shape
-        # Grouped-query attention without copying K/V per query head: the `rep` query heads of a
-        # KV head become extra query rows of that head (query head h uses KV head h // rep).
-        qq = padded.index_select(0, g.q_index.view(-1)).view(R, Q, Hkv, rep, D)
-        qq = qq.permute(0, 2, 3, 1, 4).reshape(R, Hkv, rep * Q, D)
-        # index_select copies whole rows; advanced indexing (t[idx]) is several times slower on CPU.
-        K = g.kv_index.shape[1]
-        kk, vv = (t.index_select(0, g.kv_index.view(-1)).view(R, K, Hkv, D).transpose(1, 2) for t in (k_all, v_all))
-        mask = g.mask if rep == 1 else g.mask.repeat(1, 1, rep, 1)
-        o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask)
-        o = o.view(R, Hkv, rep, Q, D).permute(0, 3, 1, 2, 4).reshape(R, Q, Hq, D)
+        o = _group_attention(padded.index_select(0, g.q_index.view(-1)).view(R, Q, Hq, D), k_all, v_all, g, rep)
         out.index_copy_(0, g.flat, o[g.valid])
     return out
+
+
+def _group_attention(qq: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, g: Group, rep: int) -> torch.Tensor:
+    """qq [R, Q, Hq, D], the group's queries; returns [R, Q, Hq, D]."""
+    R, Q, Hq, D = qq.shape
+    Hkv = Hq // rep
+    # Grouped-query attention without copying K/V per query head: the `rep` query heads of a
+    # KV head become extra query rows of that head (query head h uses KV head h // rep).
+    qq = qq.reshape(R, Q, Hkv, rep, D).permute(0, 2, 3, 1, 4).reshape(R, Hkv, rep * Q, D)
+    K = g.kv_index.shape[1]
+    if g.kv_start >= 0:
+        kk, vv = (t.narrow(0, g.kv_start, K).view(1, K, Hkv, D).transpose(1, 2) for t in (k_all, v_all))
+    else:
+        # index_select copies whole rows; advanced indexing (t[idx]) is several times slower on CPU.
+        kk, vv = (t.index_select(0, g.kv_index.view(-1)).view(R, K, Hkv, D).transpose(1, 2) for t in (k_all, v_all))
+    o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=g.mask_for(rep))
+    return o.view(R, Hkv, rep, Q, D).permute(0, 3, 1, 2, 4).reshape(R, Q, Hq, D)
