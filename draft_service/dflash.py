@@ -27,6 +27,7 @@ from torch import nn
 
 from splitspec.engine.kv_pool import BlockTable, KVPool
 from target_service.config import ConfigError, ModelConfig
+from target_service.fused import fused, transposed
 from target_service.model import MLP, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
 
 log = structlog.get_logger(__name__)
@@ -204,6 +205,12 @@ class DraftAttention(nn.Module):
     def kv(self, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V [B, n_kv, T, D] of x [B, T, H]: k_proj, k_norm, RoPE; v_proj."""
         B, T, _ = x.shape
+        if not torch.is_grad_enabled():
+            # Serving: k and v from one matmul over the fused matrix's k/v columns (fused.py).
+            weight, _ = fused(self, ("q_proj", "k_proj", "v_proj"))
+            kv = (x @ weight[:, self.n_heads * self.head_dim:]).view(B, T, 2 * self.n_kv, self.head_dim)
+            k, v = self.k_norm(kv[:, :, :self.n_kv]).transpose(1, 2), kv[:, :, self.n_kv:].transpose(1, 2)
+            return apply_rope(k, cos, sin), v
         k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         return apply_rope(k, cos, sin), v
@@ -211,14 +218,30 @@ class DraftAttention(nn.Module):
     def forward(self, x, cos, sin, ctx_k, ctx_v, mask=None):
         """x: block hidden [B, T, H]; ctx_k/ctx_v: injected context K/V [B, n_kv, C, D]."""
         B, T, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(B, T, self.n_heads, self.head_dim)).transpose(1, 2)
+        if torch.is_grad_enabled():
+            q = self.q_norm(self.q_proj(x).view(B, T, self.n_heads, self.head_dim)).transpose(1, 2)
+            k, v = self.kv(x, cos, sin)
+        else:
+            # Serving: q, k and v from one matmul, q and k normed and rotated together.
+            weight, _ = fused(self, ("q_proj", "k_proj", "v_proj"))
+            qkv = (x @ weight).view(B, T, self.n_heads + 2 * self.n_kv, self.head_dim)
+            hq, hkv = self.n_heads, self.n_kv
+            q, k = self.q_norm(qkv[:, :, :hq]).transpose(1, 2), self.k_norm(qkv[:, :, hq:hq + hkv]).transpose(1, 2)
+            v = qkv[:, :, hq + hkv:].transpose(1, 2)
+            k = apply_rope(k, cos, sin)
         q = apply_rope(q, cos, sin)
-        k, v = self.kv(x, cos, sin)
         k, v = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)
         # Grouped-query attention in the kernel (enable_gqa): repeat_kv would copy every row's whole
         # context K/V n_heads / n_kv times per layer, the largest copy of a batched Propose.
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv)
+        if not torch.is_grad_enabled():
+            transposed(self.o_proj)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+def mlp(module: MLP, x: torch.Tensor) -> torch.Tensor:
+    """The MLP: gate and up fused into one matmul when serving (no gradient), as the target does."""
+    return module(x) if torch.is_grad_enabled() else module.forward_fused(x)
 
 
 class DraftLayer(nn.Module):
@@ -232,7 +255,7 @@ class DraftLayer(nn.Module):
     def forward(self, x, attend):
         """attend(self_attn, normed x) runs the attention (cached context, training layouts)."""
         x = x + attend(self.self_attn, self.input_layernorm(x))
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + mlp(self.mlp, self.post_attention_layernorm(x))
 
 
 class DFlashDraft(nn.Module):

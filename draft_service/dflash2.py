@@ -30,7 +30,7 @@ from torch import nn
 from splitspec.engine.sample import sample_from_probs
 from target_service.config import ConfigError
 
-from .dflash import DFlashConfig, DFlashDraft, DraftLayer
+from .dflash import DFlashConfig, DFlashDraft, DraftLayer, mlp
 
 DFLASH2_FIELDS = ("block_size", "conv_group_size", "conv_kernel_size", "selector_rank", "selector_top_k",
                   "output_multiplier", "final_logit_softcapping", "mask_token_id", "target_layer_ids",
@@ -146,7 +146,7 @@ class DFlash2Layer(DraftLayer):
         v, d = self.attention_conv.prepare(self.input_layernorm(x))
         x = x + self.attention_conv.finish(attend(self.self_attn, v), d)
         v, d = self.mlp_conv.prepare(self.post_attention_layernorm(x))
-        return x + self.mlp_conv.finish(self.mlp(v), d)
+        return x + self.mlp_conv.finish(mlp(self.mlp, v), d)
 
 
 class CandidateSelector(nn.Module):
