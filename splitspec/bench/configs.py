@@ -18,6 +18,8 @@
                        committed tokens per second (gateway/cost_model.py).
     dflash-tree-grpc (h) (b) with token trees (`--tree TOPK:WIDTH`, default topk 4, 16-wide verify).
     auto-tree-grpc   (i) (g) with token trees: auto may draft trees and cuts each to the size it prices best.
+    llamacpp       (j) llama.cpp on the same weights (converted to GGUF f32), in the bench's process with
+                       its thread count; optional (`pip install -e '.[llamacpp]'`, splitspec/bench/llamacpp.py).
 
 Every run generates exactly max_new_tokens tokens (eos is ignored), so every configuration does
 the same amount of work on the same prompts.
@@ -41,7 +43,7 @@ from splitspec.engine.sample import SamplingParams
 class ConfigInfo:
     key: str
     letter: str
-    kind: str          # grpc | inproc | hf
+    kind: str          # grpc | inproc | hf | llamacpp
     method: str        # speculative method: none | dflash | ngram
     speculative: bool
     description: str
@@ -62,6 +64,7 @@ CONFIGS = {c.key: c for c in (
                "DFlash token trees (--tree) through the services", tree=True),
     ConfigInfo("auto-tree-grpc", "i", "grpc", "auto", True,
                "auto with token trees: chain or tree and its size per step", tree=True),
+    ConfigInfo("llamacpp", "j", "llamacpp", "none", False, "llama.cpp on the same weights (GGUF f32)"),
 )}
 # Configurations whose drafts can be greedy or sampled at temperature > 0.
 DRAFT_SAMPLING_CONFIGS = ("dflash-grpc", "dflash-inproc", "auto-grpc", "dflash-tree-grpc", "auto-tree-grpc")

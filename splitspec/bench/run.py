@@ -156,6 +156,8 @@ class Bench:
                 self.skipped.append(f"{key}: needs --target-model-path")
             elif info.kind == "hf" and not _has_transformers():
                 self.skipped.append(f"{key}: transformers is not installed (pip install -e '.[bench]')")
+            elif info.kind == "llamacpp" and (self.target_path is None or _llamacpp_missing()):
+                self.skipped.append(f"{key}: " + (_llamacpp_missing() or "needs --target-model-path"))
             else:
                 configs.append(key)
         self.configs = configs
@@ -273,6 +275,15 @@ class Bench:
             import torch
             from transformers import AutoModelForCausalLM
             self.hf = AutoModelForCausalLM.from_pretrained(self.target_path, dtype=torch.float32).eval().to(a.device)
+        self.llamacpp = None
+        if "llamacpp" in self.configs:
+            import torch
+            from .llamacpp import LlamaCppRunner, to_gguf
+            path = Path(a.out) / "llamacpp" / f"{self.target_path.name}-f32.gguf"
+            if not path.is_file():
+                to_gguf(self.target_path, path, "f32")
+            n_ctx = max(len(p) for p in self.prompt_ids) + a.max_new_tokens + 8
+            self.llamacpp = LlamaCppRunner(path, torch.get_num_threads(), n_ctx)
 
     def resolve_width(self) -> None:
         w = self.args.num_draft_tokens
@@ -301,6 +312,8 @@ class Bench:
                     self.runners.append(runner)
                 elif info.kind == "inproc":
                     runner = InprocRunner(self.model, self.draft, self.width, mode)
+                elif info.kind == "llamacpp":
+                    runner = self.llamacpp
                 else:
                     runner = HFRunner(self.hf, self.width - 1 if info.speculative else None)
                 out.append((name, key, mode if info.speculative and key in DRAFT_SAMPLING_CONFIGS else None, runner))
@@ -622,6 +635,11 @@ def wait_started(events: list[threading.Event], futures: list, deadline: float) 
 
 def _fmt(x: float | None) -> str:
     return "–" if x is None else f"{x:.2f}"
+
+
+def _llamacpp_missing() -> str | None:
+    from .llamacpp import available
+    return available()
 
 
 def _has_transformers() -> bool:
