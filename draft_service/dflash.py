@@ -280,6 +280,10 @@ class DFlashDraft(nn.Module):
             if tuple(w.shape) != (V, H):
                 raise ConfigError(f"target {name} has shape {tuple(w.shape)}; the draft expects ({V}, {H})")
         self._target = {"embed": embed_weight.detach(), "lm_head": lm_head_weight.detach()}
+        if lm_head_weight.device.type == "cpu":
+            # [H, V] contiguous: this CPU's BLAS scores 1-8 rows against it ~1.3x faster than
+            # against the [V, H] layout (fused.py); on CUDA the layouts cost the same.
+            self._target["lm_head_t"] = lm_head_weight.detach().t().contiguous()
 
     def rope(self, positions: torch.Tensor, dtype):
         if self._inv_freq is None or self._inv_freq.device != positions.device:
@@ -291,7 +295,9 @@ class DFlashDraft(nn.Module):
         return x if self.cfg.input_embedding_scale == 1.0 else x * self.cfg.input_embedding_scale
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return F.linear(h, self._target["lm_head"])
+        """The target's lm_head over draft hidden states h [..., H]."""
+        t = self._target.get("lm_head_t")
+        return F.linear(h, self._target["lm_head"]) if t is None else h @ t
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """Target features [.., len(ids) * H_t] -> context hidden [.., H]."""

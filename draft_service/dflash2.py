@@ -178,7 +178,7 @@ class DFlash2Draft(DFlashDraft):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Unary logits: multiplier first, then the soft cap (the reference order)."""
-        z = F.linear(h, self._target["lm_head"])
+        z = super().logits(h)
         if self.cfg.output_multiplier != 1.0:        # a full [rows, V] pass saved when it is 1
             z = z * self.cfg.output_multiplier
         cap = self.cfg.final_logit_softcapping

@@ -322,4 +322,5 @@ class CausalLM(nn.Module):
                 hidden[i] = self.tap(i, x)
         if logits_index is not None:
             x = x[logits_index]
+        transposed(self.lm_head)        # tied: the embedding then reads rows of the same storage
         return self.lm_head(self.model.norm(x)), hidden
