@@ -66,4 +66,7 @@ def test_llamacpp_runs_the_converted_model_with_our_logits(arch, tiny_model_fact
     theirs = torch.tensor(np.array(llm.scores[:len(prompt)]), dtype=torch.float32)
     with torch.no_grad():
         ours = model.forward(torch.tensor(prompt)).logits[0]
-    assert (theirs - ours).abs().max().item() < 1e-3
+    # llama.cpp keeps its KV cache in f16 by default: differences of ~1e-3 on logits of ~1; a
+    # wrong rope order or a missing norm weight moves them by ~1.
+    assert (theirs - ours).abs().max().item() < 2e-2
+    assert torch.equal(theirs.argmax(-1), ours.argmax(-1))

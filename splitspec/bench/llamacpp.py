@@ -135,10 +135,13 @@ def _add_vocab(w, model_dir: Path, cfg: dict) -> None:
     w.add_token_list(tokens)
     w.add_token_types(types)
     w.add_token_merges(merges)
-    eos = cfg.get("eos_token_id", 0)
-    eos = eos[0] if isinstance(eos, list) else eos
-    w.add_eos_token_id(int(eos))
-    w.add_bos_token_id(int(cfg.get("bos_token_id", eos) or eos))
+    gen = model_dir / "generation_config.json"
+    gen = json.loads(gen.read_text()) if gen.is_file() else {}
+    for key, add in (("eos_token_id", w.add_eos_token_id), ("bos_token_id", w.add_bos_token_id)):
+        tid = cfg.get(key, gen.get(key))
+        tid = tid[0] if isinstance(tid, list) and tid else tid
+        if isinstance(tid, int):
+            add(tid)
 
 
 def load(path: str | Path, threads: int, n_ctx: int, logits_all: bool = False):
