@@ -70,3 +70,19 @@ def test_llamacpp_runs_the_converted_model_with_our_logits(arch, tiny_model_fact
     # wrong rope order or a missing norm weight moves them by ~1.
     assert (theirs - ours).abs().max().item() < 2e-2
     assert torch.equal(theirs.argmax(-1), ours.argmax(-1))
+
+
+def test_llamacpp_runner_greedy_tokens_equal_ours(tiny_model_factory, tmp_path):
+    if available():
+        pytest.skip(available())
+    from splitspec.bench.llamacpp import LlamaCppRunner, to_gguf
+    from splitspec.engine.sample import SamplingParams
+    from target_service.engine import generate
+    from target_service.loader import load_model
+    path = tiny_model_factory("qwen3", seed=31, tokenizer=True)
+    runner = LlamaCppRunner(to_gguf(path, tmp_path / "m.gguf", "f32"), threads=1, n_ctx=64)
+    model = load_model(path)
+    prompt = torch.randint(3, model.cfg.vocab_size, (10,), generator=torch.Generator().manual_seed(4)).tolist()
+    sample = runner.run(prompt, 12, SamplingParams())
+    assert sample.tokens == generate(model, prompt, 12)
+    assert len(sample.step_times) == 12

@@ -168,7 +168,8 @@ class LlamaCppRunner:
         times, tokens = [], []
         llm.eval(list(prompt_ids))
         for _ in range(max_new):
-            logits = torch.from_numpy(np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32))
+            # The last evaluated token's logits (llama-cpp-python keeps `scores` only with logits_all).
+            logits = torch.from_numpy(np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(llm.n_vocab(),)).copy())
             tok = sample(logits, params, gen)
             tokens.append(tok)
             times.append(time.perf_counter() - t0)
