@@ -10,9 +10,8 @@
   them.
 * `AutoPolicy` (one per request): each step, `cost_model.choose` over those numbers, bounded by
   what the request allows; a run of target-only steps grows while the target stays the better
-  choice (and starts long where drafting has rarely won lately for requests sampled alike),
-  and a long run is interrupted by one speculative probe so the acceptance estimates and
-  overheads stay current.
+  choice, and a long run is interrupted by one speculative probe so the acceptance estimates
+  and overheads stay current.
 * `FixedPolicy`: what an explicit method (dflash, ngram, none) runs: always the same step.
 """
 from __future__ import annotations
@@ -160,18 +159,6 @@ class Measurements:
         self.dflash_worth: dict[str, DecayedMean] = {}
         self.worth_seen: dict[str, int] = {}
         self.skipped: dict[str, int] = {}
-        # ... and how often any drafter (DFlash or n-gram) does, over every decision.
-        self.draft_worth: dict[str, DecayedMean] = {}
-        self.decided: dict[str, int] = {}
-
-    def drafting_rare(self, bucket: str) -> bool:
-        """Whether drafting has won under DRAFT_WORTH of this bucket's recent decisions, once
-        WORTH_AFTER decisions tell: then a request of the bucket starts with a long target-only
-        run. Each run boundary is a new Decode, and while the target is shared the session
-        misses the batch step that runs meanwhile, so re-deciding after 1, 2, 4 … tokens costs
-        a short sampled request ~10% of its speed for decisions that keep choosing the target."""
-        worth = self.draft_worth.get(bucket)
-        return self.decided.get(bucket, 0) >= WORTH_AFTER and worth is not None and worth.get() < DRAFT_WORTH
 
     # -- what the services reported ---------------------------------------------------------
     def target_step(self, forward_ms: float, batch_size: int, batch_tokens: int, verify: bool = False) -> None:
@@ -280,8 +267,6 @@ class AutoPolicy:
         self.probing = False                    # the last choice was a probe, not the best step
         self.last_natural: dict[str, int] = {}  # drafter -> decision number it last won on its merits
         self.ngram_chosen = Ema(0.0, alpha=0.2)  # how often an n-gram draft was worth a step lately
-        if measurements.drafting_rare(bucket):
-            self.run = MAX_DECODE_RUN
 
     def _acceptance(self, key: tuple) -> Acceptance:
         if key not in self.local:
@@ -334,8 +319,6 @@ class AutoPolicy:
         if max_k["dflash"]:
             m.dflash_worth.setdefault(self.bucket, DecayedMean()).add(1.0 if natural == "dflash" else 0.0)
             m.worth_seen[self.bucket] = m.worth_seen.get(self.bucket, 0) + 1
-        m.draft_worth.setdefault(self.bucket, DecayedMean()).add(0.0 if natural == "none" else 1.0)
-        m.decided[self.bucket] = m.decided.get(self.bucket, 0) + 1
         if best.method != "none":
             m.last_tried[best.method] = m.decisions
         self.ngram_chosen.add(1.0 if best.method == "ngram" else 0.0)

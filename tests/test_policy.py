@@ -153,29 +153,6 @@ def test_auto_policy_decode_runs_grow_while_decoding_and_reset_after_a_draft():
     assert policy.decode_run(100) == 1
 
 
-def test_requests_start_with_a_long_decode_run_where_drafting_has_rarely_won():
-    from gateway.cost_model import Choice
-    from gateway.policy import MAX_DECODE_RUN, WORTH_AFTER, sampling_bucket
-    m = measured(8.0)
-    sampled, greedy = sampling_bucket(1.0, "greedy"), sampling_bucket(0.0, "greedy")
-    assert AutoPolicy(m, max_k=7, bucket=sampled).decode_run(1000) == 1    # nothing measured yet
-    first = AutoPolicy(m, max_k=7, bucket=sampled)
-    while m.decided.get(sampled, 0) < 2 * WORTH_AFTER:                     # no draft ever accepted
-        first.observe(first.choose(Offer(dflash=7), 1000), 0)
-    assert m.drafting_rare(sampled) and not m.drafting_rare(greedy)
-    late = AutoPolicy(m, max_k=7, bucket=sampled)
-    assert late.decode_run(1000) == MAX_DECODE_RUN and late.decode_run(40) == 40
-    late.observe(Choice("ngram", 3, 0, 0), 2)          # a draft that pays still resets the run
-    assert late.decode_run(1000) == 1
-    assert AutoPolicy(m, max_k=7, bucket=greedy).decode_run(1000) == 1     # other buckets: their own record
-    # Once drafting wins again in the bucket, requests start short again.
-    winner = AutoPolicy(m, max_k=7, bucket=sampled)
-    for _ in range(4 * WORTH_AFTER):
-        c = winner.choose(Offer(dflash=0, ngram=7, ngram_match=4), 1000)
-        winner.observe(c if c.method != "none" else Choice("ngram", 7, 0, 0), 7, ngram_match=4)
-    assert not m.drafting_rare(sampled) and AutoPolicy(m, max_k=7, bucket=sampled).decode_run(1000) == 1
-
-
 def test_fixed_policy_runs_its_method_and_never_overshoots():
     p = FixedPolicy("dflash")
     assert (p.choose(Offer(dflash=7), 100).k, p.choose(Offer(dflash=7), 3).k) == (7, 2)
