@@ -208,12 +208,15 @@ class DraftAttention(nn.Module):
         if not torch.is_grad_enabled():
             # Serving: k and v from one matmul over the fused matrix's k/v columns (fused.py).
             weight, _ = fused(self, ("q_proj", "k_proj", "v_proj"))
-            kv = (x @ weight[:, self.n_heads * self.head_dim:]).view(B, T, 2 * self.n_kv, self.head_dim)
-            k, v = self.k_norm(kv[:, :, :self.n_kv]).transpose(1, 2), kv[:, :, self.n_kv:].transpose(1, 2)
-            return apply_rope(k, cos, sin), v
+            return self._split_kv((x @ weight[:, self.n_heads * self.head_dim:]).view(B, T, -1, self.head_dim), cos, sin)
         k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         return apply_rope(k, cos, sin), v
+
+    def _split_kv(self, kv: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv [B, T, 2 * n_kv, D] (k heads, then v heads) -> K/V [B, n_kv, T, D], k normed and rotated."""
+        k = self.k_norm(kv[:, :, :self.n_kv]).transpose(1, 2)
+        return apply_rope(k, cos, sin), kv[:, :, self.n_kv:].transpose(1, 2)
 
     def forward(self, x, cos, sin, ctx_k, ctx_v, mask=None):
         """x: block hidden [B, T, H]; ctx_k/ctx_v: injected context K/V [B, n_kv, C, D]."""
@@ -224,11 +227,9 @@ class DraftAttention(nn.Module):
         else:
             # Serving: q, k and v from one matmul, q and k normed and rotated together.
             weight, _ = fused(self, ("q_proj", "k_proj", "v_proj"))
-            qkv = (x @ weight).view(B, T, self.n_heads + 2 * self.n_kv, self.head_dim)
-            hq, hkv = self.n_heads, self.n_kv
-            q, k = self.q_norm(qkv[:, :, :hq]).transpose(1, 2), self.k_norm(qkv[:, :, hq:hq + hkv]).transpose(1, 2)
-            v = qkv[:, :, hq + hkv:].transpose(1, 2)
-            k = apply_rope(k, cos, sin)
+            qkv = (x @ weight).view(B, T, -1, self.head_dim)
+            q = self.q_norm(qkv[:, :, :self.n_heads]).transpose(1, 2)
+            k, v = self._split_kv(qkv[:, :, self.n_heads:], cos, sin)
         q = apply_rope(q, cos, sin)
         k, v = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)
         # Grouped-query attention in the kernel (enable_gqa): repeat_kv would copy every row's whole

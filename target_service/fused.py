@@ -22,38 +22,34 @@ def _pointers(linears: list[nn.Linear]) -> tuple:
 def fused(owner: nn.Module, names: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(weight [in, sum(out)], bias [sum(out)] or None) of `owner`'s linears `names`, in that
     order; built on first use and whenever a parameter stopped pointing into it."""
-    linears = [getattr(owner, n) for n in names]
-    cache = owner.__dict__.get("_fused_cache")
-    if cache is not None and cache[0] == names and cache[1] == _pointers(linears):
-        return cache[2], cache[3]
-    # Parameters must stay ordinary tensors (a serving forward runs under inference_mode) and
-    # their autograd flags must not change.
-    with torch.inference_mode(False), torch.no_grad():
-        weight = torch.cat([m.weight.detach().t() for m in linears], dim=1).contiguous()
-        biases = [m.bias for m in linears]
-        bias = None
-        if any(b is not None for b in biases):
-            bias = torch.cat([b.detach() if b is not None else m.weight.new_zeros(m.out_features)
-                              for m, b in zip(linears, biases)])
-        at = 0
-        for m in linears:
-            out = m.out_features
-            m.weight.data = weight[:, at:at + out].t()
-            if bias is not None and m.bias is not None:
-                m.bias.data = bias[at:at + out]
-            at += out
-    owner.__dict__["_fused_cache"] = (names, _pointers(linears), weight, bias)
-    return weight, bias
+    return _fuse(owner, [getattr(owner, n) for n in names])
 
 
 def transposed(linear: nn.Linear) -> torch.Tensor:
     """One linear's weight stored [in, out] (its parameter becomes a view): `F.linear` then
     multiplies in the faster layout with no other change."""
-    cache = linear.__dict__.get("_t_cache")
-    if cache is not None and cache[0] == linear.weight.data_ptr():
-        return cache[1]
+    return _fuse(linear, [linear])[0]
+
+
+def _fuse(holder: nn.Module, linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The fused matrix of `linears`, cached on `holder` under the parameters' pointers."""
+    cache = holder.__dict__.get("_fused_cache")
+    if cache is not None and cache[0] == _pointers(linears):
+        return cache[1], cache[2]
+    # Parameters must stay ordinary tensors (a serving forward runs under inference_mode) and
+    # their autograd flags must not change.
     with torch.inference_mode(False), torch.no_grad():
-        weight = linear.weight.detach().t().contiguous()
-        linear.weight.data = weight.t()
-    linear.__dict__["_t_cache"] = (linear.weight.data_ptr(), weight)
-    return weight
+        weight = torch.cat([m.weight.detach().t() for m in linears], dim=1).contiguous()
+        bias = None
+        if any(m.bias is not None for m in linears):
+            bias = torch.cat([m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.out_features)
+                              for m in linears])
+        at = 0
+        for m in linears:
+            out = m.out_features
+            m.weight.data = weight[:, at:at + out].t()
+            if m.bias is not None:
+                m.bias.data = bias[at:at + out]
+            at += out
+    holder.__dict__["_fused_cache"] = (_pointers(linears), weight, bias)
+    return weight, bias

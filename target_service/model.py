@@ -182,16 +182,14 @@ class Attention(nn.Module):
 
     def _qk_norm(self, qk: torch.Tensor) -> torch.Tensor:
         """q_norm over the q heads and k_norm over the k heads of qk [N, hq + hkv, D], as one
-        norm and one scale when both are float32 (same arithmetic as the two modules)."""
-        qn, kn = self.q_norm, self.k_norm
+        norm and two in-place scales when both are float32 (same arithmetic as the two modules)."""
+        qn, kn, hq = self.q_norm, self.k_norm, self.n_heads
         if qk.dtype != torch.float32 or qn.weight.dtype != torch.float32 or qn.eps != kn.eps:
-            return torch.cat((qn(qk[:, :self.n_heads]), kn(qk[:, self.n_heads:])), dim=1)
-        cache = self.__dict__.get("_qk_scale")
-        if cache is None or cache[0] != (qn.weight._version, kn.weight._version, qn.weight.data_ptr(), kn.weight.data_ptr()):
-            scale = torch.cat((qn.weight.expand(self.n_heads, -1), kn.weight.expand(self.n_kv, -1))).contiguous()
-            cache = ((qn.weight._version, kn.weight._version, qn.weight.data_ptr(), kn.weight.data_ptr()), scale)
-            self.__dict__["_qk_scale"] = cache
-        return rms_norm(qk, cache[1], qn.eps)
+            return torch.cat((qn(qk[:, :hq]), kn(qk[:, hq:])), dim=1)
+        qk = rms_norm(qk, None, qn.eps)
+        qk[:, :hq] *= qn.weight
+        qk[:, hq:] *= kn.weight
+        return qk
 
 
 class DecoderLayer(nn.Module):
@@ -250,8 +248,9 @@ class CausalLM(nn.Module):
     def rope(self, positions: torch.Tensor, dtype: torch.dtype, max_position: int | None = None) -> torch.Tensor:
         """rope_table rows [N, 2, 1, D] for positions [N]; the table covers the model's context
         and grows if a position lies past it (max_position: the largest, when the caller knows)."""
-        need = max(self.cfg.max_position_embeddings,
-                   (int(positions.max()) if max_position is None and positions.numel() else max_position or 0) + 1)
+        if max_position is None:
+            max_position = int(positions.max()) if positions.numel() else 0
+        need = max(self.cfg.max_position_embeddings, max_position + 1)
         table = self.__dict__.get("_rope_table")
         if table is None or table.shape[0] < need or table.device != positions.device or table.dtype != dtype:
             table = rope_table(self.inv_freq(positions.device), need, dtype)

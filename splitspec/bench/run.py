@@ -156,8 +156,8 @@ class Bench:
                 self.skipped.append(f"{key}: needs --target-model-path")
             elif info.kind == "hf" and not _has_transformers():
                 self.skipped.append(f"{key}: transformers is not installed (pip install -e '.[bench]')")
-            elif info.kind == "llamacpp" and (self.target_path is None or _llamacpp_missing()):
-                self.skipped.append(f"{key}: " + (_llamacpp_missing() or "needs --target-model-path"))
+            elif info.kind == "llamacpp" and (self.target_path is None or (missing := _llamacpp_missing())):
+                self.skipped.append(f"{key}: " + ("needs --target-model-path" if self.target_path is None else missing))
             else:
                 configs.append(key)
         self.configs = configs
