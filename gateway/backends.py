@@ -147,6 +147,12 @@ class TargetSession(_StreamSession):
             self._pending -= 1
             yield tok
 
+    async def extend(self, n: int, return_hidden: bool = False) -> None:
+        """While `decode` streams, add n tokens to its run (TargetDecode's doc): the same
+        iterator goes on yielding them."""
+        await self._send(target_pb2.TargetRequest(decode=target_pb2.TargetDecode(n=n, return_hidden=return_hidden)))
+        self._pending += n
+
     async def verify(self, step: int, base_len: int, tree: common_pb2.TokenTree,
                      draft_probs: common_pb2.Tensor | None = None) -> target_pb2.TargetVerified:
         req = target_pb2.TargetRequest()    # built in place: wrapping a finished TargetVerify would copy it

@@ -42,6 +42,8 @@ class Stats:
     draft_fallbacks: int = 0
     target_failovers: int = 0
     time_to_first_token_ms: float = 0.0
+    decode_runs: int = 0                   # target-only runs started
+    decode_extensions: int = 0             # ... and extended before their last token
     steps: list[tuple[str, int, int, int]] = field(default_factory=list)   # (method, nodes drafted, accepted, depth) per step
     steps_by_method: dict[str, int] = field(default_factory=dict)
     started: float = field(default_factory=time.perf_counter)   # when the request arrived
@@ -57,6 +59,7 @@ class Stats:
             hidden_state_bytes=self.hidden_state_bytes, draft_fallbacks=self.draft_fallbacks,
             target_failovers=self.target_failovers, time_to_first_token_ms=self.time_to_first_token_ms,
             steps_by_method=self.steps_by_method,
+            decode_runs=self.decode_runs, decode_extensions=self.decode_extensions,
             steps=[gateway_pb2.SpeculativeStep(method=m, k=k, accepted=a, depth=d) for m, k, a, d in self.steps])
 
     @property

@@ -246,6 +246,9 @@ class FixedPolicy:
     def cut(self, method: str, parents: list[int], budget: int, ngram_match: int = 0) -> int:
         return min(len(parents), budget)       # the whole tree the request asked for
 
+    def decides_early(self) -> bool:
+        return True
+
     def decode_run(self, remaining: int) -> int:
         # Target-only for good: one Decode for the rest of the request; else one token, then draft again.
         return remaining if self.drafter_gone else 1
@@ -353,6 +356,12 @@ class AutoPolicy:
         n = min(self.run, MAX_DECODE_RUN, remaining)
         self.run = min(self.run * 2, MAX_DECODE_RUN)
         return n
+
+    def decides_early(self) -> bool:
+        """Whether the next step may be decided one token before a Decode run ends (so a run
+        that goes on is extended without a gap): not while n-gram drafts keep paying, whose
+        matches need the latest token."""
+        return not self._watching()
 
     def keeps_draft(self) -> bool:
         """Whether to keep the DFlash session: feeding it costs every target-only token its

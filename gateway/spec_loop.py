@@ -80,6 +80,7 @@ class SpeculativeLoop:
         self.step_s = step_timeout_s
         self.ngram_tree = ngram_tree if ngram_tree and ngram_tree[2] > 1 else None
         self.draft: RemoteDraft | None = None
+        self.early: Choice | None = None        # the next step, decided before a Decode run's last token
 
     async def steps(self, history: list[int]) -> AsyncIterator[list[int]]:
         req, stats = self.req, self.stats
@@ -118,12 +119,17 @@ class SpeculativeLoop:
                 self.draft.owe([b0], None)
 
         while generated < remaining:
-            choice, local, match = self._choose(remaining - generated)
+            early, self.early = self.early, None
+            if early is not None and (early.method == "none" or (early.method == "dflash" and self.draft is not None)):
+                choice, local, match = early, None, 0
+            else:       # n-gram drafts are built on the latest tokens: decide again with them
+                choice, local, match = self._choose(remaining - generated)
             if choice.method == "none":
-                if self.draft is not None and self.draft.needs_hidden and not self.policy.keeps_draft():
+                if self._lets_draft_go():
                     await self.draft.session.close()      # frees the draft's cache; no features owed from now
                     self.draft = None
-                async for toks in self._decode(self.policy.decode_run(remaining - generated)):
+                async for toks in self._decode(self.policy.decode_run(remaining - generated),
+                                               remaining - generated):
                     generated += len(toks)
                     length += len(toks)
                     yield toks
@@ -208,12 +214,21 @@ class SpeculativeLoop:
             self.draft.shape = list(prop.tree.parents)
         return self._fit(choice, prop.tree, probs, remaining)
 
-    async def _decode(self, n: int) -> AsyncIterator[list[int]]:
-        """n target-only steps, each token yielded as it arrives."""
+    def _lets_draft_go(self) -> bool:
+        return self.draft is not None and self.draft.needs_hidden and not self.policy.keeps_draft()
+
+    async def _decode(self, n: int, left: int) -> AsyncIterator[list[int]]:
+        """n target-only steps, each token yielded as it arrives (left: tokens the request still
+        needs). When one token of the run is still to come, the next step is decided; if that is
+        the target alone again, the run is extended on the target (TargetDecode's doc) rather than
+        ended: ended, the session would sit out a batched forward while this loop decides, which
+        under load costs a whole step per decision."""
         stats = self.stats
         want_hidden = self.draft is not None and self.draft.needs_hidden
         t = time.perf_counter()
         first = True
+        pending, left = n, left - n             # this run's tokens still to come; the request's after it
+        stats.decode_runs += 1
         async for tok in self.target.decode(n, return_hidden=want_hidden):
             now = time.perf_counter()
             ms = (now - t) * 1e3
@@ -226,6 +241,16 @@ class SpeculativeLoop:
             self.policy.observe(Choice("none", 0, 1.0, 0.0), 0)
             record_step(stats, "none", 0, 0, 1)
             self._committed([tok.token_id], tok.hidden if want_hidden else None)
+            pending -= 1
+            if pending == 1 and left > 0 and self.policy.decides_early():
+                choice, _, _ = self._choose(left)
+                if choice.method == "none" and not self._lets_draft_go():
+                    more = self.policy.decode_run(left)
+                    await self.target.extend(more, return_hidden=want_hidden)
+                    stats.decode_extensions += 1
+                    pending, left = pending + more, left - more
+                else:
+                    self.early = choice
             yield Tokens([tok.token_id], [tok.logprob] if tok.HasField("logprob") else ())
             t = time.perf_counter()
 

@@ -78,6 +78,7 @@ class Work:
     future: asyncio.Future | None = None   # prefill / verify
     queue: asyncio.Queue | None = None     # decode: one Step (or exception) per token
     remaining: int = 0                 # decode tokens still to produce
+    total: int = 0                     # decode tokens this run yields in all (extensions included)
     tree: Tree | None = None
     draft_probs: torch.Tensor | None = None
     hidden: list = field(default_factory=list)   # prefill features, chunk by chunk
@@ -218,18 +219,40 @@ class Scheduler:
         if session.length - 1 + n > session.max_len:
             raise ContextError(f"decode.n = {n} would grow the sequence to {session.length + n} tokens; this "
                                f"session holds at most {session.max_len} (open.max_new_tokens / max context)")
-        work = Work("decode", asyncio.get_running_loop(), time.perf_counter(), queue=asyncio.Queue(), remaining=n)
+        work = Work("decode", asyncio.get_running_loop(), time.perf_counter(), queue=asyncio.Queue(),
+                    remaining=n, total=n)
         self._submit(session, work)
         try:
-            for _ in range(n):
+            yielded = 0
+            while yielded < work.total:        # `extend` may raise the total while this runs
                 item = await work.queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                yielded += 1
                 yield item
         finally:
             with self.lock:
                 if session.work is work:
                     session.work = None
+
+    def extend(self, session: Session, n: int) -> bool:
+        """Add n tokens to the session's running Decode, so that it stays in every forward
+        instead of sitting one out while its client decides what to do next (under load, a
+        whole step). False when no run is streaming any more (its last token was produced):
+        the caller then starts a new one."""
+        if n < 1:
+            raise ValueError(f"decode.n must be >= 1, got {n}")
+        with self.lock:
+            w = session.work
+            if w is None or w.kind != "decode" or w.remaining <= 0:
+                return False
+            if session.length - 1 + w.remaining + n > session.max_len:
+                raise ContextError(f"decode.n = {n} more would grow the sequence to {session.length + w.remaining + n} "
+                                   f"tokens; this session holds at most {session.max_len} (open.max_new_tokens / "
+                                   "max context)")
+            w.remaining += n
+            w.total += n
+            return True
 
     async def verify(self, session: Session, base_len: int, tree: Tree,
                      draft_probs: torch.Tensor | None) -> Step:

@@ -23,7 +23,7 @@ from splitspec.flags import apply_env
 from splitspec.metrics import add_metrics_flag, serve_engine_metrics
 from splitspec.security import add_tls_flags, server_credentials
 from splitspec.serving import (IdleError, ProtocolError, Server, UnparsableError, add_connection_age_flags,
-                               add_lenient_servicer, end_session_with, read_message, run_main)
+                               Unparsable, add_lenient_servicer, end_session_with, run_main)
 from splitspec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from splitspec.wire import (WireError, check_token_ids, dtype_from_pb, logprob_to_pb, sampling_from_pb,
                             tensor_from_pb, tensor_to_pb, tree_from_pb)
@@ -126,12 +126,37 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
         sched = await self._scheduler(context)
         session = None
         log = logs.get_logger(peer=context.peer())
+        # A Decode run streams from its own task while this loop keeps reading, so that a Decode
+        # sent before the run's last token extends the run (the session never sits out a forward);
+        # any other message waits for the run to end, so messages still act in the order sent.
+        run: asyncio.Task | None = None
+        run_hidden = False
+        reading: asyncio.Task | None = None
         try:
             while True:
-                req = await self._read(context, idle=session is not None)
+                if reading is None:
+                    reading = asyncio.ensure_future(context.read())
+                if run is not None:
+                    await asyncio.wait((reading, run), return_when=asyncio.FIRST_COMPLETED)
+                    if run.done():
+                        task, run = run, None
+                        task.result()                  # a failed run ends the session here
+                        if not reading.done():
+                            continue                   # now waited on with the idle timeout
+                req = await self._next(reading, idle=session is not None)
+                reading = None
                 if req is grpc.aio.EOF:
                     break
                 kind = req.WhichOneof("kind")
+                if kind == "decode" and run is not None and session is not None:
+                    if req.decode.return_hidden != run_hidden:
+                        raise ProtocolError("decode.return_hidden differs from the run it would extend: end the "
+                                            "run first, or send the same value")
+                    if sched.extend(session, req.decode.n):
+                        continue
+                if run is not None:
+                    task, run = run, None
+                    await task
                 if kind == "open":
                     if session is not None:
                         raise ProtocolError("a second Open on one stream; open a new stream per sequence")
@@ -146,26 +171,40 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
                 elif session is None:
                     raise ProtocolError(f"{kind} before open: the first message must be Open")
                 elif kind == "decode":
-                    await self._decode(sched, session, req.decode, context)
+                    run_hidden = req.decode.return_hidden
+                    run = asyncio.ensure_future(self._decode(sched, session, req.decode, context))
                 elif kind == "verify":
                     await context.write(await self._verify(sched, session, req.verify))
                 else:
                     await context.write(target_pb2.TargetResponse(closed=target_pb2.TargetClosed()))
                     break
+            if run is not None:
+                await run
         except asyncio.CancelledError:
             log.info("session_cancelled")
             raise
         except Exception as exc:  # every failure ends this stream only, never the service
             await end_session_with(context, exc, status_for(exc), log)
         finally:
+            for task in (reading, run):
+                if task is not None and not task.done():
+                    task.cancel()
             if session is not None:
                 sched.close(session)
                 log.info("session_closed", length=session.length, active_sessions=sched.active_sessions,
                          seconds=round(time.monotonic() - session.opened_at, 3))
 
-    async def _read(self, context, idle: bool):
+    async def _next(self, reading: asyncio.Future, idle: bool):
+        """The message `reading` brings; IdleError when a session's client stays silent past
+        --idle-timeout-s, so one that vanished without closing cannot pin KV memory."""
         timeout = self.state.args.idle_timeout_s if idle and self.state.args.idle_timeout_s > 0 else None
-        return await read_message(context, timeout, "its KV cache was freed")
+        done, _ = await asyncio.wait((reading,), timeout=timeout)
+        if not done:
+            raise IdleError(f"session idle for more than {timeout:g} s (--idle-timeout-s); its KV cache was freed")
+        msg = reading.result()
+        if isinstance(msg, Unparsable):
+            raise UnparsableError(msg.error)
+        return msg
 
     async def _open(self, sched: Scheduler, msg: target_pb2.TargetOpen):
         prompt = check_token_ids(msg.prompt_token_ids, sched.cfg.vocab_size, "open.prompt_token_ids")

@@ -113,6 +113,28 @@ def test_auto_sampling_follows_the_target_distribution(stub, model, draft_sampli
     assert chi_square_pvalue(counts, joint, samples) > 1e-3
 
 
+def test_target_only_runs_are_extended_without_a_gap(stub, model):
+    """Where drafts do not pay (T=1 with a random draft), auto decodes in runs; the next step is
+    decided before a run's last token and the run extended on the target, so the session never
+    sits out a forward between two runs: most runs after the first few are extensions, and
+    every token still arrives once, in order."""
+    def run(seed):
+        prompt = [11 + seed, 40 + 3 * seed, 90 + seed, 7]
+        req = build_request(prompt, max_new_tokens=160, ignore_eos=True, temperature=1.0, seed=seed, method="auto")
+        ids, _, complete = collect(stub.Generate(req, timeout=300))
+        return ids, complete.stats
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(run, range(4)))
+    for ids, st in results:
+        assert len(ids) == 160
+        assert sum(s.accepted + 1 for s in st.steps) == len(ids) - 1
+        assert st.steps_by_method.get("none", 0) > 100
+    runs = sum(st.decode_runs for _, st in results)
+    extensions = sum(st.decode_extensions for _, st in results)
+    print(f"{runs} Decode runs, {extensions} extensions")
+    assert extensions > 0 and extensions >= runs // 2, (runs, extensions)
+
+
 def test_parameters_no_drafter_can_honour_are_refused_before_any_session(stub, services):
     for method, field, value, words in [("dflash", "topk", 17, "offers per node (16)"),
                                         ("dflash", "num_draft_tokens", 1000, "block size (8)"),

@@ -146,6 +146,13 @@ TARGET_CASES = [
     ("decode n = 0", [dict(open=open_msg()), dict(decode=target_pb2.TargetDecode(n=0))], INVALID, "decode.n"),
     ("decode past the session's room", [dict(open=open_msg(max_new_tokens=4)), dict(decode=target_pb2.TargetDecode(n=50))],
      grpc.StatusCode.OUT_OF_RANGE, "decode.n"),
+    ("extension past the session's room", [dict(open=open_msg(max_new_tokens=4)), dict(decode=target_pb2.TargetDecode(n=2)),
+                                            dict(decode=target_pb2.TargetDecode(n=50))],
+     grpc.StatusCode.OUT_OF_RANGE, "decode.n = 50"),
+    ("extension with another return_hidden", [
+        dict(open=open_msg(hidden_layer_ids=[0], max_new_tokens=200)),
+        dict(decode=target_pb2.TargetDecode(n=150, return_hidden=True)),
+        dict(decode=target_pb2.TargetDecode(n=1))], grpc.StatusCode.FAILED_PRECONDITION, "return_hidden"),
     ("stale verify", [dict(open=open_msg()), dict(verify=target_pb2.TargetVerify(base_len=2, tree=CHAIN))],
      grpc.StatusCode.ABORTED, "verify.base_len"),
     ("malformed tree", [dict(open=open_msg()), dict(verify=target_pb2.TargetVerify(
@@ -195,6 +202,29 @@ def test_target_refuses_bad_messages(services, messages, code, text):
     finally:
         s.close()
         good.close()
+
+
+def test_a_decode_sent_mid_run_extends_it_in_order(services):
+    """A Decode sent before a run's last token extends the run: the tokens go on in order, the
+    same as one longer run, and the stream then takes a Verify as usual."""
+    def tokens(stream, n):
+        return [stream.recv().token for _ in range(n)]
+
+    plain = Stream(services[0].address).send(open=open_msg(max_new_tokens=40))
+    split = Stream(services[0].address).send(open=open_msg(max_new_tokens=40))
+    try:
+        assert plain.recv().HasField("opened") and split.recv().HasField("opened")
+        want = tokens(plain.send(decode=target_pb2.TargetDecode(n=21)), 21)
+        got = tokens(split.send(decode=target_pb2.TargetDecode(n=3)), 1)
+        got += tokens(split.send(decode=target_pb2.TargetDecode(n=12)), 14)   # 2 + 12 more on this run
+        got += tokens(split.send(decode=target_pb2.TargetDecode(n=6)), 6)     # a new run
+        assert [t.token_id for t in got] == [t.token_id for t in want]
+        assert [t.length for t in got] == list(range(5, 26))
+        split.send(verify=target_pb2.TargetVerify(base_len=25, tree=common_pb2.TokenTree(token_ids=[5], parents=[-1])))
+        assert split.recv().verified.length in (26, 27)
+    finally:
+        plain.close()
+        split.close()
 
 
 def test_target_open_sends_only_the_last_hidden_last_rows(services):

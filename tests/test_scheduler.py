@@ -196,3 +196,32 @@ def test_a_decode_stream_stopped_mid_step_leaves_the_engine_serving(model):
             return out
         return await asyncio.wait_for(after(), 60)
     assert run(model, body) == generate(model, [5, 6, 7], 6)[1:]
+
+
+def test_an_extended_decode_run_stays_in_every_forward(model):
+    """`extend` while a run streams: the run yields the extra tokens in order (the same as one
+    longer run) and the session never leaves the batch, so beside another decoder every one of
+    its steps shares a forward; once the run is over, `extend` says so and changes nothing."""
+    async def body(sched):
+        a, _ = await sched.open("a", [9, 10], SamplingParams(), max_new_tokens=80)
+        b, _ = await sched.open("b", [5, 6, 7], SamplingParams(), max_new_tokens=40)
+        other = asyncio.ensure_future(_drain(sched.decode(a, 60)))
+        out, sizes, extended = [], [], None
+        async for st in sched.decode(b, 10):
+            if extended is None:
+                extended = sched.extend(b, 10)
+            out.append(st.out.committed[0])
+            sizes.append(st.batch_size)
+        await other
+        over = sched.extend(b, 5)
+        with pytest.raises(ValueError, match="decode.n"):
+            sched.extend(b, 0)
+        return out, sizes, extended, over
+    out, sizes, extended, over = run(model, body)
+    assert extended is True and over is False
+    assert out == generate(model, [5, 6, 7], 21)[1:]
+    assert sizes == [2] * 20
+
+
+async def _drain(stream):
+    return [st async for st in stream]

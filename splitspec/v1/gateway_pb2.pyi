@@ -42,7 +42,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class SpeculativeStats(_message.Message):
-    __slots__ = ("method", "verify_steps", "accept_length", "accepted_per_position", "draft_tokens", "draft_ms", "verify_ms", "wire_ms", "hidden_state_bytes", "draft_fallbacks", "target_failovers", "time_to_first_token_ms", "queue_ms", "steps_by_method", "steps")
+    __slots__ = ("method", "verify_steps", "accept_length", "accepted_per_position", "draft_tokens", "draft_ms", "verify_ms", "wire_ms", "hidden_state_bytes", "draft_fallbacks", "target_failovers", "time_to_first_token_ms", "queue_ms", "steps_by_method", "steps", "decode_runs", "decode_extensions")
     class StepsByMethodEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +65,8 @@ class SpeculativeStats(_message.Message):
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     STEPS_BY_METHOD_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_RUNS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_EXTENSIONS_FIELD_NUMBER: _ClassVar[int]
     method: str
     verify_steps: int
     accept_length: float
@@ -80,7 +82,9 @@ class SpeculativeStats(_message.Message):
     queue_ms: float
     steps_by_method: _containers.ScalarMap[str, int]
     steps: _containers.RepeatedCompositeFieldContainer[SpeculativeStep]
-    def __init__(self, method: _Optional[str] = ..., verify_steps: _Optional[int] = ..., accept_length: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[int] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., wire_ms: _Optional[float] = ..., hidden_state_bytes: _Optional[int] = ..., draft_fallbacks: _Optional[int] = ..., target_failovers: _Optional[int] = ..., time_to_first_token_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., steps_by_method: _Optional[_Mapping[str, int]] = ..., steps: _Optional[_Iterable[_Union[SpeculativeStep, _Mapping]]] = ...) -> None: ...
+    decode_runs: int
+    decode_extensions: int
+    def __init__(self, method: _Optional[str] = ..., verify_steps: _Optional[int] = ..., accept_length: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[int] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., wire_ms: _Optional[float] = ..., hidden_state_bytes: _Optional[int] = ..., draft_fallbacks: _Optional[int] = ..., target_failovers: _Optional[int] = ..., time_to_first_token_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., steps_by_method: _Optional[_Mapping[str, int]] = ..., steps: _Optional[_Iterable[_Union[SpeculativeStep, _Mapping]]] = ..., decode_runs: _Optional[int] = ..., decode_extensions: _Optional[int] = ...) -> None: ...
 
 class SpeculativeStep(_message.Message):
     __slots__ = ("method", "k", "accepted", "depth")
