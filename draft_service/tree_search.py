@@ -6,9 +6,11 @@ the at most `topk` children a node at depth `depth - 1` holding `parent_token` m
 first. A node's score is the sum of its path's log-probabilities, so a child never scores above
 its parent, and the highest-scoring nodes form an ancestor-closed set by themselves.
 
-The search first lays the spine (the chain the drafter would have proposed alone: its greedy
-walk, or its sampled walk), so a tree never accepts less than the chain it extends, then adds
-the best remaining candidates from a heap until the node budget is spent. Nodes come out in the
+The search first lays the spine, when given one (the chain the drafter would have proposed
+alone; the proposer passes its sampled walk, whose rows carry q), so a tree never accepts less
+than the chain it extends, then adds the best remaining candidates from a heap until the node
+budget is spent. Without a spine (greedy drafts) the greedy walk is still in the tree, as deep
+as its score earns: it is every level's best child. Nodes come out in the
 order they were chosen: parents before children, the spine first, then by falling score. Any
 prefix of that order is itself the best tree of its size containing the spine's prefix, which
 lets the gateway cut a proposal to the budget it can afford this step."""

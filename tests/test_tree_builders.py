@@ -70,15 +70,20 @@ def check_shape(token_ids, parents, *, budget: int, depth: int, topk: int, spine
 
 
 @settings(max_examples=25, deadline=None)
-@given(seed=st.integers(0, 10_000), budget=st.integers(1, 8), topk=st.integers(1, 3))
-def test_dflash_tree_is_the_best_node_set_with_the_greedy_chain(seed, budget, topk):
+@given(seed=st.integers(0, 10_000), budget=st.integers(1, 8), topk=st.integers(1, 3), laid=st.booleans())
+def test_dflash_tree_is_the_best_node_set_with_the_greedy_chain(seed, budget, topk, laid):
+    """laid: the greedy walk laid first as the spine (all of it), or not (greedy drafts, as the
+    proposer builds them): then the best set of all, which holds the greedy walk as deep as any
+    node goes, since it is the best node of every depth."""
     depth, vocab = 3, 6
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(depth, vocab, generator=g) * 2
     logp = torch.log_softmax(logits, -1)
     greedy = logits.argmax(-1).tolist()
-    built = dflash_tree(logits, root_token=0, spine=greedy, budget=budget, max_depth=depth, topk=topk)
-    got = check_shape(built.token_ids, built.parents, budget=budget, depth=depth, topk=topk, spine=greedy)
+    spine = greedy if laid else []
+    built = dflash_tree(logits, root_token=0, spine=spine, budget=budget, max_depth=depth, topk=topk)
+    got = check_shape(built.token_ids, built.parents, budget=budget, depth=depth, topk=topk, spine=spine)
+    assert all(tuple(greedy[:len(p)]) in got for p in got)
 
     def children_of(path, d):          # per-position marginals: the parent does not matter
         lp, ids = torch.topk(logp[d - 1], topk)
@@ -86,7 +91,7 @@ def test_dflash_tree_is_the_best_node_set_with_the_greedy_chain(seed, budget, to
     nodes = candidate_nodes(children_of, 0, depth)
     assert all(p in nodes for p in got)
     value = sum(math.exp(nodes[p]) for p in got)
-    assert value == pytest.approx(best_value(nodes, tuple(greedy), budget), rel=1e-9)
+    assert value == pytest.approx(best_value(nodes, tuple(spine), budget), rel=1e-9)
     for n in range(1, len(got) + 1):                  # every prefix is a tree
         Tree(tuple(built.token_ids[:n]), tuple(built.parents[:n])).validate()
     for i, p in enumerate(built.parents):

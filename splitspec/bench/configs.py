@@ -26,6 +26,7 @@ the same amount of work on the same prompts.
 """
 from __future__ import annotations
 
+import os
 import queue
 import random
 import statistics
@@ -295,6 +296,15 @@ def busy_share(before, after, wall_s: float) -> float | None:
     if before is None or after is None or wall_s <= 0:
         return None
     return (after[2] - before[2]) / 1e3 / wall_s
+
+
+def process_cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds a process has used (Linux /proc), None where unreadable."""
+    try:
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def mean_batch(before, after) -> float | None:

@@ -296,6 +296,8 @@ CONCURRENCY_COLUMNS = [
     ("step ms draft/verify/wire/queue", lambda c: "/".join(fmt((c.get("per_step_ms") or {}).get(k), "{:.1f}")
                                                           for k in ("draft", "verify", "wire", "queue"))),
     ("steps dflash/ngram/none", lambda c: mix_cell(c.get("steps_by_method"))),
+    ("CPU ms/token target/draft/gateway", lambda c: "/".join(fmt((c.get("cpu_ms_per_token") or {}).get(k), "{:.2f}")
+                                                            for k in ("target", "draft", "gateway"))),
     ("= baseline", lambda c: "–" if c["greedy_matches"] is None else f"{c['greedy_matches']}/{c['requests']}"),
 ]
 
@@ -396,7 +398,9 @@ def markdown(results: dict) -> str:
                   "request's consecutive chunks ÷ the later chunk's tokens, pooled over the point's "
                   "requests; target / draft batch = steps per batched forward the service ran during "
                   "the point (Δ batched_steps ÷ Δ forward_passes from its GetInfo; – when the bench "
-                  "has no address for it or it ran no forward)."]
+                  "has no address for it or it ran no forward); CPU ms/token = CPU time (all threads, "
+                  "/proc) each service the bench started used during the point ÷ the tokens generated, "
+                  "forwards or not: on a shared host, where the cores went."]
     if results.get("mixed"):
         lines += mixed_section(results["mixed"], meta["command"])
     if results.get("skipped"):

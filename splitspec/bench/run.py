@@ -22,7 +22,7 @@ from itertools import chain, cycle, islice
 from pathlib import Path
 
 from .configs import (CONFIGS, DRAFT_SAMPLING_CONFIGS, GatewayRunner, HFRunner, InprocRunner, busy_share, mean_batch,
-                      service_counters)
+                      process_cpu_s, service_counters)
 from .prompts import default_prompts, digest, load_jsonl
 from .report import markdown, metadata, method_mix, percentile, split_gaps, summarize, token_gaps, write_json
 
@@ -449,11 +449,24 @@ class Bench:
                 "max_new_tokens": a.max_new_tokens, "tokens": tokens, "wall_s": wall,
                 "tokens_per_s": tokens / wall, "per_step_ms": step_split(results),
                 "steps_by_method": method_mix(results), "speedup_vs_target": None,
-                **latencies(results), **batch, **busy, "greedy_matches": matches}
+                **latencies(results), **batch, **busy, "greedy_matches": matches,
+                "cpu_ms_per_token": self.cpu_per_token(before, after, tokens)}
 
     def counters(self) -> dict:
         return {"target": service_counters(self.target_address, "target"),
-                "draft": service_counters(self.draft_address, "draft")}
+                "draft": service_counters(self.draft_address, "draft"),
+                "cpu": {p.name: process_cpu_s(p.proc.pid) for p in self.procs}}
+
+    @staticmethod
+    def cpu_per_token(before: dict, after: dict, tokens: int) -> dict:
+        """CPU ms per generated token of each service the bench started (all its threads): on a
+        shared host this is where the cores went, forwards or not."""
+        out = {}
+        for name, t0 in before["cpu"].items():
+            t1 = after["cpu"].get(name)
+            if t0 is not None and t1 is not None and tokens:
+                out[name] = 1e3 * (t1 - t0) / tokens
+        return out
 
     def batch_means(self, before: dict, after: dict) -> dict:
         return {"target_batch_mean": mean_batch(before["target"], after["target"]),
