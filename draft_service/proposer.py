@@ -155,8 +155,9 @@ class DFlashProposer(_Tokens):
             return Tree.chain(spine[:shape.nodes]), None if q is None else q[:shape.nodes]
         # Greedy drafts: no spine laid first. The argmax walk is every level's best child, so
         # the best-first search keeps it to the depth its score earns and spends the rest on
-        # siblings (DFlash twin, 15 nodes: τ 1.30x the chain against 1.23x with the whole walk
-        # laid first; docs/bench/trees/spine.py). A sampled walk carries q, so it stays.
+        # siblings (15 nodes, T=0 and T=1, 64- and 512-token prompts: τ ÷ chain 1.22-1.39 for
+        # the DFlash twin against 1.18-1.35 with the whole walk laid first, and about even for
+        # DFlash2; docs/bench/trees/spine.txt). A sampled walk carries q, so it stays.
         kw = dict(root_token=self.tokens[-1], spine=spine if q is not None else [], budget=shape.nodes,
                   max_depth=shape.depth, topk=shape.topk)
         built = (dflash2_tree(self.model.candidate_selector, hidden, logits, **kw) if dflash2

@@ -39,9 +39,13 @@ mode = {"spine": True}
 
 
 def with_spine(fn):
+    """The proposer lays no spine for greedy drafts; "spine first" lays the greedy walk (the
+    best-first chain of topk 1, as deep as the tree may go) before the rest, as it did before."""
     def build(*a, **kw):
-        if not mode["spine"]:
-            kw["spine"] = []          # no spine laid first: every node by its score
+        if mode["spine"] and not kw["spine"]:
+            kw["spine"] = fn(*a, **{**kw, "budget": kw["max_depth"], "topk": 1}).token_ids
+        elif not mode["spine"]:
+            kw["spine"] = []
         return fn(*a, **kw)
     return build
 
