@@ -78,8 +78,13 @@ def add_lenient_servicer(server: grpc.aio.Server, service: str, servicer, method
 async def read_message(context, idle_timeout_s: float | None, what: str = "its state was freed"):
     """The next message of a session stream (or grpc.aio.EOF); IdleError after
     `idle_timeout_s` of silence, so a client that vanished without closing cannot pin memory."""
+    return await await_message(context.read(), idle_timeout_s, what)
+
+
+async def await_message(reading, idle_timeout_s: float | None, what: str = "its state was freed"):
+    """`read_message` over a read already started (`context.read()`, or a task of it)."""
     try:
-        msg = await asyncio.wait_for(context.read(), idle_timeout_s)
+        msg = await asyncio.wait_for(reading, idle_timeout_s)
     except asyncio.TimeoutError:
         raise IdleError(f"session idle for more than {idle_timeout_s:g} s (--idle-timeout-s); {what}") from None
     if isinstance(msg, Unparsable):

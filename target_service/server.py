@@ -23,7 +23,7 @@ from splitspec.flags import apply_env
 from splitspec.metrics import add_metrics_flag, serve_engine_metrics
 from splitspec.security import add_tls_flags, server_credentials
 from splitspec.serving import (IdleError, ProtocolError, Server, UnparsableError, add_connection_age_flags,
-                               Unparsable, add_lenient_servicer, end_session_with, run_main)
+                               add_lenient_servicer, await_message, end_session_with, run_main)
 from splitspec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from splitspec.wire import (WireError, check_token_ids, dtype_from_pb, logprob_to_pb, sampling_from_pb,
                             tensor_from_pb, tensor_to_pb, tree_from_pb)
@@ -195,16 +195,8 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
                          seconds=round(time.monotonic() - session.opened_at, 3))
 
     async def _next(self, reading: asyncio.Future, idle: bool):
-        """The message `reading` brings; IdleError when a session's client stays silent past
-        --idle-timeout-s, so one that vanished without closing cannot pin KV memory."""
         timeout = self.state.args.idle_timeout_s if idle and self.state.args.idle_timeout_s > 0 else None
-        done, _ = await asyncio.wait((reading,), timeout=timeout)
-        if not done:
-            raise IdleError(f"session idle for more than {timeout:g} s (--idle-timeout-s); its KV cache was freed")
-        msg = reading.result()
-        if isinstance(msg, Unparsable):
-            raise UnparsableError(msg.error)
-        return msg
+        return await await_message(reading, timeout, "its KV cache was freed")
 
     async def _open(self, sched: Scheduler, msg: target_pb2.TargetOpen):
         prompt = check_token_ids(msg.prompt_token_ids, sched.cfg.vocab_size, "open.prompt_token_ids")
