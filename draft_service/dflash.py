@@ -27,8 +27,8 @@ from torch import nn
 
 from splitspec.engine.kv_pool import BlockTable, KVPool
 from target_service.config import ConfigError, ModelConfig
-from target_service.fused import fused, transposed
-from target_service.model import MLP, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
+from target_service.models.fused import fused, transposed
+from target_service.models.dense import MLP, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
 
 log = structlog.get_logger(__name__)
 

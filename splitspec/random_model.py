@@ -62,7 +62,7 @@ def write_tokenizer(out: Path, vocab_size: int) -> None:
 def write_random_model(out: str | Path, seed: int = 0) -> Path:
     """Write config.json, model.safetensors, generation_config.json and the tokenizer files."""
     from target_service.config import ModelConfig
-    from target_service.model import CausalLM
+    from target_service.models.dense import CausalLM
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

@@ -32,8 +32,8 @@ from safetensors import safe_open
 
 from .config import ConfigError, ModelConfig
 from .hybrid_config import wrapper_of
-from .model import CausalLM
-from .mxfp4 import Mxfp4Scheme, QuantizationConfigError, dequantize_mxfp4, parse_quantization
+from .models.dense import CausalLM
+from .models.mxfp4 import Mxfp4Scheme, QuantizationConfigError, dequantize_mxfp4, parse_quantization
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -212,7 +212,7 @@ def _dequantized(f, fname: Path, files: dict, pname: str, sname: str) -> torch.T
 
 def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> CausalLM:
     if cfg.hybrid is not None:
-        from .hybrid import HybridLM
+        from .models.hybrid import HybridLM
         with torch.device("meta"):
             model = HybridLM(cfg)
         model = model.to_empty(device=device).to(dtype)

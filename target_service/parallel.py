@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ConfigError, ModelConfig
-from .model import CausalLM
+from .models.dense import CausalLM
 
 
 class TensorParallelError(RuntimeError):
@@ -271,9 +271,9 @@ def _shard_kda(p: str, a, layout: Layout, sl: _Slices) -> None:
 def shard_hybrid(model, layout: Layout) -> tuple[nn.Module, _Slices]:
     """An MLA + MoE (DeepSeek-V3 / Kimi-K2 shaped) HybridLM cut for `layout`, and the slice of
     every sharded parameter."""
-    from .kda import KimiDeltaAttention
-    from .mla import MLAttention
-    from .moe import GLU, MoE
+    from .models.kda import KimiDeltaAttention
+    from .models.mla import MLAttention
+    from .models.moe import GLU, MoE
     cfg, h = model.cfg, model.cfg.hybrid
     H = cfg.hidden_size
     sl = _Slices()
@@ -361,7 +361,7 @@ def _cut(t: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
 
 
 def _load_hybrid(path: Path, cfg: ModelConfig, layout: Layout, dtype: torch.dtype, device: torch.device):
-    from .hybrid import HybridLM
+    from .models.hybrid import HybridLM
     from .hybrid_weights import adapt_tensor, checkpoint_name, ignored
     from .loader import load_state, quantization_scheme, weight_files
     quant = quantization_scheme(path)

@@ -19,7 +19,7 @@ from splitspec.engine.penalties import TokenLogprob, path_tokens, process_logits
 from splitspec.engine.sample import SamplingParams, sample
 from splitspec.engine.tree import Tree
 
-from .model import CausalLM, PagedBatch
+from .models.dense import CausalLM, PagedBatch
 from .parallel import TensorParallelError
 from .state_pool import StatePlan, StateRow
 from .verify import VerifyResult
@@ -43,6 +43,9 @@ class Sequence:
     output_start: int | None = None
     eos_token_ids: tuple[int, ...] = ()   # what min_tokens holds back (unless params.ignore_eos)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)   # with params.prompt_logprobs
+    # Return the logits each sampled token was drawn from (StepOutput.logits): the ceiling's and
+    # the draft trainer's distributions, which the service never ships.
+    keep_logits: bool = False
 
     def __post_init__(self):
         if not self.tokens:
@@ -91,6 +94,7 @@ class StepOutput:
     hidden: torch.Tensor | None          # [n, len(layers) * H] features of the tokens just run (kept ones)
     result: VerifyResult | None = None   # verification details (Verify only)
     logprobs: list[TokenLogprob] | None = None   # one per committed token, with params.logprobs
+    logits: torch.Tensor | None = None   # [1, V] what a prefill's or decode's token was sampled from (seq.keep_logits)
 
 
 def _layout(step) -> tuple[list[int], list[int], torch.Tensor | None, bool]:
@@ -233,14 +237,18 @@ def _finish(step, logits: torch.Tensor, feats: torch.Tensor | None, verifier) ->
         seq.prefilled = step.end
         if not step.last:
             return StepOutput([], feats)
-        first = sample(seq.processed(logits[-1:])[0], seq.params, seq.generator)
+        scored = seq.processed(logits[-1:])
+        first = sample(scored[0], seq.params, seq.generator)
         seq.tokens.append(first)
-        return StepOutput([first], feats, logprobs=None if want is None else token_logprobs(logits[-1:], [first], want))
+        return StepOutput([first], feats, logprobs=None if want is None else token_logprobs(logits[-1:], [first], want),
+                          logits=scored if seq.keep_logits else None)
     if isinstance(step, Decode):
-        tok = sample(seq.processed(logits[:1])[0], seq.params, seq.generator)
+        scored = seq.processed(logits[:1])
+        tok = sample(scored[0], seq.params, seq.generator)
         table.length += 1
         seq.tokens.append(tok)
-        return StepOutput([tok], feats, logprobs=None if want is None else token_logprobs(logits[:1], [tok], want))
+        return StepOutput([tok], feats, logprobs=None if want is None else token_logprobs(logits[:1], [tok], want),
+                          logits=scored if seq.keep_logits else None)
     base = table.length
     probs = None if step.draft_probs is None else step.draft_probs.to(logits.device)
     scored = seq.processed(logits, path_tokens(step.tree.token_ids, step.tree.parents))

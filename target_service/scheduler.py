@@ -35,7 +35,7 @@ from splitspec.engine.sample import SamplingParams, make_generator
 from splitspec.metrics import step_kind
 from splitspec.engine.tree import Tree
 
-from .model import CausalLM
+from .models.dense import CausalLM
 from .runner import Decode, Prefill, Sequence, StepOutput, Verify, check_hidden_stream, run_batch
 
 

@@ -53,6 +53,11 @@ class StatePool:
         self.rec[:, slot].zero_()
         return slot
 
+    def copy(self, src: int, dst: int) -> None:
+        """Slot dst takes slot src's state (a forked session continues from the same point)."""
+        self.conv[:, dst].copy_(self.conv[:, src])
+        self.rec[:, dst].copy_(self.rec[:, src])
+
     def release(self, slot: int) -> None:
         with self._lock:
             self._free.append(slot)

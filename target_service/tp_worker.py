@@ -87,7 +87,7 @@ def _np(t: torch.Tensor) -> np.ndarray:
 def _plan_to_wire(plan: AttentionPlan) -> dict:
     return {"slots": _np(plan.slot_mapping),
             "groups": [((_np(g.q_index), _np(g.kv_index), _np(g.mask), _np(g.valid), _np(g.flat)),
-                        (g.in_order, g.kv_start, g.no_mask)) for g in plan.groups]}
+                        (g.in_order, g.kv_start, g.kv_stride, g.no_mask)) for g in plan.groups]}
 
 
 def _plan_from_wire(d: dict, device) -> AttentionPlan:
@@ -157,7 +157,7 @@ def worker_main(rank: int, world: int, port: int, spec: dict, conn) -> None:
                         else:
                             pool.states.conv[:, event[1]].zero_()
                             pool.states.rec[:, event[1]].zero_()
-                from .model import PagedBatch
+                from .models.dense import PagedBatch
                 plan = _plan_from_wire(msg["plan"], device)
                 states = None
                 if msg.get("states") is not None:

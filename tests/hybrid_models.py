@@ -107,7 +107,7 @@ def save_tiny_k3(path, *, seed: int = 0, tokenizer: bool = False, **changes) -> 
     from safetensors.torch import save_file
 
     from target_service.config import ModelConfig
-    from target_service.hybrid import HybridLM
+    from target_service.models.hybrid import HybridLM
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     raw = {**K3_CONFIG, **changes}

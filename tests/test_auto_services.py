@@ -16,7 +16,7 @@ from service_helpers import collect, repeating_prompts, running_stack, target_in
 from splitspec.client import build_request
 from splitspec.engine.sample import SamplingParams, probs_from_logits
 from splitspec.v1 import gateway_pb2
-from target_service.engine import generate
+from target_service.engine import forward_sequences, generate
 from test_dflash import chi_square_pvalue
 
 N_PROMPTS, N_NEW = 16, 64
@@ -75,7 +75,7 @@ def exact_joint(model, prompt, params, n):
             if len(prefix) == n:
                 out[tuple(prefix)] = p
                 return
-            logits = model(torch.tensor([prompt + prefix])).logits[0, -1]
+            logits = forward_sequences(model, torch.tensor([prompt + prefix])).logits[0, -1]
             probs = probs_from_logits(logits, params)
             for t in torch.nonzero(probs).flatten().tolist():
                 walk(prefix + [t], p * float(probs[t]))

@@ -23,7 +23,7 @@ from draft_service.proposer import DFlashProposer, propose_batch
 from splitspec.engine.kv_pool import BlockTable, KVPool, PoolExhausted
 from splitspec.engine.sample import SamplingParams
 from splitspec.engine.tree import Tree
-from target_service.engine import TargetSequence, generate
+from target_service.engine import TargetSequence, forward_sequences, generate
 from target_service.torch_verifier import TorchVerifier
 from target_service.loader import load_model
 from target_service.runner import Decode, Prefill, Verify, run_batch
@@ -117,14 +117,12 @@ def test_tree_rollback_across_block_boundaries_keeps_exact_kv(tiny_qwen3_model):
             ids[1] = truth[1]
         seq.verify(Tree(tuple(ids), tuple(parents)))
         assert len(seq.seq.table.blocks) == seq.pool.blocks_for(seq.seq.table.length)
-    from target_service.kv_cache import KVCache
-    cache = KVCache(model.cfg, 128)
-    with torch.inference_mode():
-        model(torch.tensor(seq.tokens[:-1]), cache=cache)
+    ref = TargetSequence(model, seq.tokens[:-1], max_len=128)
+    ref.prefill()
     n = seq.cache.length
-    assert n == len(seq.tokens) - 1
-    assert (seq.cache.k - cache.k[..., :n, :]).abs().max() < 1e-5
-    assert (seq.cache.v - cache.v[..., :n, :]).abs().max() < 1e-5
+    assert n == len(seq.tokens) - 1 == ref.cache.length
+    assert (seq.cache.k - ref.cache.k).abs().max() < 1e-5
+    assert (seq.cache.v - ref.cache.v).abs().max() < 1e-5
 
 
 OPS = st.lists(st.tuples(st.sampled_from(["open", "verify", "close"]), st.integers(0, 7), st.integers(1, 9),
@@ -224,7 +222,7 @@ def test_batched_greedy_equals_one_at_a_time_on_the_bench_prompts():
         if alone != batched:
             j = next(k for k, (a, b) in enumerate(zip(alone, batched)) if a != b)
             with torch.inference_mode():
-                logits = model(torch.tensor(p + alone[:j])).logits[0, -1]
+                logits = forward_sequences(model, torch.tensor(p + alone[:j])).logits[0, -1]
             top2 = logits.topk(2).values
             mismatches.append((i, j, float(top2[0] - top2[1])))
     print(f"batched vs one-at-a-time: {len(prompts) - len(mismatches)}/{len(prompts)} identical; "
@@ -270,7 +268,7 @@ def test_flashinfer_attention_equals_torch_attention_on_a_mixed_batch(tiny_qwen3
             j = next((i for i, (x, y) in enumerate(zip(a.committed, b.committed)) if x != y),
                      min(len(a.committed), len(b.committed)))
             with torch.inference_mode():
-                logits = model(torch.tensor(context + a.committed[:j], device="cuda")).logits[0, -1].float()
+                logits = forward_sequences(model, torch.tensor(context + a.committed[:j], device="cuda")).logits[0, -1].float()
             top2 = logits.topk(2).values
             assert float(top2[0] - top2[1]) < 5e-2, (a.committed, b.committed)
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from splitspec.bench.ceiling import ceiling, context_ceiling, main
-from target_service.kv_cache import KVCache
 from target_service.loader import load_model
 from splitspec.engine.sample import SamplingParams, probs_from_logits
 from tiny_models import save_tiny_model
+from target_service.engine import forward_sequences
 
 B = 8
 T1 = SamplingParams(temperature=1.0, top_p=0.95)
@@ -45,7 +45,7 @@ def test_context_free_target_has_closed_form_ceilings(target):
     model = context_free(target)
     g = torch.Generator().manual_seed(0)
     r = context_ceiling(model, [5, 9, 2], block_size=B, params=T1, num_paths=16, generator=g)
-    p = probs_from_logits(model(torch.tensor([[5]])).logits[0, -1], T1)
+    p = probs_from_logits(forward_sequences(model, torch.tensor([[5]])).logits[0, -1], T1)
     pmax = float(p.max())
     assert pmax < 0.9                                    # not trivially deterministic
     assert r.sampled_tau == pytest.approx(B, abs=1e-4)
@@ -68,7 +68,7 @@ def test_greedy_chain_matches_a_full_forward(target):
     seq = list(ctx)
     expected = []
     for _ in range(B - 1):
-        p = probs_from_logits(target(torch.tensor([seq])).logits[0, -1], T1)
+        p = probs_from_logits(forward_sequences(target, torch.tensor([seq])).logits[0, -1], T1)
         expected.append(float(p.max()))
         seq.append(int(p.argmax()))
     assert r.greedy_accept.tolist() == pytest.approx(expected, rel=1e-4)
@@ -83,18 +83,6 @@ def test_random_target_ceiling_is_a_valid_accept_length(target):
         assert len(reach) == B - 1 and all(a >= b for a, b in zip(reach, reach[1:]))
     # a sampled draft's first slot is drawn from q_1 = p_1 itself and always accepted
     assert res["sampled_reach_per_position"][0] == pytest.approx(1.0)
-
-
-def test_fork_copies_the_prefix_into_every_row(target):
-    cache = KVCache(target.cfg, 8)
-    target(torch.tensor([[1, 2, 3]]), cache=cache)
-    forked = cache.fork(3)
-    assert forked.length == 3 and forked.k.shape[1] == 3
-    assert torch.equal(forked.k[:, 2, :, :3], cache.k[:, 0, :, :3])
-    forked.k.zero_()
-    assert cache.k[:, 0, :, :3].abs().sum() > 0          # a copy, not a view
-    with pytest.raises(ValueError, match="batch-1"):
-        forked.fork(2)
 
 
 def test_cli_writes_json(target_dir, tmp_path, capsys):

@@ -17,7 +17,7 @@ from draft_service.proposer import DFlashProposer, NgramProposer, ProposerError
 from splitspec.ngram import lookup
 from splitspec.speculate import speculative_generate
 from target_service.config import ConfigError
-from target_service.engine import TargetSequence, generate
+from target_service.engine import TargetSequence, forward_sequences, generate
 from target_service.loader import load_model
 from splitspec.engine.sample import SamplingParams, probs_from_logits
 
@@ -219,8 +219,8 @@ def test_draft_cache_after_many_steps_equals_from_scratch(target):
     prop.cache.append(d, new_hidden)
     assert prop.cache.length == seq.length - 1
     # From scratch: one causal forward of the committed context gives every feature.
+    full = forward_sequences(target, torch.tensor(seq.tokens[:-1]), hidden_layers=layers).hidden[0]
     with torch.no_grad():
-        full = target(torch.tensor(seq.tokens[:-1]), hidden_layers=layers).hidden[0]
         fresh = DraftCache(d, 256)
         fresh.append(d, full)
         a = draft_block(d, prop.cache, seq.tokens[-1], seq.length - 1)
@@ -279,7 +279,7 @@ def exact_joint(target, prompt, params, n=2):
     table = {}
     with torch.no_grad():
         for prefix in itertools.product(range(V), repeat=n - 1):
-            logits = target(torch.tensor(prompt + list(prefix))).logits[0]
+            logits = forward_sequences(target, torch.tensor(prompt + list(prefix))).logits[0]
             p_first = probs_from_logits(logits[len(prompt) - 1], params)
             p_next = probs_from_logits(logits[-1], params)
             for t in range(V):

@@ -11,7 +11,7 @@ import target_service.runner as runner
 from hybrid_models import save_tiny_deepseek, save_tiny_kimi
 from splitspec.engine.kv_pool import BlockTable
 from splitspec.engine.tree import Tree
-from target_service.engine import TargetSequence, generate
+from target_service.engine import TargetSequence, forward_sequences, generate
 from target_service.loader import load_model
 from target_service.pools import make_pool
 from target_service.state_pool import ROLLBACKS
@@ -47,7 +47,7 @@ def models(tmp_path_factory):
 
 def fresh_next_logits(model, tokens):
     with torch.no_grad():
-        return model(torch.tensor([tokens])).logits[0, -1]
+        return forward_sequences(model, torch.tensor([tokens])).logits[0, -1]
 
 
 def start(model, prompt, rollback):

@@ -10,17 +10,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import target_service.hybrid as hybrid
+import target_service.models.hybrid as hybrid
 import target_service.runner as runner
 from hybrid_models import K3_CONFIG, save_tiny_k3
 from splitspec.engine.attention import Row, plan_attention
 from splitspec.engine.kv_pool import BlockTable
 from splitspec.engine.tree import Tree
-from target_service.engine import TargetSequence, generate
-from target_service.kda import kda_decay
+from target_service.engine import TargetSequence, forward_sequences, generate
+from target_service.models.kda import kda_decay
 from target_service.loader import load_model
-from target_service.model import PagedBatch
-from target_service.moe import situ_glu
+from target_service.models.dense import PagedBatch
+from target_service.models.moe import situ_glu
 from target_service.pools import make_pool
 from target_service.state_pool import StatePlan, StateRow
 
@@ -176,7 +176,7 @@ def test_attention_residual_mix_and_block_schedule(k3, monkeypatch):
             monkeypatch.setattr(lay, name, lambda *a, f=f: outs.append(f(*a)) or outs[-1])
     ids = torch.tensor([[5, 6, 7]])
     with torch.no_grad():
-        k3(ids)
+        forward_sequences(k3, ids)
         emb = k3.model.embed_tokens(ids)[0]
     B, L = k3.cfg.hybrid.attn_res_block_size, k3.cfg.num_hidden_layers
     assert len(seen) == 2 * L + 1 and len(outs) == 2 * L       # before every sublayer, and the output mix
@@ -193,12 +193,11 @@ def test_attention_residual_mix_and_block_schedule(k3, monkeypatch):
 def test_tap_streams_differ_and_the_last_layer_is_normed(k3):
     ids = torch.tensor([[5, 6, 7, 8]])
     last = k3.cfg.num_hidden_layers - 1
-    with torch.no_grad():
-        k3.tap_stream = "prefix"
-        a = k3(ids, hidden_layers=[2, last])
-        k3.tap_stream = "attn_res"
-        b = k3(ids, hidden_layers=[2, last])
-        k3.tap_stream = "prefix"
+    k3.tap_stream = "prefix"
+    a = forward_sequences(k3, ids, hidden_layers=[2, last])
+    k3.tap_stream = "attn_res"
+    b = forward_sequences(k3, ids, hidden_layers=[2, last])
+    k3.tap_stream = "prefix"
     H = k3.cfg.hidden_size
     assert torch.equal(a.logits, b.logits)
     assert not torch.allclose(a.hidden[..., :H], b.hidden[..., :H])
@@ -243,7 +242,7 @@ def test_k3_verify_rolls_back_exactly(k3, monkeypatch):
         seq.decode()
         monkeypatch.setattr(runner, "sample", real)
         with torch.no_grad():
-            want = k3(torch.tensor([seq.tokens[:-1]])).logits[0, -1]
+            want = forward_sequences(k3, torch.tensor([seq.tokens[:-1]])).logits[0, -1]
         assert (seen[0] - want).abs().max() < 1e-4
 
 
@@ -254,8 +253,7 @@ def test_a_session_reads_the_stream_its_draft_declares(k3, tmp_path):
         seq = TargetSequence(k3, prompt, max_len=32, hidden_layers=(2, 5), hidden_stream=stream)
         feats[stream] = seq.prefill().hidden
         k3.tap_stream = stream
-        with torch.no_grad():
-            want = k3(torch.tensor([prompt]), hidden_layers=[2, 5]).hidden[0]
+        want = forward_sequences(k3, torch.tensor([prompt]), hidden_layers=[2, 5]).hidden[0]
         k3.tap_stream = "prefix"
         assert (feats[stream] - want).abs().max() < 1e-5
     assert not torch.allclose(feats["prefix"], feats["attn_res"])

@@ -16,7 +16,7 @@ from k3_release import EXPERT, IGNORE, QUANTIZATION_CONFIG, rewrite, save_k3_rel
 from target_service.config import ConfigError, ModelConfig
 from target_service.engine import generate
 from target_service.loader import CheckpointError, load_model
-from target_service.mxfp4 import dequantize_mxfp4, parse_quantization, quantize_mxfp4
+from target_service.models.mxfp4 import dequantize_mxfp4, parse_quantization, quantize_mxfp4
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 

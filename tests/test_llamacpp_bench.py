@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from splitspec.bench.llamacpp import _permute_rope_rows, available
+from target_service.engine import forward_sequences
 
 
 def _rotate_half_rope(q: np.ndarray, pos: int, base: float = 10000.0) -> np.ndarray:
@@ -65,7 +66,7 @@ def test_llamacpp_runs_the_converted_model_with_our_logits(arch, tiny_model_fact
     llm.eval(prompt)
     theirs = torch.tensor(np.array(llm.scores[:len(prompt)]), dtype=torch.float32)
     with torch.no_grad():
-        ours = model.forward(torch.tensor(prompt)).logits[0]
+        ours = forward_sequences(model, torch.tensor(prompt)).logits[0]
     # llama.cpp keeps its KV cache in f16 by default: differences of ~1e-3 on logits of ~1; a
     # wrong rope order or a missing norm weight moves them by ~1.
     assert (theirs - ours).abs().max().item() < 2e-2

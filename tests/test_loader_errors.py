@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from target_service.config import ConfigError, ModelConfig
-from target_service.engine import TargetSequence
+from target_service.engine import TargetSequence, forward_sequences
 from target_service.loader import (CheckpointError, load_checkpoint, load_model, load_tokenizer,
                                    parse_dtype, resolve_device, tokenizer_hash)
 from splitspec.engine.sample import SamplingParams
@@ -170,9 +170,9 @@ def test_token_id_outside_vocab(tiny_qwen3_model):
     model = tiny_qwen3_model
     V = model.cfg.vocab_size
     with pytest.raises(ValueError, match=rf"token id {V} is outside the vocabulary \[0, {V}\)"):
-        model(torch.tensor([1, V, 2]))
+        forward_sequences(model, torch.tensor([1, V, 2]))
     with pytest.raises(ValueError, match=r"token id -1 is outside the vocabulary"):
-        model(torch.tensor([-1]))
+        forward_sequences(model, torch.tensor([-1]))
     with pytest.raises(ValueError, match=rf"prompt token_ids\[2\] = {V + 5} is outside the vocabulary"):
         TargetSequence(model, [1, 2, V + 5])
     seq = TargetSequence(model, [1, 2, 3], max_len=32)
@@ -182,7 +182,7 @@ def test_token_id_outside_vocab(tiny_qwen3_model):
     with pytest.raises(ValueError, match="prompt is empty"):
         TargetSequence(model, [])
     with pytest.raises(ValueError, match=r"hidden layer id 2 is outside 0\.\.1"):
-        model(torch.tensor([1]), hidden_layers=[2])
+        forward_sequences(model, torch.tensor([1]), hidden_layers=[2])
 
 
 @pytest.mark.parametrize("parents, bad", [

@@ -1,5 +1,6 @@
 """Our Llama / Qwen2 / Qwen3 forward against Hugging Face `transformers` on the same tiny
-random checkpoints (float32 on CPU): prefill logits, cached decode logits, greedy
+random checkpoints (float32 on CPU), through the one forward path every caller uses (the
+runner over the paged pool): prefill logits, decode logits step by step, greedy
 generation token for token, plus bf16 loading and chunked prefill.
 
 The measured max |logit difference| of every check is printed with a `PARITY` prefix
@@ -9,8 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from target_service.engine import TargetSequence, generate
-from target_service.kv_cache import KVCache
+from target_service.engine import SequenceBatch, TargetSequence, forward_sequences, generate
 from target_service.loader import load_model
 from splitspec.engine.sample import SamplingParams
 
@@ -59,7 +59,7 @@ def test_prefill_logits_match_transformers(models):
     ids = torch.tensor([_prompt(29, ours.cfg.vocab_size, 1)])
     with torch.no_grad():
         ref = hf(ids, output_hidden_states=True)
-        out = ours(ids, hidden_layers=[0])
+        out = forward_sequences(ours, ids, hidden_layers=[0])
     diff = (out.logits - ref.logits).abs().max().item()
     _report("prefill", name, diff)
     assert diff <= ATOL
@@ -69,19 +69,20 @@ def test_prefill_logits_match_transformers(models):
 
 
 def test_cached_decode_logits_match_transformers(models):
-    """Prefill into our KVCache, then 20 single-token cached decode steps; every step's
-    logits equal HF's full (uncached) forward over the whole sequence at that position."""
+    """Prefill into the paged pool, then 20 single-token decode steps on it, each fed a token of
+    our choosing; every step's logits equal HF's full (uncached) forward at that position."""
     name, _, ours, hf = models
     prompt = _prompt(13, ours.cfg.vocab_size, 2)
     cont = _prompt(20, ours.cfg.vocab_size, 3)
+    P = len(prompt)
     with torch.no_grad():
         ref = hf(torch.tensor([prompt + cont])).logits[0]          # [33, V]
-        cache = KVCache(ours.cfg, 64)
-        first = ours(torch.tensor(prompt), cache=cache).logits[0]
-        steps = [ours(torch.tensor([t]), cache=cache).logits[0, -1] for t in cont]
-    assert cache.length == len(prompt) + len(cont)
-    diff_prefill = (first - ref[:len(prompt)]).abs().max().item()
-    diff_decode = (torch.stack(steps) - ref[len(prompt):]).abs().max().item()
+    batch = SequenceBatch(ours, [prompt], [SamplingParams()], max_len=64, keep_logits=True)
+    first = batch.prefill()[0].logits[0]
+    steps = [batch.decode(feed=[t])[0].logits[0] for t in cont[:-1]]
+    assert batch.seqs[0].table.length == P + len(cont) - 1
+    diff_prefill = (first - ref[P - 1]).abs().max().item()
+    diff_decode = (torch.stack(steps) - ref[P:-1]).abs().max().item()
     _report("cached-decode", name, diff_decode)
     assert diff_prefill <= ATOL
     assert diff_decode <= ATOL
@@ -106,10 +107,8 @@ def test_bf16_load_smoke(models):
     bf = load_model(path, dtype="bfloat16")
     assert all(p.dtype == torch.bfloat16 for p in bf.parameters())
     ids = torch.tensor(_prompt(17, ours.cfg.vocab_size, 5))
-    with torch.no_grad():
-        ref = ours(ids).logits[0]
-        cache = KVCache(bf.cfg, 32, dtype=torch.bfloat16)
-        got = bf(ids, cache=cache).logits[0].float()
+    ref = forward_sequences(ours, ids).logits[0]
+    got = forward_sequences(bf, ids).logits[0].float()
     assert torch.isfinite(got).all()
     diff = (got - ref).abs().max().item()
     _report("bf16-vs-fp32", name, diff)
@@ -146,20 +145,20 @@ def test_chunked_prefill_equals_unchunked(tiny_qwen3_model, chunk):
 
 def test_draft_taps_follow_transformers_hidden_states(models):
     """A draft's tap of layer i is transformers' `hidden_states[i + 1]` for every i, the last
-    layer (stored after the final norm) included, in both forward paths, so a draft trained
+    layer (stored after the final norm) included, one forward or chunk by chunk, so a draft trained
     here reads the same features in vLLM, SGLang or the reference loop."""
     name, _, ours, hf = models
     L = ours.cfg.num_hidden_layers
     prompt = _prompt(13, ours.cfg.vocab_size, 5)
     with torch.no_grad():
         ref = hf(torch.tensor([prompt]), output_hidden_states=True).hidden_states
-        dense = ours(torch.tensor([prompt]), hidden_layers=tuple(range(L))).hidden[0]
+        whole = forward_sequences(ours, torch.tensor([prompt]), hidden_layers=tuple(range(L))).hidden[0]
     seq = TargetSequence(ours, prompt, SamplingParams(temperature=0.0), hidden_layers=tuple(range(L)))
     paged = seq.prefill().hidden
     H = ours.cfg.hidden_size
     for i in range(L):
         want = ref[i + 1][0]
-        for got in (dense[:, i * H:(i + 1) * H], paged[:, i * H:(i + 1) * H]):
+        for got in (whole[:, i * H:(i + 1) * H], paged[:, i * H:(i + 1) * H]):
             diff = (got - want).abs().max().item()
             assert diff < ATOL, f"{name}: layer {i} tap differs from hidden_states[{i + 1}] by {diff}"
-    _report("taps", name, max((dense[:, -H:] - ref[L][0]).abs().max().item(), 0.0))
+    _report("taps", name, max((whole[:, -H:] - ref[L][0]).abs().max().item(), 0.0))

@@ -20,7 +20,7 @@ from splitspec.client import build_request
 from splitspec.engine.penalties import process_logits
 from splitspec.engine.sample import SamplingParams, probs_from_logits
 from splitspec.ops.launch import free_port
-from target_service.engine import TargetSequence
+from target_service.engine import TargetSequence, forward_sequences
 from conftest import chi2_pvalue
 
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
@@ -123,7 +123,7 @@ def test_grpc_stream_carries_the_targets_logprob_per_token(services, model):
                 lps += r.chunk.logprobs
                 ids += r.chunk.token_ids
     with torch.no_grad():
-        logits = model(torch.tensor([PROMPT_IDS + ids])).logits[0].float()
+        logits = forward_sequences(model, torch.tensor([PROMPT_IDS + ids])).logits[0].float()
     want = torch.log_softmax(logits[len(PROMPT_IDS) - 1:-1], -1)
     for i, lp in enumerate(lps):
         assert lp.token_id == ids[i] and abs(lp.logprob - float(want[i, ids[i]])) < 1e-4
@@ -241,7 +241,7 @@ def exact_joint(model, prompt, params, n):
             if len(prefix) == n:
                 out[tuple(prefix)] = p
                 return
-            logits = model(torch.tensor([prompt + prefix])).logits[0, -1:]
+            logits = forward_sequences(model, torch.tensor([prompt + prefix])).logits[0, -1:]
             probs = probs_from_logits(process_logits(logits, params, prompt, prefix)[0], params)
             for t in torch.nonzero(probs).flatten().tolist():
                 walk(prefix + [t], p * float(probs[t]))

@@ -14,7 +14,7 @@ from splitspec.engine.sample import SamplingParams
 from splitspec.engine.tree import Tree
 from splitspec.wire import WireError, sampling_from_pb
 from splitspec.v1 import common_pb2
-from target_service.engine import TargetSequence
+from target_service.engine import TargetSequence, forward_sequences
 from target_service.torch_verifier import TorchVerifier
 
 PENALTIES = dict(presence_penalty=1.5, frequency_penalty=0.7, repetition_penalty=1.3,
@@ -39,7 +39,7 @@ def by_hand(raw: torch.Tensor, params: SamplingParams, prompt: list[int], genera
 
 def full_logits(model, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0, -1].float()
+        return forward_sequences(model, torch.tensor([ids])).logits[0, -1].float()
 
 
 class Spy(TorchVerifier):
@@ -125,7 +125,7 @@ def test_prompt_logprobs_cover_every_prompt_token_after_the_first(tiny_qwen3_mod
     seq = TargetSequence(model, prompt, SamplingParams(prompt_logprobs=2), prefill_chunk=3)
     seq.prefill()
     with torch.no_grad():
-        lp = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), -1)
+        lp = torch.log_softmax(forward_sequences(model, torch.tensor([prompt])).logits[0].float(), -1)
     got = seq.seq.prompt_logprobs
     assert [g.token_id for g in got] == prompt[1:]
     for i, g in enumerate(got):

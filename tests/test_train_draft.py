@@ -3,8 +3,9 @@
 * the training forward (all anchored blocks of a sequence in one query set, dense block mask or
   factored attention) equals, position by position, the cached inference forward
   (`DraftCache` + `draft_block`) in float32;
-* batched regeneration with a batched KV cache equals target-only decoding row by row, and its
-  features equal a plain forward's;
+* the producer runs the target through the serving runner: batched regeneration equals
+  target-only decoding row by row, and its features equal the serving path's position by
+  position, for dense and hybrid (KDA / MLA / MoE) targets;
 * the trainer runs end to end on a tiny random target and writes a draft that `load_draft` loads
   and `DFlashProposer` proposes with; re-running resumes from the checkpoint.
 """
@@ -22,7 +23,7 @@ from draft_service.proposer import DFlashProposer
 from splitspec.train import draft as trainer
 from splitspec.train.draft_objective import (Anchors, Teacher, block_mask, draft_hidden, objective,
                                              position_weights, sample_anchors, soft_labels)
-from target_service.engine import TargetSequence, generate
+from target_service.engine import TargetSequence, forward_sequences, generate
 from target_service.loader import load_model
 from splitspec.engine.sample import SamplingParams
 from tiny_models import save_tiny_model
@@ -59,9 +60,7 @@ def make_draft(target, num_layers=2, seed=0):
 def sequence(target, n_seqs, S, seed=0):
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, target.cfg.vocab_size, (n_seqs, S), generator=g)
-    with torch.no_grad():
-        feats = target(tokens, hidden_layers=(0, 1, 2)).hidden
-    return tokens, feats
+    return tokens, forward_sequences(target, tokens, hidden_layers=(0, 1, 2)).hidden
 
 
 def inference_logits(d, feats_row, tokens_row, anchor):
@@ -205,8 +204,7 @@ def test_batched_regeneration_equals_target_only_decoding(target):
 
 def test_soft_labels_are_the_targets_next_token_distribution(target):
     tokens, _ = sequence(target, 2, 40, seed=3)
-    with torch.no_grad():
-        out = target(tokens, hidden_layers=(2,))
+    out = forward_sequences(target, tokens, hidden_layers=(2,))
     teacher = Teacher(target.lm_head.weight)
     an = Anchors(torch.tensor([[4, 17, 30], [9, 10, 31]]), torch.ones(2, 3, dtype=torch.bool))
     p = soft_labels(teacher, out.hidden, an, BLOCK)
@@ -257,12 +255,12 @@ def test_init_target_last_reproduces_the_targets_context_kv(target):
     """--init target-last: the first draft layer is the target's layer L-n, and its injected
     context K/V are exactly what that target layer computes at those positions."""
     from argparse import Namespace
-    from target_service.model import apply_rope, rope_cos_sin
+    from target_service.models.dense import apply_rope, rope_cos_sin
     args = Namespace(layers=1, block_size=BLOCK, intermediate_size=None, seed=0, init="target-last")
     d = trainer.new_backbone(args, target, (0, 1), 1)
     tokens, _ = sequence(target, 1, 20, seed=6)
+    feats = forward_sequences(target, tokens, hidden_layers=(0, 1)).hidden
     with torch.no_grad():
-        feats = target(tokens, hidden_layers=(0, 1)).hidden
         (k, v), = d.context_kv(d.fuse(feats), torch.arange(20))
         at = target.model.layers[2].self_attn
         h = target.model.layers[2].input_layernorm(feats[..., target.cfg.hidden_size:])
@@ -345,27 +343,6 @@ def test_trainer_resumes_to_the_same_state_as_an_uninterrupted_run(target_dir, t
     assert cfg["layer_types"] == ["sliding_attention"]
     m = json.loads((tmp_path / "cut" / "draft" / "training_metrics.json").read_text())
     assert m["step"] == 8 and m["data"]["consumed_seqs"] == 16
-
-
-def test_decode_step_equals_model_forward(target_variant):
-    """The producer's fast decode step (GQA on the cache without repeat_kv) equals the engine's
-    forward on every architecture the engine loads."""
-    from target_service.kv_cache import KVCache
-    _, path = target_variant
-    m = load_model(path)
-    layers = (0, m.cfg.num_hidden_layers - 1)
-    g = torch.Generator().manual_seed(0)
-    x = torch.randint(0, m.cfg.vocab_size, (3, 10), generator=g)
-    with torch.no_grad():
-        c1, c2 = (KVCache(m.cfg, 16, batch=3) for _ in range(2))
-        m(x, cache=c1)
-        m(x, cache=c2)
-        for t in range(3):
-            y = torch.randint(0, m.cfg.vocab_size, (3,), generator=g)
-            ref = m(y[:, None], cache=c1, hidden_layers=layers)
-            logits, hidden = trainer.decode_step(m, y, c2, layers)
-            torch.testing.assert_close(logits, ref.logits[:, 0], atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(hidden, ref.hidden[:, 0], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.cuda

@@ -9,9 +9,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from target_service.engine import TargetSequence, generate
-from target_service.kv_cache import KVCache
+from splitspec.engine.attention import Row, plan_attention
+from splitspec.engine.kv_pool import BlockTable
 from splitspec.engine.sample import SamplingParams
+from target_service.engine import TargetSequence, forward_sequences, generate
+from target_service.models.dense import PagedBatch
+from target_service.pools import make_pool
 from splitspec.engine.tree import Tree, TreeError
 
 # ------------------------------------------------------------------ validation, masks
@@ -89,13 +92,26 @@ TREES = {
 
 
 def _path_logits(model, committed, path_tokens):
-    """Logits after committed + path, decoding the path one token at a time."""
-    cache = KVCache(model.cfg, 64)
-    with torch.no_grad():
-        out = model(torch.tensor(committed), cache=cache).logits[0, -1]
-        for t in path_tokens:
-            out = model(torch.tensor([t]), cache=cache).logits[0, -1]
-    return out
+    """Logits after committed + path: the path as an ordinary causal sequence."""
+    return forward_sequences(model, torch.tensor(committed + list(path_tokens))).logits[0, -1]
+
+
+def _paged_forward(model, pool, table, ids, positions, mask=None):
+    """ids at `positions` through forward_batch on one row of `pool` (mask among the new
+    tokens; causal when None), appended to the table; all rows' logits."""
+    table.ensure(table.length + len(ids))
+    plan = plan_attention([Row(table, len(ids), mask)], pool.k.device)
+    with torch.inference_mode():
+        logits, _ = model.forward_batch(torch.tensor(ids), torch.tensor(positions), PagedBatch(pool, plan))
+    table.length += len(ids)
+    return logits
+
+
+def _prefilled_cache(model, tokens):
+    """The K/V of `tokens` prefilled by a fresh sequence."""
+    ref = TargetSequence(model, list(tokens), max_len=len(tokens) + 2)
+    ref.prefill()
+    return ref.cache
 
 
 @pytest.mark.parametrize("shape", list(TREES), ids=list(TREES))
@@ -107,12 +123,15 @@ def test_tree_masked_forward_equals_decoding_each_path(tiny_qwen3_model, shape):
     tree = Tree(tuple(tokens), parents).validate(model.cfg.vocab_size)
     committed = [9, 30, 2, 77, 41, 5, 18]
     base = len(committed) - 1                         # cached; the last token is the root
-    cache = KVCache(model.cfg, 64)
-    with torch.no_grad():
-        model(torch.tensor(committed[:-1]), cache=cache)
-        mask = torch.cat([torch.ones(len(tree) + 1, base, dtype=torch.bool), tree.ancestor_mask()], dim=1)
-        positions = base + torch.tensor([0] + tree.depths())
-        logits = model(torch.tensor([committed[-1], *tokens]), positions, cache=cache, mask=mask).logits[0]
+    positions = [base + d for d in [0] + tree.depths()]
+
+    def tree_forward(mask):
+        pool = make_pool(model, num_blocks=8, block_size=16)
+        table = BlockTable(pool)
+        _paged_forward(model, pool, table, committed[:-1], list(range(base)))
+        return _paged_forward(model, pool, table, [committed[-1], *tokens], positions, mask)
+
+    logits = tree_forward(tree.ancestor_mask())
     assert torch.allclose(logits[0], _path_logits(model, committed, []), atol=1e-5)
     for i in range(len(tree)):
         ref = _path_logits(model, committed, [tokens[j] for j in tree.path_to(i)])
@@ -120,10 +139,7 @@ def test_tree_masked_forward_equals_decoding_each_path(tiny_qwen3_model, shape):
     if shape == "branchy":
         # Sanity: with a plain causal mask, a node whose earlier siblings are not its
         # ancestors gets different logits, so the comparison above can fail.
-        with torch.no_grad():
-            c2 = KVCache(model.cfg, 64)
-            model(torch.tensor(committed[:-1]), cache=c2)
-            causal = model(torch.tensor([committed[-1], *tokens]), positions, cache=c2).logits[0]
+        causal = tree_forward(None)
         assert not torch.allclose(causal[2], logits[2], atol=1e-3)
 
 
@@ -175,9 +191,7 @@ def test_verify_greedy_equals_target_only_greedy_and_keeps_the_accepted_path(tin
         assert out.hidden.shape[0] == 1 + out.result.num_accepted
     assert accepted > steps // 2       # the oracle trees were accepted often enough
     # K/V of the compacted cache equal a fresh sequence prefilled with the same tokens.
-    ref = KVCache(model.cfg, 128)
-    with torch.no_grad():
-        model(torch.tensor(seq.tokens[:-1]), cache=ref)
+    ref = _prefilled_cache(model, seq.tokens[:-1])
     n = seq.cache.length
     assert torch.allclose(seq.cache.k[..., :n, :], ref.k[..., :n, :], atol=1e-5)
     assert torch.allclose(seq.cache.v[..., :n, :], ref.v[..., :n, :], atol=1e-5)
@@ -193,8 +207,7 @@ def test_verify_hidden_states_match_sequential_features(tiny_qwen3_model):
     out = seq.verify(tree)
     assert out.result.accepted == [1, 2]
     assert out.committed == truth[1:4]
-    with torch.no_grad():
-        full = model(torch.tensor(prompt + truth[:3]), hidden_layers=(0, 1)).hidden[0]
+    full = forward_sequences(model, torch.tensor(prompt + truth[:3]), hidden_layers=(0, 1)).hidden[0]
     # root (b0 = truth[0]) and the two accepted nodes, at positions len(prompt) .. +2
     assert torch.allclose(out.hidden, full[len(prompt):len(prompt) + 3], atol=1e-5)
 
@@ -216,9 +229,7 @@ def test_sampling_verify_keeps_a_cache_equal_to_prefilling_the_committed_tokens(
         # An accepted node whose index is not its depth - 1 had to move down in the cache.
         moved |= any(i != k for k, i in enumerate(out.result.accepted))
     assert moved
-    ref = KVCache(model.cfg, 200)
-    with torch.no_grad():
-        model(torch.tensor(seq.tokens[:-1]), cache=ref)
+    ref = _prefilled_cache(model, seq.tokens[:-1])
     n = seq.cache.length
     assert n == len(seq.tokens) - 1
     assert torch.allclose(seq.cache.k[..., :n, :], ref.k[..., :n, :], atol=1e-5)

@@ -37,8 +37,8 @@ from pathlib import Path
 
 import torch
 
-from target_service.kv_cache import KVCache
 from splitspec.engine.sample import SamplingParams, probs_from_logits
+from target_service.engine import SequenceBatch
 
 
 @dataclass
@@ -56,53 +56,62 @@ class ContextCeiling:
         return 1.0 + float(self.sampled_accept.cumprod(-1).sum(-1).mean())
 
 
-def _step(model, ids: torch.Tensor, cache: KVCache, params: SamplingParams) -> torch.Tensor:
-    """p(·) after one more token per row (ids [m]) -> [m, V]."""
-    return probs_from_logits(model(ids[:, None], cache=cache).logits[:, -1], params)
+def _probs(outs, params: SamplingParams) -> torch.Tensor:
+    """p(·) of each row's step outputs (their kept logits) -> [rows, V]."""
+    return probs_from_logits(torch.cat([o.logits for o in outs]), params)
 
 
-def _probs_along(model, cache: KVCache, p1: torch.Tensor, paths: torch.Tensor,
+def _probs_along(batch, rows: list[int], p1: torch.Tensor, paths: torch.Tensor,
                  params: SamplingParams) -> torch.Tensor:
-    """p(·|c, path_<k) for k = 1..K of each path [m, K] -> [m, K, V]."""
+    """p(·|c, path_<k) for k = 1..K of each path [m, K], one forked row per path -> [m, K, V]."""
     m, K = paths.shape
-    c = cache.fork(m)
     ps = [p1.expand(m, -1)]
     for k in range(K - 1):
-        ps.append(_step(model, paths[:, k], c, params))
+        ps.append(_probs(batch.decode(rows, feed=paths[:, k].tolist()), params))
     return torch.stack(ps, 1)
+
+
+def _batch(model, context: list[int], rows: int, room: int):
+    """The context on the target's own runner (one forward path for every target family), with
+    room for `rows` branches of `room` more tokens; rows decode greedily, since each step's token
+    is chosen here (fed) from the logits they keep."""
+    return SequenceBatch(model, [context], [SamplingParams()], max_len=len(context) + room + 1,
+                         keep_logits=True, rows=1 + rows)
 
 
 @torch.inference_mode()
 def context_ceiling(model, context: list[int], *, block_size: int, params: SamplingParams,
                     num_paths: int, generator: torch.Generator) -> ContextCeiling:
     K = block_size - 1
-    cache = KVCache(model.cfg, len(context) + K, batch=1)
-    p1 = probs_from_logits(model(torch.tensor([context]), cache=cache, logits_rows=slice(-1, None)).logits[0, -1], params)
+    batch = _batch(model, context, num_paths, K)
+    p1 = _probs(batch.prefill(), params)[0]
     # the target's own paths, sampled slot by slot, and p along them
     paths = torch.zeros(num_paths, K, dtype=torch.long)
-    c, p, ps = cache.fork(num_paths), p1.expand(num_paths, -1), []
+    rows, p, ps = batch.fork(0, num_paths), p1.expand(num_paths, -1), []
     for k in range(K):
         ps.append(p)
         paths[:, k] = torch.multinomial(p, 1, generator=generator).flatten()
         if k < K - 1:
-            p = _step(model, paths[:, k], c, params)
+            p = _probs(batch.decode(rows, feed=paths[:, k].tolist()), params)
+    batch.release(rows)
     ps = torch.stack(ps, 1)                                              # [m, K, V]
     entropy = float(-(ps * ps.clamp(min=1e-30).log()).sum(-1).mean())
     q = ps.mean(0)                                                       # [K, V] marginals
     # sampled block drafts: y_k ~ q_k independently, accepted with min(1, p(y_k|c, y_<k) / q_k(y_k))
     y = torch.stack([torch.multinomial(q[k], num_paths, replacement=True, generator=generator)
                      for k in range(K)], 1)                              # [m, K]
-    py = _probs_along(model, cache, p1, y, params).gather(2, y[..., None])[..., 0]
+    rows = batch.fork(0, num_paths)
+    py = _probs_along(batch, rows, p1, y, params).gather(2, y[..., None])[..., 0]
+    batch.release(rows)
     qy = q.gather(1, y.T).T
     sampled = (py / qy).clamp(max=1.0)
     # greedy drafts: the target's argmax chain, accepted with probability p(y_k)
-    g, p, acc = torch.zeros(1, K, dtype=torch.long), p1[None], []
-    c = cache.fork(1)
+    p, acc = p1[None], []
+    rows = batch.fork(0, 1)
     for k in range(K):
         acc.append(p.max(-1).values[0])
-        g[0, k] = p.argmax(-1)[0]
         if k < K - 1:
-            p = _step(model, g[:, k], c, params)
+            p = _probs(batch.decode(rows, feed=[int(p.argmax(-1)[0])]), params)
     return ContextCeiling(torch.stack(acc), sampled, entropy)
 
 
@@ -112,17 +121,17 @@ def contexts_of(model, prompt: list[int], offsets: list[int], params: SamplingPa
     """The prompt plus the target's own continuation (sampled with `params`), cut after each of
     `offsets` generated tokens — the contexts a drafter sees while the target generates."""
     need = max(offsets)
-    cache = KVCache(model.cfg, len(prompt) + need + 1, batch=1)
-    p = probs_from_logits(model(torch.tensor([prompt]), cache=cache, logits_rows=slice(-1, None)).logits[0, -1], params)
+    batch = _batch(model, prompt, 0, need)
+    p = _probs(batch.prefill(), params)[0]
     toks, out = list(prompt), []
     for n in range(need + 1):
         if n in offsets:
             out.append(list(toks))
         if n == need:
             break
-        nxt = torch.multinomial(p, 1, generator=generator)
-        toks.append(int(nxt))
-        p = _step(model, nxt, cache, params)[0]
+        nxt = int(torch.multinomial(p, 1, generator=generator))
+        toks.append(nxt)
+        p = _probs(batch.decode(feed=[nxt]), params)[0]
     return out
 
 

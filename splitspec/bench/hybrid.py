@@ -23,7 +23,7 @@ import target_service.state_pool as state_pool
 from splitspec.engine.tree import Tree
 from target_service.config import ModelConfig
 from target_service.engine import TargetSequence
-from target_service.hybrid import HybridLM
+from target_service.models.hybrid import HybridLM
 
 # Kimi-K3's text config, as published (see docs/hybrid-targets.md for the source).
 K3 = {"architectures": ["KimiLinearForCausalLM"], "vocab_size": 163840, "hidden_size": 7168,

@@ -39,6 +39,7 @@ class Group:
     # Shortcuts the plan finds once for every layer (each is also what the general path computes):
     in_order: bool = False   # the group is every flat token, in order, unpadded: no gather or scatter of q
     kv_start: int = -1       # >= 0: kv_index is the one contiguous range kv_start + arange(C + Q): a view, no gather
+    kv_stride: int = 0       # > 0 (with kv_start): row r's range starts kv_stride slots after row r-1's (a strided view)
     no_mask: bool = False    # every cell of `mask` is True (one decode row): SDPA runs without one
     _masks: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -59,34 +60,68 @@ class AttentionPlan:
     flashinfer: object = None         # a FlashInferPlan when that backend runs the batch
 
 
-def _group(rows: list[Row], starts: list[int], slots: list[torch.Tensor], n: int, device) -> Group:
-    """slots[i]: row i's slots for its context and its new tokens."""
+def _block_matrix(rows: list[Row]) -> torch.Tensor:
+    """[R, max blocks] block ids of each row, padded with 0 (the zero block)."""
+    width = max(len(r.table.blocks) for r in rows)
+    return torch.tensor([r.table.blocks + [0] * (width - len(r.table.blocks)) for r in rows], dtype=torch.long)
+
+
+def _slots_of(blocks: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor, bs: int) -> torch.Tensor:
+    """Slot of token index tokens[i, j] of row i (0 where not valid)."""
+    col = (tokens // bs).clamp(max=blocks.shape[1] - 1)
+    return torch.where(valid, blocks.gather(1, col) * bs + tokens % bs, 0)
+
+
+def _group(rows: list[Row], starts: list[int], n: int, device) -> Group:
+    """The rows' queries padded to the longest, their keys (context then new tokens) padded to the
+    longest context, built with tensor ops over all rows at once (a per-row loop cost more than
+    the attention itself at 32+ decode rows)."""
     if len(rows) == 1:
-        return _one_row(rows[0], starts[0], slots[0], n, device)
+        row = rows[0]
+        return _one_row(row, starts[0], row.table.slots(0, row.table.length + row.q_len), n, device)
     R = len(rows)
-    Q = max(r.q_len for r in rows)
-    C = max(r.table.length for r in rows)
-    q_index = torch.full((R, Q), n, dtype=torch.long)
-    kv_index = torch.zeros((R, C + Q), dtype=torch.long, device=device)
-    inner = torch.ones(Q, Q, dtype=torch.bool).tril().repeat(R, 1, 1)
-    ctx = torch.zeros(R, Q, C, dtype=torch.bool)
-    for i, (row, start, row_slots) in enumerate(zip(rows, starts, slots)):
-        c, q = row.table.length, row.q_len
-        q_index[i, :q] = torch.arange(start, start + q)
-        kv_index[i, :c] = row_slots[:c]
-        kv_index[i, C:C + q] = row_slots[c:]
+    c = torch.tensor([r.table.length for r in rows])
+    q = torch.tensor([r.q_len for r in rows])
+    Q, C = int(q.max()), int(c.max())
+    qpos, cpos = torch.arange(Q), torch.arange(C)
+    qvalid = qpos < q[:, None]                                          # [R, Q]
+    q_index = torch.where(qvalid, torch.tensor(starts)[:, None] + qpos, n)
+    tokens = torch.cat([cpos.expand(R, C), c[:, None] + qpos], 1)       # [R, C + Q] token index of each key
+    kvalid = torch.cat([cpos < c[:, None], qvalid], 1)
+    kv_index = _slots_of(_block_matrix(rows), tokens, kvalid, rows[0].table.pool.block_size)
+    ctx = qvalid[:, :, None] & (cpos < c[:, None])[:, None, :]
+    inner = torch.ones(Q, Q, dtype=torch.bool).tril() & qvalid[:, :, None] & qvalid[:, None, :]
+    for i, row in enumerate(rows):
         if row.mask is not None:
-            inner[i, :q, :q] = row.mask
-        inner[i, :, q:] = False
-        inner[i, q:] = False
-        # Padding queries look at their own zero-block key only: finite, and thrown away.
-        inner[i, range(q, Q), range(q, Q)] = True
-        ctx[i, :q, :c] = True
-    valid = q_index < n
+            inner[i, :row.q_len, :row.q_len] = row.mask.cpu()
+    # Padding queries look at their own zero-block key only: finite, and thrown away.
+    inner |= torch.eye(Q, dtype=torch.bool) & ~qvalid[:, :, None]
     mask = torch.cat([ctx, inner], dim=2)[:, None]
+    valid = q_index < n
     in_order = R * Q == n and bool(valid.all()) and starts == list(range(0, n, Q))
-    return Group(q_index.to(device), kv_index, mask.to(device), valid.to(device), q_index[valid].to(device),
-                 in_order=in_order)
+    kv_start, kv_stride = _strided(rows, C + Q)
+    return Group(q_index.to(device), kv_index.to(device), mask.to(device), valid.to(device), q_index[valid].to(device),
+                 in_order=in_order, kv_start=kv_start, kv_stride=kv_stride, no_mask=bool(mask.all()))
+
+
+def _strided(rows: list[Row], K: int) -> tuple[int, int]:
+    """(start, stride) when rows of one length, each on consecutive blocks, start at evenly spaced
+    slots (sequences that took their blocks together, as the trainer's lockstep batches do): their
+    K/V are then one strided view of the pool. (-1, 0) otherwise."""
+    if any(r.table.length + r.q_len != K for r in rows):
+        return -1, 0
+    bs = rows[0].table.pool.block_size
+    nb = -(-K // bs)
+    starts = []
+    for r in rows:
+        used = r.table.blocks[:nb]
+        if used != list(range(used[0], used[0] + nb)):
+            return -1, 0
+        starts.append(used[0] * bs)
+    stride = starts[1] - starts[0]
+    if stride < K or any(b - a != stride for a, b in zip(starts, starts[1:])):
+        return -1, 0
+    return starts[0], stride
 
 
 def _one_row(row: Row, start: int, row_slots: torch.Tensor, n: int, device) -> Group:
@@ -110,9 +145,15 @@ def plan_attention(rows: list[Row], device, *, groups: bool = True) -> Attention
     for r in rows:
         starts.append(n)
         n += r.q_len
-    slots = [r.table.slots(0, r.table.length + r.q_len) for r in rows]
-    slot_mapping = torch.cat([s[r.table.length:] for r, s in zip(rows, slots)]) if rows \
-        else torch.zeros(0, dtype=torch.long, device=device)
+    if rows:
+        # Each new token's slot, rows one after another (valid cells in row-major order).
+        c = torch.tensor([r.table.length for r in rows])
+        qvalid = torch.arange(max(r.q_len for r in rows)) < torch.tensor([r.q_len for r in rows])[:, None]
+        slots = _slots_of(_block_matrix(rows), c[:, None] + torch.arange(qvalid.shape[1]), qvalid,
+                          rows[0].table.pool.block_size)
+        slot_mapping = slots[qvalid]
+    else:
+        slot_mapping = torch.zeros(0, dtype=torch.long)
     if not groups:
         return AttentionPlan(slot_mapping.to(device), [])
     # Rows pad to the longest query of their group, so decode rows (1 query) must not share a
@@ -126,8 +167,7 @@ def plan_attention(rows: list[Row], device, *, groups: bool = True) -> Attention
             buckets.setdefault(1 << (r.q_len - 1).bit_length(), []).append(i)
     sets += buckets.values()
     return AttentionPlan(slot_mapping.to(device),
-                         [_group([rows[i] for i in g], [starts[i] for i in g], [slots[i] for i in g], n, device)
-                          for g in sets])
+                         [_group([rows[i] for i in g], [starts[i] for i in g], n, device) for g in sets])
 
 
 def paged_attention(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
@@ -158,7 +198,10 @@ def _group_attention(qq: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor,
     # KV head become extra query rows of that head (query head h uses KV head h // rep).
     qq = qq.reshape(R, Q, Hkv, rep, D).permute(0, 2, 3, 1, 4).reshape(R, Hkv, rep * Q, D)
     K = g.kv_index.shape[1]
-    if g.kv_start >= 0:
+    if g.kv_stride and k_all.is_contiguous() and v_all.is_contiguous():
+        kk, vv = (t.as_strided((R, K, Hkv, t.shape[-1]), (g.kv_stride * t.stride(0), t.stride(0), t.stride(1), 1),
+                               t.storage_offset() + g.kv_start * t.stride(0)).transpose(1, 2) for t in (k_all, v_all))
+    elif g.kv_start >= 0 and not g.kv_stride:
         kk, vv = (t.narrow(0, g.kv_start, K).view(1, K, Hkv, D).transpose(1, 2) for t in (k_all, v_all))
     else:
         # index_select copies whole rows; advanced indexing (t[idx]) is several times slower on CPU.

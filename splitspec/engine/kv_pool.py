@@ -151,6 +151,18 @@ class BlockTable:
         s = self.slots(0, self.capacity)
         self.pool.copy_slots(s[torch.tensor(src, device=s.device)], s[dst_start:dst_start + len(src)])
 
+    def fork(self) -> "BlockTable":
+        """A new table holding a copy of this one's K/V (and recurrent state): a branch that can
+        grow apart from it. Blocks for the whole capacity are taken, so the copy grows in place."""
+        t = BlockTable(self.pool)
+        t.ensure(self.capacity)
+        if self.length:
+            self.pool.copy_slots(self.slots(0, self.length), t.slots(0, self.length))
+        t.length = self.length
+        if self.state is not None:
+            self.pool.states.copy(self.state, t.state)
+        return t
+
     def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This sequence's K/V as [layers, 1, kv_heads, length, head_dim] (for inspection and tests)."""
         s = self.slots(0, self.length)

@@ -43,7 +43,7 @@ from draft_service.dflash2 import DFlash2Draft, new_dflash2
 from splitspec.defaults import DEFAULT_TARGET
 from target_service.config import ModelConfig
 
-from .draft_data import (Producer, ProducerHandle, ProducerSpec, chunk_path, corpus_streams, decode_step,  # noqa: F401
+from .draft_data import (Producer, ProducerHandle, ProducerSpec, chunk_path, corpus_streams,  # noqa: F401
                          eos_ids_of, features_of, load_target, regenerate, target_tokenizer, windows)
 from .draft_eval import eval_set, full_eval, tau_eval
 from .draft_export import export, load_ckpt, machine, save_ckpt, taps_reason, write_card

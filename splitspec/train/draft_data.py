@@ -4,7 +4,6 @@ target, regenerates the target's own continuations of training prompts (cached a
 replays the cached ids, recomputing features with one target forward per batch."""
 from __future__ import annotations
 
-import math
 import os
 import queue as queue_mod
 import threading
@@ -14,18 +13,17 @@ from pathlib import Path
 
 import torch
 
-from splitspec.engine.sample import SamplingParams, probs_from_logits
+from splitspec.engine.sample import SamplingParams, make_generator
+from target_service import engine
 from target_service.config import ModelConfig
-from target_service.kv_cache import KVCache
-from target_service.model import apply_rope, rope_cos_sin
 
 # ---------------------------------------------------------------- target, tokenizer, corpus
 
-def load_target(path, threads: int | None = None, dtype: str = "float32", device: str = "cpu"):
-    from target_service.loader import load_model
+def load_target(path, threads: int | None = None, dtype: str = "float32", device: str = "cpu",
+                tensor_parallel_size: int = 1):
     if threads:
         torch.set_num_threads(threads)
-    return load_model(path, dtype=dtype, device=device)
+    return engine.load_model(path, dtype=dtype, device=device, tensor_parallel_size=tensor_parallel_size)
 
 
 def target_tokenizer(path):
@@ -119,80 +117,36 @@ def row_kinds(spec: ProducerSpec, k: int) -> torch.Tensor:
     return kinds
 
 
-def sample_rows(logits: torch.Tensor, temps: torch.Tensor, top_p: float, generator) -> torch.Tensor:
-    """One token per row: argmax where temps == 0, else a draw from top-p(softmax(logits / T))."""
-    out = logits.argmax(-1)
-    for t in temps[temps > 0].unique().tolist():
-        rows = (temps == t).nonzero().flatten()
-        probs = probs_from_logits(logits[rows].float(), SamplingParams(temperature=t, top_p=top_p))
-        # drawn on the CPU with a CPU generator: the same seed gives the same data on any device
-        out[rows] = torch.multinomial(probs.cpu(), 1, generator=generator).flatten().to(out.device)
-    return out
-
-
-def decode_step(model, ids: torch.Tensor, cache: KVCache, layer_ids) -> tuple[torch.Tensor, torch.Tensor]:
-    """One new token per row (ids [b]) at position cache.length through the target: the same
-    modules and arithmetic as `CausalLM.forward`, but grouped-query attention straight on the cached
-    K/V (no repeat_kv copy, no CPU flash kernel for a single query), ~2x faster per decode step on
-    CPU. Returns logits [b, V] and the features [b, len(layer_ids) * H]."""
-    b = ids.shape[0]
-    x = model.model.embed_tokens(ids)[:, None]
-    pos = torch.tensor([cache.length], device=ids.device)
-    cos, sin = rope_cos_sin(model.inv_freq(x.device), pos, x.dtype)
-    wanted = {}
-    for i, layer in enumerate(model.model.layers):
-        at = layer.self_attn
-        h = layer.input_layernorm(x)
-        q = at.q_proj(h).view(b, 1, at.n_heads, at.head_dim)
-        k = at.k_proj(h).view(b, 1, at.n_kv, at.head_dim)
-        v = at.v_proj(h).view(b, 1, at.n_kv, at.head_dim).transpose(1, 2)
-        if at.q_norm is not None:
-            q, k = at.q_norm(q), at.k_norm(k)
-        q, k = apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin)
-        K, V = cache.update(at.layer_idx, k, v)                           # [b, kv, T, D]
-        qg = q.reshape(b, at.n_kv, at.n_heads // at.n_kv, at.head_dim)   # heads grouped by KV head
-        s = torch.matmul(qg, K.transpose(-1, -2)) * (1.0 / math.sqrt(at.head_dim))
-        o = torch.matmul(torch.softmax(s.float(), -1).to(V.dtype), V)
-        x = x + at.o_proj(o.reshape(b, 1, at.n_heads * at.head_dim))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-        if i in layer_ids:
-            wanted[i] = model.tap(i, x)
-    cache.advance(1)
-    logits = model.lm_head(model.model.norm(x))[:, 0]
-    return logits, torch.cat([wanted[i] for i in layer_ids], -1)[:, 0]
+def _row_params(temps: torch.Tensor, top_p: float) -> list[SamplingParams]:
+    return [SamplingParams(temperature=float(t), top_p=top_p if t > 0 else 1.0) for t in temps.tolist()]
 
 
 @torch.inference_mode()
 def regenerate(model, prompts: torch.Tensor, total_len: int, temps: torch.Tensor, top_p: float,
-               generator: torch.Generator, layer_ids, bf16: bool = False):
-    """The target's continuations of equal-length prompts [b, P] up to total_len tokens, all rows in
-    one batched KV cache. Returns tokens [b, total_len] and the float32 features
-    [b, total_len - 1, F] of every token the target ran (all but the last, not run yet).
-    bf16: autocast (for a float32 model); a bfloat16 model runs in bfloat16 as it is."""
+               generator: torch.Generator, layer_ids):
+    """The target's continuations of equal-length prompts [b, P] up to total_len tokens: all rows
+    in lockstep through the service's runner (`SequenceBatch`), greedy where temps == 0, else
+    sampled at that temperature with top_p, each row with its own generator seeded from
+    `generator`. Returns tokens [b, total_len] and the float32 features [b, total_len - 1, F] of
+    every token the target ran (all but the last, not run yet)."""
     b, P = prompts.shape
-    layer_ids = tuple(layer_ids)
-    cache = KVCache(model.cfg, total_len, batch=b, dtype=next(model.parameters()).dtype,
-                    device=prompts.device)
-    toks, feats = [prompts], []
-    with torch.autocast(prompts.device.type, dtype=torch.bfloat16, enabled=bf16):
-        out = model(prompts, cache=cache, hidden_layers=layer_ids, logits_rows=slice(-1, None))
-        feats.append(out.hidden.float())
-        nxt = sample_rows(out.logits[:, -1].float(), temps, top_p, generator)
-        for _ in range(total_len - P - 1):
-            toks.append(nxt[:, None])
-            logits, hidden = decode_step(model, nxt, cache, layer_ids)
-            feats.append(hidden[:, None].float())
-            nxt = sample_rows(logits.float(), temps, top_p, generator)
-    toks.append(nxt[:, None])
-    return torch.cat(toks, 1), torch.cat(feats, 1)
+    device = next(model.parameters()).device
+    seeds = torch.randint(0, 2 ** 62, (b,), generator=generator).tolist()
+    batch = engine.SequenceBatch(model, prompts.tolist(), _row_params(temps, top_p), max_len=total_len,
+                                 generators=[make_generator(s, device) for s in seeds], hidden_layers=tuple(layer_ids))
+    first = batch.prefill()
+    feats = [torch.stack([o.hidden for o in first]).float()]
+    for _ in range(total_len - P - 1):
+        feats.append(torch.stack([o.hidden[0] for o in batch.decode()])[:, None].float())
+    tokens = torch.tensor([s.tokens for s in batch.seqs], dtype=torch.long, device=prompts.device)
+    return tokens, torch.cat(feats, 1)
 
 
-@torch.inference_mode()
-def features_of(model, tokens: torch.Tensor, layer_ids, bf16: bool = False) -> torch.Tensor:
-    """Features [b, S - 1, F] of tokens [b, S] by one causal forward (the last token is not needed)."""
-    with torch.autocast(tokens.device.type, dtype=torch.bfloat16, enabled=bf16):
-        out = model(tokens[:, :-1], hidden_layers=layer_ids, logits_rows=slice(0, 0))
-    return out.hidden.float()
+def features_of(model, tokens: torch.Tensor, layer_ids) -> torch.Tensor:
+    """Features [b, S - 1, F] of tokens [b, S] (the last token is not needed), by one forward
+    through the service's path (`engine.forward_sequences`): every family gives the features it
+    serves with."""
+    return engine.forward_sequences(model, tokens[:, :-1], hidden_layers=tuple(layer_ids), logits=False).hidden.float()
 
 
 class Producer:

@@ -28,7 +28,7 @@ def eval_set(target, streams, args, n: int, seed_offset: int = 0) -> EvalSet:
     prompts = windows(streams["heldout"], n, args.eval_prompt_len, g).to(target.lm_head.weight.device)
     g2 = torch.Generator().manual_seed(0)
     tf, _ = regenerate(target, prompts, args.eval_prompt_len + args.eval_new_tokens,
-                       torch.zeros(n), 1.0, g2, (0,), bf16=False)
+                       torch.zeros(n), 1.0, g2, (0,))
     return EvalSet([p.tolist() for p in prompts], tf, args.eval_prompt_len)
 
 

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from draft_service.dflash import DFlashDraft
 from draft_service.dflash2 import DFlash2Draft
-from target_service.model import apply_rope, repeat_kv
+from target_service.models.dense import apply_rope, repeat_kv
 
 from .dflash2_objective import SelectorOut, selector_term
 
@@ -230,7 +230,7 @@ class Teacher:
 
     @classmethod
     def of(cls, target) -> "Teacher":
-        """The head of a loaded target (`target_service.model.CausalLM`)."""
+        """The head of a loaded target (`target_service.models.dense.CausalLM`)."""
         return cls(target.lm_head.weight.detach())
 
     @torch.no_grad()

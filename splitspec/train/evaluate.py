@@ -19,7 +19,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from target_service.kv_cache import KVCache
 from target_service.loader import load_model
 
 
@@ -40,7 +39,7 @@ def stream_loss(model, stream: torch.Tensor, seq_len: int, batch: int, *,
     for i in range(0, len(starts), batch):
         rows = torch.stack([stream[s:s + seq_len + 1] for s in starts[i:i + batch]]).long()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            logits = model(rows[:, :-1]).logits
+            logits = model(rows[:, :-1])
         total += F.cross_entropy(logits.float().flatten(0, 1), rows[:, 1:].flatten(), reduction="sum").item()
         count += rows[:, 1:].numel()
     model.train(was_training)
@@ -108,13 +107,13 @@ def stop_index(completion: str, indent: int) -> int | None:
 
 @torch.no_grad()
 def greedy_until(model, prompt_ids: list[int], max_new: int, decode, indent: int, eos_ids) -> tuple[str, bool]:
-    """Greedy decoding with a KV cache, stopping at the end of the function.
+    """Greedy decoding through the service's runner, stopping at the end of the function.
     Returns (completion text, stopped before the token cap)."""
-    cache = KVCache(model.cfg, len(prompt_ids) + max_new)
-    logits = model(torch.tensor([prompt_ids]), cache=cache, logits_rows=slice(-1, None)).logits
+    from target_service.engine import TargetSequence
+    seq = TargetSequence(model, list(prompt_ids), max_len=len(prompt_ids) + max_new + 1)
+    nxt = seq.prefill().committed[0]
     new: list[int] = []
     for _ in range(max_new):
-        nxt = int(logits[0, -1].argmax())
         if nxt in eos_ids:
             return decode(new), True
         new.append(nxt)
@@ -124,7 +123,7 @@ def greedy_until(model, prompt_ids: list[int], max_new: int, decode, indent: int
             return text[:cut], True
         if len(new) == max_new:
             break
-        logits = model(torch.tensor([[nxt]]), cache=cache).logits
+        nxt = seq.decode().committed[0]
     return decode(new), False
 
 

@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
 from target_service.config import ModelConfig
-from target_service.model import CausalLM
+from target_service.models.dense import CausalLM
 
 from . import corpus, evaluate
 from .tokenizer import EOS, save_tokenizer, special_id, train_tokenizer
@@ -278,7 +278,7 @@ def train_step(model, opt, x, y, lr: float, args) -> float:
     for group in opt.param_groups:
         group["lr"] = lr
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
-        logits = model(x).logits
+        logits = model(x)
     loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
     opt.zero_grad(set_to_none=True)
     loss.backward()

@@ -1,6 +1,6 @@
 """The Kimi / DeepSeek-V3 family decoder: per layer a KDA or an MLA token mixer, then a dense
 GLU or a routed MoE; optionally K3's Attention Residuals. Same `forward_batch` / `tap` interface
-as `model.CausalLM`, so the runner, the scheduler and the services do not branch on the family.
+as `dense.CausalLM`, so the runner, the scheduler and the services do not branch on the family.
 
 Attention Residuals (`attn_res_block_size` B, K3). Our reading of the public description (to
 check against the released modeling code before serving K3 weights): `prefix` is the running
@@ -15,16 +15,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from splitspec.engine.attention import Row, plan_attention
-from splitspec.engine.kv_pool import BlockTable
-
-from .config import ModelConfig
-from .hybrid_config import TAP_STREAMS
+from ..config import ModelConfig
+from ..hybrid_config import TAP_STREAMS
 from .kda import KimiDeltaAttention
 from .mla import MLAttention
-from .model import ForwardOutput, PagedBatch, RMSNorm
+from .dense import PagedBatch, RMSNorm
 from .moe import GLU, MoE
-from .state_pool import StatePlan, StateRow
 
 
 def attn_res_mix(sources: list[torch.Tensor], norm: RMSNorm, proj: nn.Linear) -> torch.Tensor:
@@ -166,35 +162,3 @@ class HybridLM(nn.Module):
                 hidden[key] = self.model.norm(mix) if i == last else feat
         x = mix if logits_index is None else mix[logits_index]
         return self.lm_head(self.model.norm(x)), hidden
-
-    def forward(self, input_ids: torch.Tensor, positions=None, cache=None, mask=None,
-                hidden_layers=(), logits_rows=None) -> ForwardOutput:
-        """Whole sequences [B, T] from an empty state, no cache kept (evaluation, draft training's
-        feature pass). Incremental decoding goes through the runner's pools."""
-        if cache is not None or mask is not None or positions is not None:
-            raise NotImplementedError("a hybrid (KDA / MLA) target runs incrementally only through the "
-                                      "runner's pools (target_service.engine.TargetSequence)")
-        from .pools import make_pool
-        if input_ids.dim() == 1:
-            input_ids = input_ids[None]
-        B, T = input_ids.shape
-        dev = input_ids.device
-        pool = make_pool(self, num_blocks=B * (-(-T // 16)) + 1, block_size=16, max_sessions=B)
-        tables = []
-        for _ in range(B):
-            t = BlockTable(pool)
-            t.ensure(T)
-            tables.append(t)
-        rows = [Row(t, T) for t in tables]
-        states = None if pool.states is None else \
-            StatePlan(pool.states, [StateRow(t.state, b * T, T) for b, t in enumerate(tables)], pool.states.rollback)
-        batch = PagedBatch(pool, plan_attention(rows, dev), states)
-        layers = list(hidden_layers)
-        logits, hidden = self.forward_batch(input_ids.reshape(-1), torch.arange(T, device=dev).repeat(B), batch,
-                                            hidden_layers=layers)
-        if logits is not None:          # None on a tensor-parallel rank other than 0
-            logits = logits.view(B, T, -1)
-            if logits_rows is not None:
-                logits = logits[:, logits_rows]
-        feats = torch.cat([hidden[i].view(B, T, -1) for i in layers], dim=-1) if layers else None
-        return ForwardOutput(logits=logits, hidden=feats)

@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .hybrid_config import HybridConfig
-from .model import RMSNorm
+from ..hybrid_config import HybridConfig
+from .dense import RMSNorm
 
 
 def situ_glu(g: torch.Tensor, u: torch.Tensor, beta: float = 4.0, linear_beta: float = 25.0) -> torch.Tensor:

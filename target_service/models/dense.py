@@ -3,6 +3,10 @@
 Module and parameter names mirror Hugging Face's (`model.layers.0.self_attn.q_proj.weight`,
 ...), so a checkpoint's state dict loads without renaming. The DFlash drafter reuses
 `RMSNorm`, `MLP`, `rope_inv_freq`, `rope_cos_sin` and `apply_rope` from here.
+
+One inference path: `forward_batch` over the runner's paged pool (serving, and every tool
+through `target_service.engine`). `forward` is the differentiable whole-sequence pass that
+`splitspec train-target` trains with; it keeps no cache.
 """
 from __future__ import annotations
 
@@ -16,9 +20,8 @@ from torch import nn
 from splitspec.engine.attention import AttentionPlan, paged_attention
 from splitspec.engine.kv_pool import KVPool
 
-from .config import ModelConfig
+from ..config import ModelConfig
 from .fused import fused, transposed
-from .kv_cache import KVCache
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -140,7 +143,8 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x, cos, sin, cache: KVCache | PagedBatch | None, mask: torch.Tensor | None):
+    def forward(self, x, cos, sin):
+        """Whole causal sequences x [B, T, H] (training)."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim)
@@ -149,14 +153,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is not None:
-            k, v = cache.update(self.layer_idx, k, v)
         groups = self.n_heads // self.n_kv
         k, v = repeat_kv(k, groups), repeat_kv(v, groups)
-        if mask is None and cache is None and T > 1:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -200,8 +199,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, cache, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, mask)
+    def forward(self, x, cos, sin):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def forward_paged(self, x, rope, batch: PagedBatch):
@@ -215,19 +214,6 @@ class Backbone(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-
-@dataclass
-class ForwardOutput:
-    logits: torch.Tensor               # [B, T', V] for the requested rows
-    hidden: torch.Tensor | None        # [B, T, n_layers * H]: requested layers' outputs, concatenated
-
-
-def causal_mask(past: int, new: int, device) -> torch.Tensor:
-    """Bool [new, past + new]: new token i sees the cached prefix and new tokens <= i."""
-    cols = torch.arange(past + new, device=device)
-    rows = torch.arange(new, device=device)[:, None] + past
-    return cols[None, :] <= rows
 
 
 class CausalLM(nn.Module):
@@ -264,53 +250,24 @@ class CausalLM(nn.Module):
         read the same numbers in vLLM, SGLang or the reference loop."""
         return self.model.norm(x) if layer == self.cfg.num_hidden_layers - 1 else x
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
-                cache: KVCache | None = None, mask: torch.Tensor | None = None,
-                hidden_layers: tuple[int, ...] | list[int] = (),
-                logits_rows: slice | torch.Tensor | None = None) -> ForwardOutput:
-        """Run new tokens through the model.
-
-        input_ids: [B, T] (or [T]); positions: absolute positions, same shape (defaults to
-        `cache.length + arange(T)`); mask: bool, True = may attend, shaped [T, past + T] or
-        [B, 1, T, past + T] over (cached prefix + new tokens); causal when omitted.
-        hidden_layers: 0-based layer ids whose outputs are returned, concatenated (see `tap`).
-        logits_rows: which of the T rows to project through lm_head (all by default).
-        """
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits [B, T, V] of whole sequences input_ids [B, T] from position 0: the differentiable
+        pass `train-target` trains with (plain modules, so gradients reach every weight; the
+        serving path's fused weights are caches of them). Inference runs `forward_batch`."""
         if input_ids.dim() == 1:
             input_ids = input_ids[None]
-        B, T = input_ids.shape
-        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.cfg.vocab_size):
-            bad = input_ids[(input_ids < 0) | (input_ids >= self.cfg.vocab_size)][0].item()
-            raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.cfg.vocab_size})")
-        past = cache.length if cache is not None else 0
-        if cache is not None:
-            cache.reserve(T)
-        if positions is None:
-            positions = torch.arange(past, past + T, device=input_ids.device)
-        if cache is not None and mask is None and T > 1:
-            mask = causal_mask(past, T, input_ids.device)
-        for i in hidden_layers:
-            if not 0 <= i < self.cfg.num_hidden_layers:
-                raise ValueError(f"hidden layer id {i} is outside 0..{self.cfg.num_hidden_layers - 1}")
         x = self.model.embed_tokens(input_ids)
-        cos, sin = rope_cos_sin(self.inv_freq(x.device), positions, x.dtype)
-        wanted = {layer: None for layer in hidden_layers}
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, cache, mask)
-            if i in wanted:
-                wanted[i] = self.tap(i, x)
-        if cache is not None:
-            cache.advance(T)
-        h = self.model.norm(x if logits_rows is None else x[:, logits_rows])
-        hidden = torch.cat([wanted[i] for i in hidden_layers], dim=-1) if hidden_layers else None
-        return ForwardOutput(logits=self.lm_head(h), hidden=hidden)
+        cos, sin = rope_cos_sin(self.inv_freq(x.device), torch.arange(input_ids.shape[1], device=x.device), x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin)
+        return self.lm_head(self.model.norm(x))
 
     def forward_batch(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: PagedBatch, *,
                       hidden_layers=(), logits_index: torch.Tensor | None = None, max_position: int | None = None):
         """One forward over a ragged batch: input_ids / positions [N] are the new tokens of every
         row, laid out row after row as `batch.plan` describes; their K/V go into the pool.
         Returns logits [len(logits_index), V] and {layer: output [N, H]} for `hidden_layers`.
-        This is the serving path (fused projections, table rope); `forward` is its reference."""
+        The one inference path (fused projections, table rope)."""
         x = self.model.embed_tokens(input_ids)
         rope = self.rope(positions, x.dtype, max_position)
         wanted = set(hidden_layers)

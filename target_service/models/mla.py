@@ -21,8 +21,8 @@ from torch import nn
 
 from splitspec.engine.attention import AttentionPlan
 
-from .hybrid_config import HybridConfig
-from .model import RMSNorm
+from ..hybrid_config import HybridConfig
+from .dense import RMSNorm
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:

@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .hybrid_config import HybridConfig
-from .state_pool import StatePlan, StatePool
+from ..hybrid_config import HybridConfig
+from ..state_pool import StatePlan, StatePool
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
