@@ -87,7 +87,7 @@ def _np(t: torch.Tensor) -> np.ndarray:
 def _plan_to_wire(plan: AttentionPlan) -> dict:
     return {"slots": _np(plan.slot_mapping),
             "groups": [((_np(g.q_index), _np(g.kv_index), _np(g.mask), _np(g.valid), _np(g.flat)),
-                        (g.in_order, g.kv_start, g.kv_stride, g.no_mask)) for g in plan.groups]}
+                        (g.in_order, g.kv_start, g.kv_stride, g.no_mask, g.causal)) for g in plan.groups]}
 
 
 def _plan_from_wire(d: dict, device) -> AttentionPlan:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from target_service.engine import forward_sequences
 from target_service.generate import generate
 from target_service.loader import load_model, load_tokenizer
 
@@ -56,7 +57,7 @@ def test_tokenizers_agree(hf_tok):
 def test_logits_match_transformers(ours, hf, hf_tok):
     ids = torch.tensor([hf_tok(PROMPT)["input_ids"]])
     with torch.no_grad():
-        torch.testing.assert_close(ours(ids).logits, hf(ids).logits, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(forward_sequences(ours, ids).logits, hf(ids).logits, rtol=1e-4, atol=1e-4)
 
 
 def test_greedy_generation_matches_transformers(ours, hf, hf_tok):

@@ -41,6 +41,7 @@ class Group:
     kv_start: int = -1       # >= 0: kv_index is the one contiguous range kv_start + arange(C + Q): a view, no gather
     kv_stride: int = 0       # > 0 (with kv_start): row r's range starts kv_stride slots after row r-1's (a strided view)
     no_mask: bool = False    # every cell of `mask` is True (one decode row): SDPA runs without one
+    causal: bool = False     # rows of one length, no context, no tree mask: `mask` is plain causal (SDPA's is_causal)
     _masks: dict = field(default_factory=dict, repr=False, compare=False)
 
     def mask_for(self, rep: int) -> torch.Tensor | None:
@@ -100,8 +101,9 @@ def _group(rows: list[Row], starts: list[int], n: int, device) -> Group:
     valid = q_index < n
     in_order = R * Q == n and bool(valid.all()) and starts == list(range(0, n, Q))
     kv_start, kv_stride = _strided(rows, C + Q)
+    causal = C == 0 and Q > 1 and bool(qvalid.all()) and all(r.mask is None for r in rows)
     return Group(q_index.to(device), kv_index.to(device), mask.to(device), valid.to(device), q_index[valid].to(device),
-                 in_order=in_order, kv_start=kv_start, kv_stride=kv_stride, no_mask=bool(mask.all()))
+                 in_order=in_order, kv_start=kv_start, kv_stride=kv_stride, no_mask=bool(mask.all()), causal=causal)
 
 
 def _strided(rows: list[Row], K: int) -> tuple[int, int]:
@@ -135,7 +137,8 @@ def _one_row(row: Row, start: int, row_slots: torch.Tensor, n: int, device) -> G
     used = row.table.blocks[:-(-(c + q) // bs)]
     kv_start = used[0] * bs if used == list(range(used[0], used[0] + len(used))) else -1
     return Group(q_index, row_slots.view(1, c + q), mask.to(device), torch.ones(1, q, dtype=torch.bool, device=device),
-                 q_index.view(q), in_order=start == 0 and q == n, kv_start=kv_start, no_mask=q == 1)
+                 q_index.view(q), in_order=start == 0 and q == n, kv_start=kv_start, no_mask=q == 1,
+                 causal=c == 0 and row.mask is None and q > 1)
 
 
 def plan_attention(rows: list[Row], device, *, groups: bool = True) -> AttentionPlan:
@@ -194,9 +197,6 @@ def _group_attention(qq: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor,
     """qq [R, Q, Hq, D], the group's queries; returns [R, Q, Hq, D]."""
     R, Q, Hq, D = qq.shape
     Hkv = Hq // rep
-    # Grouped-query attention without copying K/V per query head: the `rep` query heads of a
-    # KV head become extra query rows of that head (query head h uses KV head h // rep).
-    qq = qq.reshape(R, Q, Hkv, rep, D).permute(0, 2, 3, 1, 4).reshape(R, Hkv, rep * Q, D)
     K = g.kv_index.shape[1]
     if g.kv_stride and k_all.is_contiguous() and v_all.is_contiguous():
         kk, vv = (t.as_strided((R, K, Hkv, t.shape[-1]), (g.kv_stride * t.stride(0), t.stride(0), t.stride(1), 1),
@@ -206,5 +206,13 @@ def _group_attention(qq: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor,
     else:
         # index_select copies whole rows; advanced indexing (t[idx]) is several times slower on CPU.
         kk, vv = (t.index_select(0, g.kv_index.view(-1)).view(R, K, Hkv, D).transpose(1, 2) for t in (k_all, v_all))
+    if g.causal:
+        # Whole sequences from position 0 (a first prefill chunk, the trainer's feature pass):
+        # SDPA's causal kernel, 1.5-1.8x the masked one on this CPU, query heads grouped in it.
+        o = F.scaled_dot_product_attention(qq.transpose(1, 2), kk, vv, is_causal=True, enable_gqa=rep > 1)
+        return o.transpose(1, 2)
+    # Grouped-query attention without copying K/V per query head: the `rep` query heads of a
+    # KV head become extra query rows of that head (query head h uses KV head h // rep).
+    qq = qq.reshape(R, Q, Hkv, rep, D).permute(0, 2, 3, 1, 4).reshape(R, Hkv, rep * Q, D)
     o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=g.mask_for(rep))
     return o.view(R, Hkv, rep, Q, D).permute(0, 3, 1, 2, 4).reshape(R, Q, Hq, D)

@@ -116,10 +116,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--reuse-buffer", type=int, default=64, help="recent sequences kept for --max-reuse")
     a("--producer", choices=("process", "thread"), default="process")
     a("--producer-threads", type=int, default=1, help="torch threads of the producer")
+    a("--producer-tensor-parallel-size", "--producer-tp-size", type=int, default=1, metavar="N",
+      help="run the producer's copy of the target on N tensor-parallel ranks (the service's sharding; "
+           "rank 0 in the producer, the others spawned beside it) for a target too big for one device")
     a("--producer-bf16", action=argparse.BooleanOptionalAction, default=True,
       help="the producer's copy of the target in bfloat16 (regeneration and features; ~1.3-2x faster on CPU)")
     # training
     a("--steps", type=int, default=3000)
+    a("--log-every", type=int, default=200, help="steps between loss/accuracy records (metrics history, log line)")
     a("--batch-seqs", type=int, default=2, help="sequences per optimizer step")
     a("--anchors", type=int, default=64, help="anchored blocks per sequence (fixed; masked when unused)")
     a("--min-anchor", type=int, default=8, help="smallest anchor position (context length)")
@@ -254,6 +258,9 @@ def new_backbone(args, target, layer_ids, mask_id) -> DFlashDraft:
     draft = new_draft(tcfg, num_layers=args.layers, block_size=args.block_size, mask_token_id=mask_id,
                       target_layer_ids=layer_ids, intermediate_size=args.intermediate_size, seed=args.seed)
     if args.init in ("target", "target-last"):
+        if getattr(tcfg, "hybrid", None) is not None:
+            raise SystemExit(f"--init {args.init} copies the target's dense attention layers; {tcfg.architecture} "
+                             f"has KDA / MLA layers: use --init random (or --init-from a trained draft)")
         if draft.cfg.intermediate_size != tcfg.intermediate_size:
             raise SystemExit(f"--init {args.init} needs the target's intermediate size")
         L = tcfg.num_hidden_layers
@@ -361,7 +368,7 @@ def main(argv=None) -> int:
                         raw_frac=args.raw_frac, temperature=args.regen_temperature, top_p=args.regen_top_p,
                         seed=args.seed, threads=args.producer_threads, bf16=args.producer_bf16,
                         start_item=state["consumed"], max_files=args.max_files, device=args.device,
-                        replay_kinds=args.replay_kinds)
+                        replay_kinds=args.replay_kinds, tp_size=args.producer_tensor_parallel_size)
     producer = ProducerHandle(spec, args.producer, args.queue_size)
     periodic = eval_set(target, streams, args, args.eval_prompts) if args.eval_every else None
     try:
@@ -397,7 +404,21 @@ def metrics(args, draft, state, info, ev, started, command, layer_ids, tcfg) -> 
             "rates": info.get("rates", {}), "train_acc": info.get("train_acc"),
             "acc_window": info.get("acc_window", 0), "eval": ev,
             "taps_reason": taps_reason(layer_ids, args, tcfg), "history": state["history"],
-            "args": vars(args)}
+            "target": target_card(args.target_model_path, tcfg), "args": vars(args)}
+
+
+def target_card(path, tcfg) -> dict:
+    """Which target the draft was trained against: the card names its family, since a draft only
+    serves the target (and the tap convention) it was trained on."""
+    h = getattr(tcfg, "hybrid", None)
+    if h is None:
+        family = "dense attention (Llama / Qwen)"
+    else:
+        kinds = [k for k, n in (("KDA", h.kda_layers), ("MLA", h.mla_layers)) if n]
+        family = "Kimi hybrid: " + " + ".join(kinds) + (", MoE" if h.num_experts else "") + \
+            (", Attention Residuals" if h.attn_res_block_size else "")
+    return {"path": str(path), "name": Path(str(path)).name, "architecture": tcfg.architecture, "family": family,
+            "layers": tcfg.num_hidden_layers, "hidden_size": tcfg.hidden_size, "vocab_size": tcfg.vocab_size}
 
 
 def eval_only(args, target, streams, eos_ids) -> int:
@@ -530,7 +551,7 @@ def train_loop(args, draft, opt, producer, state, ckpt_path, target, periodic, e
             + (f" budget left {(args.max_minutes * 60 - state['train_seconds']) / 60:.0f}m" if args.max_minutes else ""),
             refresh=False)
         bar.update(1)
-        if state["step"] % 200 == 0:
+        if state["step"] % args.log_every == 0:
             state["history"].append({"step": state["step"], "train_s": round(state["train_seconds"], 1),
                                      "loss": sum(hist_loss) / k, "acc": acc, "tau_tf": sum(hist_tau) / k,
                                      "gnorm": gnorm, **{kk: round(v, 3) for kk, v in r.items()}})

@@ -101,6 +101,7 @@ class ProducerSpec:
     max_files: int | None = None
     device: str = "cpu"
     replay_kinds: str = "all"
+    tp_size: int = 1                 # tensor-parallel ranks of the producer's target
 
 
 def chunk_path(run_dir, k: int) -> Path:
@@ -165,7 +166,14 @@ class Producer:
         # bf16: the weights themselves in bfloat16 (autocast would re-cast the frozen weights on
         # every call of every decode step)
         self.model = load_target(spec.target_path, dtype="bfloat16" if spec.bf16 else "float32",
-                                 device=spec.device)
+                                 device=spec.device, tensor_parallel_size=spec.tp_size)
+        try:
+            self._produce()
+        finally:
+            engine.close_model(self.model)      # a tensor-parallel target's other ranks
+
+    def _produce(self) -> None:
+        spec = self.spec
         streams = corpus_streams(spec.target_path, Path(spec.run_dir), spec.max_files)
         self.train_stream = streams["train"]
         (Path(spec.run_dir) / "data").mkdir(parents=True, exist_ok=True)
@@ -298,8 +306,10 @@ class ProducerHandle:
             ctx = mp.get_context("spawn")
             self.q, self.stop = ctx.Queue(maxsize=queue_size), ctx.Event()
             # A module-level function of this module (never __main__, even under `python -m`), so the
-            # spawned interpreter can import it.
-            self.worker = ctx.Process(target=_producer_entry, args=(spec, self.q, self.stop), daemon=True)
+            # spawned interpreter can import it. A daemonic process may not start the other ranks
+            # of a tensor-parallel target; `close` stops a non-daemonic one.
+            self.worker = ctx.Process(target=_producer_entry, args=(spec, self.q, self.stop),
+                                      daemon=spec.tp_size <= 1)
         else:
             self.q, self.stop = queue_mod.Queue(maxsize=queue_size), threading.Event()
             self.worker = threading.Thread(target=_producer_entry, args=(spec, self.q, self.stop), daemon=True)

@@ -100,11 +100,15 @@ def write_card(m: dict, args, final: bool) -> str:
     kind = ("**DFlash2 block-diffusion draft** (DFlash + dynamic grouped convs + a low-rank candidate selector)"
             if dflash2 else "**DFlash block-diffusion draft**")
     init = f"warm start from `{args.init_from}`" if args.init_from else args.init
+    t = m.get("target") or {"name": Path(str(args.target_model_path)).name, "architecture": "?", "family": "?",
+                            "layers": cfg["num_target_layers"]}
     return f"""# {Path(args.out).name}
 
-A {kind} for [`splitspec-code-target`](../splitspec-code-target/): one forward drafts a block
-of {B - 1} tokens (verify width / block size {B}), conditioned on the target's hidden states of
-layers {ids} (KV injection). Trained online against the frozen target with `splitspec train-draft`.
+A {kind} for [`{t['name']}`](../{t['name']}/) ({t['architecture']}, {t['family']}, {t['layers']} layers):
+one forward drafts a block of {B - 1} tokens (verify width / block size {B}), conditioned on the
+target's hidden states of layers {ids} (KV injection). Trained online against the frozen target
+with `splitspec train-draft`; its features come from the target's serving runner, so the draft
+reads at inference exactly what it was trained on. It serves this target only.
 {status}
 ## Model
 
