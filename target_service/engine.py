@@ -2,7 +2,8 @@
 tests and the one-process speculative loop use, all through the runner and pools the service
 batches with, so each model family has exactly one forward path.
 
-- `load_model`: a checkpoint folder as the service loads it (any family, optionally tensor-parallel).
+- `load_model`: a checkpoint folder as the service loads it (any family, optionally tensor-parallel);
+  `load_tokenizer` and `tokenizer_hash` for its tokenizer.
 - `TargetSequence`: one sequence: prefill, target-only decode, tree verification.
 - `SequenceBatch`: many sequences in lockstep (the draft trainer's producer, `splitspec ceiling`).
 - `forward_sequences`: logits and tap features of whole sequences in one forward.
@@ -19,7 +20,7 @@ from splitspec.engine.sample import SamplingParams, make_generator
 from splitspec.engine.tree import Tree
 
 from .loader import load_model as _load_model
-from .loader import parse_dtype, resolve_device
+from .loader import load_tokenizer, parse_dtype, resolve_device, tokenizer_hash  # noqa: F401 - the API's
 from .models.dense import CausalLM, PagedBatch
 from .pools import make_pool
 from .runner import Decode, Prefill, Sequence, StepOutput, Verify, check_hidden_stream, run_batch

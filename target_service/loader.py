@@ -210,6 +210,15 @@ def _dequantized(f, fname: Path, files: dict, pname: str, sname: str) -> torch.T
         raise CheckpointError(f"MXFP4 tensor {_stored(files, pname)!r} / {_stored(files, sname)!r}: {exc}") from None
 
 
+def stored_head_wins(cfg: ModelConfig, files: dict) -> ModelConfig:
+    """The Kimi family's reference modeling code never ties its head (transformers'
+    KimiLinearForCausalLM has no tied weights whatever `tie_word_embeddings` says), so a hybrid
+    checkpoint that stores an lm_head uses it; dense families tie as their config says."""
+    if cfg.hybrid is not None and cfg.tie_word_embeddings and "lm_head.weight" in files:
+        return ModelConfig(**{**cfg.__dict__, "tie_word_embeddings": False})
+    return cfg
+
+
 def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> CausalLM:
     if cfg.hybrid is not None:
         from .models.hybrid import HybridLM
@@ -236,8 +245,9 @@ def load_model(path: str | Path, *, dtype="float32", device="cpu") -> CausalLM:
     eos = read_eos_ids(path) or cfg.eos_token_ids
     if eos != cfg.eos_token_ids:
         cfg = ModelConfig(**{**cfg.__dict__, "eos_token_ids": eos})
-    model = build_model(cfg, parse_dtype(dtype), resolve_device(device))
     files = weight_files(path)
+    cfg = stored_head_wins(cfg, files)
+    model = build_model(cfg, parse_dtype(dtype), resolve_device(device))
     skip = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
     if cfg.hybrid is not None:
         from .hybrid_weights import adapt_tensor, checkpoint_name, ignored

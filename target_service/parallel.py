@@ -363,8 +363,10 @@ def _cut(t: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
 def _load_hybrid(path: Path, cfg: ModelConfig, layout: Layout, dtype: torch.dtype, device: torch.device):
     from .models.hybrid import HybridLM
     from .hybrid_weights import adapt_tensor, checkpoint_name, ignored
-    from .loader import load_state, quantization_scheme, weight_files
+    from .loader import load_state, quantization_scheme, stored_head_wins, weight_files
     quant = quantization_scheme(path)
+    files = weight_files(path)
+    cfg = stored_head_wins(cfg, files)
     with torch.device("meta"):
         model, slices = shard_hybrid(HybridLM(cfg), layout)
     model = model.to_empty(device=device).to(dtype)
@@ -386,7 +388,7 @@ def _load_hybrid(path: Path, cfg: ModelConfig, layout: Layout, dtype: torch.dtyp
             t = adapt_tensor(name, t, p)
         return _cut(t, *slices[name]) if name in slices else t
     skip = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
-    load_state(model, weight_files(path), skip=skip, source=checkpoint_name, adapt=adapt,
+    load_state(model, files, skip=skip, source=checkpoint_name, adapt=adapt,
                ignored=lambda n: ignored(cfg, n), quant=quant)
     return model.eval().requires_grad_(False), layout
 

@@ -48,7 +48,8 @@ def _finish(path: Path, vocab: int, tokenizer: bool) -> Path:
 
 
 def save_tiny_kimi(path, *, kda=(1, 2, 3), mla=(4,), vocab_size: int = 128, experts: int = 4, top_k: int = 2,
-                   seed: int = 0, tokenizer: bool = False, max_position_embeddings: int = 1024) -> Path:
+                   seed: int = 0, tokenizer: bool = False, max_position_embeddings: int = 1024,
+                   tie_word_embeddings: bool = False) -> Path:
     from transformers import KimiLinearConfig, KimiLinearForCausalLM
     path = Path(path)
     torch.manual_seed(seed)
@@ -57,7 +58,8 @@ def save_tiny_kimi(path, *, kda=(1, 2, 3), mla=(4,), vocab_size: int = 128, expe
                            linear_attn_config={"head_dim": 16, "num_heads": 2, "short_conv_kernel_size": 4,
                                                "kda_layers": list(kda), "full_attn_layers": list(mla)},
                            first_k_dense_replace=1, pad_token_id=1, bos_token_id=2, eos_token_id=EOS_ID,
-                           max_position_embeddings=max_position_embeddings, **KIMI_DIMS)
+                           max_position_embeddings=max_position_embeddings,
+                           tie_word_embeddings=tie_word_embeddings, **KIMI_DIMS)
     model = KimiLinearForCausalLM(cfg).eval()
     _perturb(model, seed)
     model.save_pretrained(str(path))

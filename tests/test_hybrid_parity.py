@@ -17,6 +17,8 @@ TOL = 1e-4
 FAMILIES = {
     "kimi": lambda p: save_tiny_kimi(p),
     "kimi_mla_first": lambda p: save_tiny_kimi(p, kda=(2, 3), mla=(1, 4)),
+    # tie_word_embeddings set, yet the reference never ties a Kimi head: the stored lm_head is used
+    "kimi_tie_flag": lambda p: save_tiny_kimi(p, tie_word_embeddings=True),
     "deepseek": lambda p: save_tiny_deepseek(p),
     "deepseek_yarn": lambda p: save_tiny_deepseek(p, yarn=True),
 }

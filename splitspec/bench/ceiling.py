@@ -180,7 +180,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from tokenizers import Tokenizer
 
-    from target_service.loader import load_model
+    from target_service.engine import load_model
 
     from .prompts import default_prompts, digest, load_jsonl
     from .report import cpu_model, git_revision

@@ -242,7 +242,7 @@ class DraftBench(Bench):
         if not hot or a.ceiling_paths <= 0:
             return out
         from splitspec.engine.sample import SamplingParams
-        from target_service.loader import load_model
+        from target_service.engine import load_model
 
         from .ceiling import ceiling
         model = load_model(self.target_path, device=a.device)

@@ -205,7 +205,7 @@ def ours_ms(model_dir: Path, prompt: list[int], width: int, reps: int) -> tuple[
     """The same two steps through our runner (decode; an 8-wide chain verify)."""
     from splitspec.engine.tree import Tree
     from target_service.engine import TargetSequence
-    from target_service.loader import load_model
+    from target_service.engine import load_model
     model = load_model(model_dir)
     seq = TargetSequence(model, prompt, max_len=len(prompt) + 2 * width + 8)
     seq.prefill()

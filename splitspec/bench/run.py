@@ -268,7 +268,7 @@ class Bench:
         self.model = self.draft = self.hf = None
         if any(CONFIGS[k].kind == "inproc" for k in self.configs):
             from draft_service.architectures import load_draft
-            from target_service.loader import load_model
+            from target_service.engine import load_model
             self.model = load_model(self.target_path, device=a.device)
             self.draft = load_draft(self.draft_path, self.target_path, device=a.device)
         if any(CONFIGS[k].kind == "hf" for k in self.configs):

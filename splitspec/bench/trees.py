@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from draft_service.architectures import load_draft
-    from target_service.loader import load_model, load_tokenizer
+    from target_service.engine import load_model, load_tokenizer
     torch.set_num_threads(args.torch_threads)
     meta = metadata(argv)
     meta["command"] = "splitspec bench-trees " + shlex.join(argv)

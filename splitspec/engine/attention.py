@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from .kv_pool import BlockTable
 
-LONG_QUERY = 32     # rows with more new tokens than this attend in a group of their own
+LONG_QUERY = 32     # rows with more new tokens than this attend in a group of their own (or of their exact shape)
 
 
 @dataclass
@@ -162,13 +162,16 @@ def plan_attention(rows: list[Row], device, *, groups: bool = True) -> Attention
     # Rows pad to the longest query of their group, so decode rows (1 query) must not share a
     # group with 8-token verify rows or a prompt chunk: bucket by query length (powers of two).
     buckets: dict[int, list[int]] = {}
+    # Long rows group only with rows of exactly their shape (nothing padded): the trainer's lockstep
+    # batches then run as one SDPA call per layer, not one per sequence.
+    long: dict[tuple[int, int], list[int]] = {}
     sets = []
     for i, r in enumerate(rows):
         if r.q_len > LONG_QUERY:
-            sets.append([i])
+            long.setdefault((r.q_len, r.table.length), []).append(i)
         else:
             buckets.setdefault(1 << (r.q_len - 1).bit_length(), []).append(i)
-    sets += buckets.values()
+    sets += list(long.values()) + list(buckets.values())
     return AttentionPlan(slot_mapping.to(device),
                          [_group([rows[i] for i in g], [starts[i] for i in g], n, device) for g in sets])
 

@@ -27,7 +27,7 @@ def load_target(path, threads: int | None = None, dtype: str = "float32", device
 
 
 def target_tokenizer(path):
-    from target_service.loader import load_tokenizer
+    from target_service.engine import load_tokenizer
     return load_tokenizer(path)
 
 
@@ -41,7 +41,7 @@ def eos_ids_of(target_cfg: ModelConfig, tok) -> tuple[int, ...]:
 def corpus_streams(target_path, run_dir: Path, max_files: int | None) -> dict[str, torch.Tensor]:
     """The training corpus (splitspec.train.corpus: stdlib, held-out split by file) tokenized with
     the target's tokenizer and packed as `<eos> doc <eos> doc …`, cached in the run folder."""
-    from target_service.loader import tokenizer_hash
+    from target_service.engine import tokenizer_hash
     cache = run_dir / "corpus.pt"
     key = {"tokenizer": tokenizer_hash(target_path), "max_files": max_files}
     if cache.is_file():

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from target_service.loader import load_model
+from target_service.engine import load_model
 
 
 # ---------------------------------------------------------------- losses
