@@ -33,11 +33,11 @@ from safetensors import safe_open
 from .config import ConfigError, ModelConfig
 from .hybrid_config import wrapper_of
 from .models.dense import CausalLM
-from .models.mxfp4 import Mxfp4Scheme, QuantizationConfigError, dequantize_mxfp4, parse_quantization
+from .models.fp4 import Fp4Scheme, PackedLinear, QuantizationConfigError, parse_quantization
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-PACKED, SCALE = ".weight_packed", ".weight_scale"
+PACKED, SCALE, GLOBAL = ".weight_packed", ".weight_scale", ".weight_global_scale"
 
 log = structlog.get_logger(__name__)
 
@@ -117,8 +117,8 @@ def weight_files(path: Path) -> WeightFiles:
     return files
 
 
-def quantization_scheme(path: Path) -> Mxfp4Scheme | None:
-    """The folder's MXFP4 scheme (its config.json's quantization_config), or None; ConfigError
+def quantization_scheme(path: Path) -> Fp4Scheme | None:
+    """The folder's FP4 scheme (its config.json's quantization_config), or None; ConfigError
     naming the field for a quantization this loader does not read."""
     try:
         return parse_quantization(_read_config(Path(path)))
@@ -136,46 +136,29 @@ def _read(f, files: dict, name: str) -> torch.Tensor:
 
 def load_state(module: torch.nn.Module, files: dict[str, Path], *, prefix: str = "",
                strict: bool = True, skip: tuple[str, ...] = (), source=None, adapt=None,
-               ignored=None, quant: Mxfp4Scheme | None = None) -> None:
+               ignored=None) -> None:
     """Copy tensors named `prefix + param_name` from safetensors files into `module`,
     checking every name and shape, converting dtype on the way. Hooks for families whose
     checkpoints spell things their own way: source(name, files) -> the checkpoint's name of a
     parameter; adapt(name, tensor, param) -> the tensor reshaped to the parameter (it sees a
     dequantized MXFP4 tensor whole, so tensor parallelism cuts it like any other);
     ignored(checkpoint name) -> True for tensors that may be present but are not used.
-    With `quant`, a parameter `X.weight` whose module it covers may be stored as the MXFP4 pair
-    `X.weight_packed` / `X.weight_scale` (dequantized here)."""
+    FP4 modules were swapped for `PackedLinear` beforehand (`pack_fp4`): their packed bytes and
+    scales load as they are stored, like any other tensor."""
     params = dict(module.named_parameters(remove_duplicate=True))
     by_file: dict[Path, list[str]] = {}
-    names, packed = {}, {}
+    names = {}
     for name in params:
         if name in skip:
             continue
         full = prefix + name if source is None else source(prefix + name, files)
-        base = full[:-len(".weight")] if full.endswith(".weight") else None
-        if full not in files and base is not None and base + PACKED in files:
-            pname, sname = base + PACKED, base + SCALE
-            stored = _stored(files, base)
-            owner = module.get_submodule(name.rpartition(".")[0]) if "." in name else module
-            if quant is None:
-                raise CheckpointError(f"tensor {stored + PACKED!r} is MXFP4-packed but config.json has no "
-                                      f"quantization_config (compressed-tensors mxfp4-pack-quantized) saying so")
-            if not quant.covers(stored, owner):
-                raise CheckpointError(f"tensor {stored + PACKED!r} is MXFP4-packed but config.json's "
-                                      f"quantization_config does not quantize {stored!r} (its targets / ignore lists)")
-            if sname not in files:
-                raise CheckpointError(f"tensor {stored + SCALE!r} is missing from the checkpoint: the MXFP4 tensor "
-                                      f"{stored + PACKED!r} needs its E8M0 scales")
-            packed[name] = (pname, sname)
-            by_file.setdefault(files[pname], []).append(name)
-            continue
         if full not in files:
             raise CheckpointError(f"tensor {_stored(files, full)!r} is missing from the checkpoint")
         names[name] = full
         by_file.setdefault(files[full], []).append(name)
     if strict:
         # Skipped names (a tied lm_head.weight some exports store anyway) are not "unexpected".
-        known = set(names.values()) | {prefix + n for n in skip} | {n for pair in packed.values() for n in pair}
+        known = set(names.values()) | {prefix + n for n in skip}
         extra = sorted(n for n in files if n.startswith(prefix) and n not in known
                        and not n.endswith("rotary_emb.inv_freq") and not (ignored and ignored(n)))
         if extra:
@@ -185,10 +168,7 @@ def load_state(module: torch.nn.Module, files: dict[str, Path], *, prefix: str =
             with safe_open(fname, framework="pt") as f:
                 for name in pnames:
                     p = params[name]
-                    if name in packed:
-                        t, label = _dequantized(f, fname, files, *packed[name]), _stored(files, packed[name][0])
-                    else:
-                        t, label = _read(f, files, names[name]), _stored(files, names[name])
+                    t, label = _read(f, files, names[name]), _stored(files, names[name])
                     if adapt is not None:
                         t = adapt(name, t, p)
                     if tuple(t.shape) != tuple(p.shape):
@@ -197,17 +177,42 @@ def load_state(module: torch.nn.Module, files: dict[str, Path], *, prefix: str =
                     p.copy_(t.to(p.dtype))
 
 
-def _dequantized(f, fname: Path, files: dict, pname: str, sname: str) -> torch.Tensor:
-    """The float32 tensor of an MXFP4 pair (its scales may live in another shard)."""
-    if files[sname] == fname:
-        scales = _read(f, files, sname)
-    else:
-        with safe_open(files[sname], framework="pt") as g:
-            scales = _read(g, files, sname)
-    try:
-        return dequantize_mxfp4(_read(f, files, pname), scales)
-    except ValueError as exc:
-        raise CheckpointError(f"MXFP4 tensor {_stored(files, pname)!r} / {_stored(files, sname)!r}: {exc}") from None
+def pack_fp4(model: torch.nn.Module, files: dict, quant: Fp4Scheme | None, *, source=None) -> int:
+    """Swap every nn.Linear whose weight the checkpoint stores FP4-packed (`X.weight_packed`) for
+    a `PackedLinear` of the same shape, on the meta model before anything is allocated, so the
+    experts stay packed in memory and no dequantized copy is ever made. Errors name the tensor:
+    a packed tensor the config does not declare, a missing scale. Returns how many were swapped."""
+    swapped = 0
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        full = name + ".weight" if source is None else source(name + ".weight", files)
+        base = full[:-len(".weight")]
+        if full in files or base + PACKED not in files:
+            continue
+        stored = _stored(files, base)
+        if quant is None:
+            raise CheckpointError(f"tensor {stored + PACKED!r} is FP4-packed but config.json has no "
+                                  f"quantization_config (compressed-tensors mxfp4- or nvfp4-pack-quantized) saying so")
+        fmt = quant.format_of(stored, module)
+        if fmt is None:
+            raise CheckpointError(f"tensor {stored + PACKED!r} is FP4-packed but config.json's "
+                                  f"quantization_config does not quantize {stored!r} (its targets / ignore lists)")
+        need = (SCALE, GLOBAL) if fmt == "nvfp4-pack-quantized" else (SCALE,)
+        for suffix in need:
+            if base + suffix not in files:
+                raise CheckpointError(f"tensor {stored + suffix!r} is missing from the checkpoint: the {fmt} tensor "
+                                      f"{stored + PACKED!r} needs it")
+        if module.bias is not None:
+            raise CheckpointError(f"tensor {stored + PACKED!r}: FP4 layers with a bias are not supported")
+        try:
+            packed = PackedLinear(module.in_features, module.out_features, fmt)
+        except ValueError as exc:
+            raise CheckpointError(f"tensor {stored + PACKED!r}: {exc}") from None
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, packed)
+        swapped += 1
+    return swapped
 
 
 def stored_head_wins(cfg: ModelConfig, files: dict) -> ModelConfig:
@@ -219,11 +224,17 @@ def stored_head_wins(cfg: ModelConfig, files: dict) -> ModelConfig:
     return cfg
 
 
-def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> CausalLM:
+def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, files: dict | None = None,
+                quant: Fp4Scheme | None = None) -> CausalLM:
+    """The model's modules, allocated on `device` but not loaded; with `files`, FP4-packed
+    tensors of the checkpoint get `PackedLinear` modules (never a dequantized weight)."""
     if cfg.hybrid is not None:
+        from .hybrid_weights import checkpoint_name
         from .models.hybrid import HybridLM
         with torch.device("meta"):
             model = HybridLM(cfg)
+        if files is not None:
+            pack_fp4(model, files, quant, source=checkpoint_name)
         model = model.to_empty(device=device).to(dtype)
         for p in model.fp32_parameters():
             p.data = p.data.float()
@@ -232,6 +243,8 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> C
         return model
     with torch.device("meta"):
         model = CausalLM(cfg)
+    if files is not None:
+        pack_fp4(model, files, quant)
     model = model.to_empty(device=device).to(dtype)
     if cfg.tie_word_embeddings:  # to_empty unties shared parameters
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -247,14 +260,14 @@ def load_model(path: str | Path, *, dtype="float32", device="cpu") -> CausalLM:
         cfg = ModelConfig(**{**cfg.__dict__, "eos_token_ids": eos})
     files = weight_files(path)
     cfg = stored_head_wins(cfg, files)
-    model = build_model(cfg, parse_dtype(dtype), resolve_device(device))
+    model = build_model(cfg, parse_dtype(dtype), resolve_device(device), files, quant)
     skip = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
     if cfg.hybrid is not None:
         from .hybrid_weights import adapt_tensor, checkpoint_name, ignored
         load_state(model, files, skip=skip, source=checkpoint_name, adapt=adapt_tensor,
-                   ignored=lambda n: ignored(cfg, n), quant=quant)
+                   ignored=lambda n: ignored(cfg, n))
     else:
-        load_state(model, files, skip=skip, quant=quant)
+        load_state(model, files, skip=skip)
     return model.eval().requires_grad_(False)
 
 

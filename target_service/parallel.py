@@ -351,6 +351,31 @@ def shard_tensor(name: str, t: torch.Tensor, cfg: ModelConfig, layout: Layout) -
     return t            # norms: replicated
 
 
+PACKED_PARTS = (".weight_packed", ".weight_scale", ".weight_global_scale")
+
+
+def packed_slice(name: str, t: torch.Tensor, slices: dict) -> tuple[int, int, int] | None:
+    """This rank's (dim, start, length) of a packed FP4 part `t` (the full checkpoint tensor),
+    from its weight's slice: rows as they are; columns (the input dimension) at two codes a byte
+    and one scale per group (32 MXFP4, 16 NVFP4), so a column cut must fall on a group boundary.
+    None: not cut (the NVFP4 global scale, a replicated weight)."""
+    base, _, part = name.rpartition(".")
+    cut = slices.get(base + ".weight")
+    if cut is None or part == "weight_global_scale":
+        return None
+    dim, start, length = cut
+    if dim == 0:
+        return cut
+    if part == "weight_packed":
+        return dim, start // 2, length // 2
+    group = 16 if t.dtype == torch.float8_e4m3fn else 32
+    if start % group or length % group:
+        raise ValueError(f"{name}: this rank's input columns {start}..{start + length} do not fall on "
+                         f"{group}-element scale groups; use a tensor-parallel size that divides the "
+                         f"expert intermediate into multiples of {group}")
+    return dim, start // group, length // group
+
+
 def _cut(t: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
     part = t.narrow(dim, start, min(length, t.shape[dim] - start))
     if part.shape[dim] < length:        # a vocabulary range past the end: zero rows
@@ -363,12 +388,13 @@ def _cut(t: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
 def _load_hybrid(path: Path, cfg: ModelConfig, layout: Layout, dtype: torch.dtype, device: torch.device):
     from .models.hybrid import HybridLM
     from .hybrid_weights import adapt_tensor, checkpoint_name, ignored
-    from .loader import load_state, quantization_scheme, stored_head_wins, weight_files
+    from .loader import load_state, pack_fp4, quantization_scheme, stored_head_wins, weight_files
     quant = quantization_scheme(path)
     files = weight_files(path)
     cfg = stored_head_wins(cfg, files)
     with torch.device("meta"):
         model, slices = shard_hybrid(HybridLM(cfg), layout)
+    pack_fp4(model, files, quant, source=checkpoint_name)       # this rank's slice of each expert, packed
     model = model.to_empty(device=device).to(dtype)
     if layout.kda_heads:        # pools.make_pool sizes this rank's KDA state by it
         model.local_kda_heads = layout.kda_heads
@@ -378,8 +404,11 @@ def _load_hybrid(path: Path, cfg: ModelConfig, layout: Layout, dtype: torch.dtyp
         model.lm_head.weight = model.model.embed_tokens.weight
 
     def adapt(name, t, p):
-        # `t` is the full checkpoint tensor (an MXFP4 expert already dequantized by load_state),
-        # so packed and plain experts are cut along their intermediate the same way.
+        # `t` is the full checkpoint tensor; a packed expert's bytes and scales are cut along its
+        # intermediate like the weight they encode (packed_slice).
+        if name.endswith(PACKED_PARTS):
+            cut = packed_slice(name, t, slices)
+            return t if cut is None else _cut(t, *cut)
         if name.endswith("A_log") and name in slices:
             # Checkpoints store A_log [1, 1, H, 1] or padded to the head dim: the first H values
             # are the heads', cut before this rank's slice is taken.
@@ -389,7 +418,7 @@ def _load_hybrid(path: Path, cfg: ModelConfig, layout: Layout, dtype: torch.dtyp
         return _cut(t, *slices[name]) if name in slices else t
     skip = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
     load_state(model, files, skip=skip, source=checkpoint_name, adapt=adapt,
-               ignored=lambda n: ignored(cfg, n), quant=quant)
+               ignored=lambda n: ignored(cfg, n))
     return model.eval().requires_grad_(False), layout
 
 
@@ -405,12 +434,14 @@ def load_sharded(path: str | Path, layout_world: int, rank: int, *, dtype: torch
     layout = make_layout(cfg, layout_world, rank)
     if cfg.hybrid is not None:
         return _load_hybrid(path, cfg, layout, dtype, device)
+    if quantization_scheme(path) is not None:
+        raise ValueError(f"{path}: an FP4-packed dense checkpoint loads at tensor-parallel size 1 only "
+                         f"(packed experts of the Kimi / DeepSeek-V3 family shard)")
     with torch.device("meta"):
         model = shard_model(CausalLM(cfg), layout)
     model = model.to_empty(device=device).to(dtype)
     if cfg.tie_word_embeddings:     # both vocab-parallel over the same ranges, so the tie holds per rank
         model.lm_head.weight = model.model.embed_tokens.weight
     skip = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
-    load_state(model, weight_files(path), skip=skip, quant=quantization_scheme(path),
-               adapt=lambda name, t, p: shard_tensor(name, t, cfg, layout))
+    load_state(model, weight_files(path), skip=skip, adapt=lambda name, t, p: shard_tensor(name, t, cfg, layout))
     return model.eval().requires_grad_(False), layout

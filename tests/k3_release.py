@@ -28,7 +28,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hybrid_models import save_tiny_k3
-from target_service.models.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+from target_service.models.fp4 import dequantize_mxfp4, quantize_mxfp4
 
 TEXT_PREFIX = "language_model."
 EXPERT = re.compile(r"model\.layers\.\d+\.block_sparse_moe\.experts\.\d+\.w[123]\.weight")
@@ -50,7 +50,7 @@ VISION_CONFIG = {"patch_size": 14, "init_pos_emb_height": 64, "init_pos_emb_widt
                  "text_hidden_size": 64}
 # Sizes the tiny text model needs for MXFP4: every expert input dim (the latent width for w1/w3,
 # the expert intermediate for w2) a multiple of 32.
-TEXT_CHANGES = {"moe_intermediate_size": 32, "routed_expert_hidden_size": 32}
+TEXT_CHANGES = {"moe_intermediate_size": 64, "routed_expert_hidden_size": 32}   # 32-wide groups at TP=2
 TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 

@@ -16,7 +16,7 @@ from k3_release import EXPERT, IGNORE, QUANTIZATION_CONFIG, rewrite, save_k3_rel
 from target_service.config import ConfigError, ModelConfig
 from target_service.engine import generate
 from target_service.loader import CheckpointError, load_model
-from target_service.models.mxfp4 import dequantize_mxfp4, parse_quantization, quantize_mxfp4
+from target_service.models.fp4 import PackedLinear, dequantize_mxfp4, parse_quantization, quantize_mxfp4
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
@@ -120,8 +120,10 @@ def test_quantization_config_targets_and_ignore():
 
 @pytest.mark.parametrize("change, message", [
     (lambda q: q.update(quant_method="fp8"), r"quantization_config.quant_method is 'fp8'"),
+    (lambda q: q["config_groups"]["group_0"].update(format="int-quantized"),
+     r"config_groups.group_0.format is 'int-quantized'; only 'mxfp4-pack-quantized' and 'nvfp4-pack-quantized'"),
     (lambda q: q["config_groups"]["group_0"].update(format="nvfp4-pack-quantized"),
-     r"config_groups.group_0.format is 'nvfp4-pack-quantized'"),
+     r"weights.group_size is 32; nvfp4-pack-quantized is group_size 16"),
     (lambda q: q["config_groups"]["group_0"]["weights"].update(group_size=16), r"weights.group_size is 16"),
     (lambda q: q["config_groups"]["group_0"].update(input_activations={"num_bits": 8}), "quantizes activations"),
 ])
@@ -159,11 +161,19 @@ def test_release_loads_to_the_plain_twin_and_generates_the_same(folders, plain_m
     assert len(skipped) == 1 and skipped[0]["tensors"] == {"vision_tower.": 3, "mm_projector.": 3}
     assert model.cfg.architecture == "KimiLinearForCausalLM" and model.cfg.hybrid.latent_dim == 32
     assert model.cfg == plain_model.cfg
-    mine, theirs = model.state_dict(), plain_model.state_dict()
-    assert mine.keys() == theirs.keys()
-    for name in mine:
+    # The experts stay packed (the checkpoint's bytes); each decodes to the plain twin's weight,
+    # and every other tensor equals the twin's.
+    packed = {n: m for n, m in model.named_modules() if isinstance(m, PackedLinear)}
+    assert len(packed) == 7 * 8 * 3 and all(m.weight_packed.dtype == torch.uint8 for m in packed.values())
+    theirs = plain_model.state_dict()
+    for name, m in packed.items():
+        assert torch.equal(m.dequantized(), theirs[name + ".weight"]), name
+    mine = model.state_dict()
+    plain_names = {n for n in theirs if n.rpartition(".")[0] not in packed}
+    assert {n for n in mine if n.rpartition(".")[0] not in packed} == plain_names
+    for name in plain_names:
         assert torch.equal(mine[name], theirs[name]), name
-    w1 = mine["model.layers.1.block_sparse_moe.experts.0.w1.weight"]
+    w1 = packed["model.layers.1.block_sparse_moe.experts.0.w1"].dequantized()
     assert len(w1.unique()) > 8                      # decoded values, several scales
     for prompt in PROMPTS:
         got = generate(model, prompt, N_NEW)
@@ -172,9 +182,11 @@ def test_release_loads_to_the_plain_twin_and_generates_the_same(folders, plain_m
 
 def test_release_in_bfloat16_loads_the_same_values(folders, plain_model):
     model = load_model(folders[0], dtype="bfloat16")
-    name = "model.layers.4.block_sparse_moe.experts.5.w2.weight"
-    got = dict(model.named_parameters())[name]
-    assert got.dtype == torch.bfloat16 and got.float().equal(dict(plain_model.named_parameters())[name])
+    name = "model.layers.4.block_sparse_moe.experts.5.w2"
+    expert = model.get_submodule(name)
+    assert expert.weight_scale.dtype == torch.uint8          # model.to(bfloat16) moved it, never converted it
+    got = expert.dequantized(torch.bfloat16)
+    assert got.float().equal(dict(plain_model.named_parameters())[name + ".weight"])
 
 
 def test_a_wrapper_config_reads_its_text_config():
@@ -205,15 +217,15 @@ def _replace(name, value):
 
 @pytest.mark.parametrize("edit, message", [
     (lambda t: _replace(f"{EXPERT_W1}.weight_packed", t[f"{EXPERT_W1}.weight_packed"][:, :-1])(t),
-     rf"MXFP4 tensor '{EXPERT_W1}.weight_packed' / '{EXPERT_W1}.weight_scale': packed shape \(32, 15\)"),
+     rf"tensor '{EXPERT_W1}.weight_packed' has shape \(64, 15\), expected \(64, 16\)"),
     (lambda t: _replace(f"{EXPERT_W1}.weight_packed", t[f"{EXPERT_W1}.weight_packed"][:-1])(t),
-     rf"MXFP4 tensor '{EXPERT_W1}.weight_packed' / .*packed shape \(31, 16\) and scale shape \(32, 1\)"),
+     rf"tensor '{EXPERT_W1}.weight_packed' has shape \(63, 16\), expected \(64, 16\)"),
     (lambda t: _replace(f"{EXPERT_W1}.weight_packed", t[f"{EXPERT_W1}.weight_packed"][:, :8])(
         _replace(f"{EXPERT_W1}.weight_scale", t[f"{EXPERT_W1}.weight_scale"][:, :0].contiguous())(t)),
-     rf"MXFP4 tensor '{EXPERT_W1}.weight_packed'"),
+     rf"tensor '{EXPERT_W1}.weight_(packed|scale)' has shape"),
     (lambda t: _drop(f"{EXPERT_W1}.weight_scale")(t),
-     rf"tensor '{EXPERT_W1}.weight_scale' is missing from the checkpoint: the MXFP4 tensor "
-     rf"'{EXPERT_W1}.weight_packed' needs its E8M0 scales"),
+     rf"tensor '{EXPERT_W1}.weight_scale' is missing from the checkpoint: the mxfp4-pack-quantized tensor "
+     rf"'{EXPERT_W1}.weight_packed' needs it"),
     (lambda t: _drop(f"{EXPERT_W1}.weight_packed")(t),
      rf"tensor '{EXPERT_W1}.weight' is missing from the checkpoint"),
     (lambda t: {**_drop("language_model.model.layers.2.block_sparse_moe.shared_experts.up_proj.weight")(t),
@@ -221,12 +233,12 @@ def _replace(name, value):
                             "language_model.model.layers.2.block_sparse_moe.shared_experts.up_proj.weight_scale"),
                            quantize_mxfp4(t["language_model.model.layers.2.block_sparse_moe.shared_experts."
                                             "up_proj.weight"].float())))},
-     r"'language_model.model.layers.2.block_sparse_moe.shared_experts.up_proj.weight_packed' is MXFP4-packed but "
+     r"'language_model.model.layers.2.block_sparse_moe.shared_experts.up_proj.weight_packed' is FP4-packed but "
      r"config.json's quantization_config does not quantize"),
     (lambda t: _replace("audio_tower.proj.weight", torch.zeros(2))(t),
      r"tensors \['audio_tower.proj.weight'\] are neither the text model's \(language_model.\*\) nor the vision "
      r"parts this target skips"),
-    (lambda t: _replace("language_model.model.layers.1.block_sparse_moe.experts.0.w1.bias", torch.zeros(32))(t),
+    (lambda t: _replace("language_model.model.layers.1.block_sparse_moe.experts.0.w1.bias", torch.zeros(64))(t),
      r"unexpected tensors in the checkpoint: \['language_model.model.layers.1.block_sparse_moe.experts.0.w1.bias'\]"),
 ], ids=["packed-width", "packed-rows", "no-groups", "missing-scale", "missing-packed", "ignored-module-packed",
         "unknown-top-level", "unexpected-text-tensor"])
@@ -241,19 +253,21 @@ def test_packed_experts_without_a_quantization_config_are_refused(folders, tmp_p
         del raw["text_config"]["quantization_config"]
         return raw
     bad = rewrite(folders[0], tmp_path / "bad", config=config)
-    with pytest.raises(CheckpointError, match=r"weight_packed' is MXFP4-packed but config.json has no "
+    with pytest.raises(CheckpointError, match=r"weight_packed' is FP4-packed but config.json has no "
                                               r"quantization_config"):
         load_model(bad)
 
 
 def test_release_at_tensor_parallel_size_2_generates_the_same(folders, plain_model):
-    """Two gloo ranks (rank 1 spawned): each dequantizes the experts, then cuts them along the
-    expert intermediate, as for plain ones; rank 0's greedy tokens equal the plain one-process model's."""
+    """Two gloo ranks (rank 1 spawned): each keeps its half of every expert packed (bytes and
+    scales cut along the expert intermediate on 32-element groups); rank 0's greedy tokens equal
+    the plain one-process model's."""
     from target_service import tp_worker
     drv = tp_worker.start(folders[0], 2, dtype=torch.float32, device=torch.device("cpu"), timeout_s=120,
                           torch_threads=1)
     try:
-        assert "expert intermediate 16/rank" in drv.layout.describe(drv.cfg)
+        assert "expert intermediate 32/rank" in drv.layout.describe(drv.cfg)
+        assert isinstance(drv.inner.get_submodule("model.layers.1.block_sparse_moe.experts.0.w2"), PackedLinear)
         for prompt in PROMPTS:
             assert generate(drv, prompt, N_NEW) == generate(plain_model, prompt, N_NEW)
     finally:

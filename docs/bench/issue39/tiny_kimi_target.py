@@ -47,7 +47,7 @@ def main() -> None:
                            linear_attn_config={"head_dim": 32, "num_heads": 4, "short_conv_kernel_size": 4,
                                                "kda_layers": [1, 2, 3], "full_attn_layers": [4]},
                            pad_token_id=0, bos_token_id=0, eos_token_id=0, max_position_embeddings=2048,
-                           tie_word_embeddings=True)
+                           tie_word_embeddings=False)
     model = KimiLinearForCausalLM(cfg)
     # The tokenizer's files name this folder's config; corpus_streams caches under a run folder.
     (out / "config.json").write_text(json.dumps(cfg.to_dict()))
