@@ -66,7 +66,7 @@ def save_tiny_kimi(path, *, kda=(1, 2, 3), mla=(4,), vocab_size: int = 128, expe
     return _finish(path, vocab_size, tokenizer)
 
 
-def save_tiny_deepseek(path, *, yarn: bool = False, vocab_size: int = 128, seed: int = 0) -> Path:
+def save_tiny_deepseek(path, *, yarn: bool = False, vocab_size: int = 128, seed: int = 0, **dims) -> Path:
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
     path = Path(path)
     torch.manual_seed(seed)
@@ -78,7 +78,7 @@ def save_tiny_deepseek(path, *, yarn: bool = False, vocab_size: int = 128, seed:
                            num_experts_per_tok=2, n_group=4, topk_group=2, first_k_dense_replace=1,
                            n_shared_experts=1, routed_scaling_factor=2.5, rope_parameters=rope,
                            max_position_embeddings=256, pad_token_id=1, bos_token_id=2, eos_token_id=EOS_ID,
-                           **KIMI_DIMS)
+                           **{**KIMI_DIMS, **dims})
     model = DeepseekV3ForCausalLM(cfg).eval()
     _perturb(model, seed)
     model.save_pretrained(str(path))
