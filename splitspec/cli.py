@@ -10,6 +10,7 @@
     splitspec train-draft ...                 train a DFlash or DFlash2 draft for a target (splitspec.train.draft)
     splitspec bench ...                       benchmark harness (splitspec.bench; docs/benchmarks.md)
     splitspec ceiling ...                     the accept length the target allows any drafter (splitspec.bench.ceiling)
+    splitspec preflight MODEL ...             per-rank memory of a target for a layout and a device (target_service.preflight)
     splitspec bench-drafts --draft A --draft B  draft checkpoints side by side through the services (splitspec.bench.drafts)
     splitspec bench-trees                       chain vs tree drafts, verify cost by node count (splitspec.bench.trees)
 """
@@ -115,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("bench", add_help=False, help="benchmark the configurations side by side (see its --help)")
     sub.add_parser("ceiling", add_help=False, help="the accept length the target allows a perfect drafter "
                                                    "(see its --help)")
+    sub.add_parser("preflight", add_help=False, help="per-rank memory of a target folder for a tensor-parallel "
+                                                     "size and a device (see its --help)")
     sub.add_parser("bench-drafts", add_help=False, help="two or more drafts for one target side by side through "
                                                         "the services (see its --help)")
     sub.add_parser("bench-trees", add_help=False, help="chain vs tree drafts side by side, and verify cost against "
@@ -282,6 +285,9 @@ def main(argv=None) -> None:
     if argv and argv[0] == "ceiling":
         from splitspec.bench.ceiling import main as ceiling_main
         sys.exit(ceiling_main(argv[1:]))
+    if argv and argv[0] == "preflight":
+        from target_service.preflight import main as preflight_main
+        sys.exit(preflight_main(argv[1:]))
     if argv and argv[0] == "bench-drafts":
         from splitspec.bench.drafts import cli_main as bench_drafts_main
         sys.exit(bench_drafts_main(argv[1:]))

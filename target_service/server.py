@@ -35,6 +35,7 @@ from .loader import CheckpointError
 from .scheduler import AdmissionError, ClosedError, ContextError, DrainingError, Scheduler, StaleError
 from splitspec.engine.flashinfer_attention import AttentionBackendError
 from splitspec.engine.flashinfer_attention import check_available as check_attention_backend
+from . import preflight
 from .pools import make_pool
 from .parallel import TensorParallelError
 from splitspec.engine.loop import EngineLoop
@@ -312,6 +313,12 @@ def build_parser() -> argparse.ArgumentParser:
       help="shard the model over this many ranks on torch.distributed (gloo on CPU, NCCL on CUDA: rank r on "
            "the r-th GPU from --device); the service process is rank 0 and spawns the others. Llama / Qwen2 / "
            "Qwen3 and the Kimi / DeepSeek-V3 family; --kv-cache-budget-mb is per rank")
+    a("--device-memory-gb", type=float, default=None,
+      help="memory of each rank's device for the start-up preflight (default: the CUDA device's free memory, "
+           "or this host's available memory divided among the ranks it spawns)")
+    a("--memory-reserve-mb", type=int, default=256,
+      help="per rank, what the preflight keeps for activations, workspace and allocator slack on top of the "
+           "weights, the KV pool and the KDA state")
     a("--tp-timeout-s", type=float, default=120.0,
       help="with --tensor-parallel-size > 1: the longest a collective may wait for a rank before the replica "
            "gives up and goes out of service (NOT_SERVING)")
@@ -357,6 +364,13 @@ def check_args(args: argparse.Namespace) -> None:
 def _load(args: argparse.Namespace):
     device = resolve_device(args.device)
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
+    # Before anything is allocated: refuse a target that cannot fit, with the numbers.
+    mem = preflight.check(args.model_path, world=getattr(args, "tensor_parallel_size", 1), dtype=dtype, device=device,
+                          kv_budget_mb=args.kv_cache_budget_mb, max_sessions=args.max_running_requests,
+                          reserve_mb=args.memory_reserve_mb, device_memory_gb=args.device_memory_gb)
+    logs.get_logger().info("memory_preflight", per_rank_gib=round(mem.total / preflight.GIB, 3),
+                           experts_gib=round(mem.experts / preflight.GIB, 3), trunk_gib=round(mem.trunk / preflight.GIB, 3),
+                           kv_gib=round(mem.kv / preflight.GIB, 3), device=mem.device_name)
     if getattr(args, "tensor_parallel_size", 1) > 1:
         from . import tp_worker
         model = tp_worker.start(args.model_path, args.tensor_parallel_size, dtype=parse_dtype(dtype), device=device,
@@ -454,7 +468,7 @@ def main(argv=None) -> None:
     share = start_share("target", args, logs.get_logger())      # sets this process's threads
     try:
         run_main("splitspec-target", serve(args, share=share), (BackendError, AttentionBackendError, ConfigError,
-                                                                CheckpointError, ValueError))
+                                                                CheckpointError, ValueError, preflight.PreflightError))
     finally:
         if share is not None:
             share.leave()

@@ -189,3 +189,52 @@ def test_services_on_a_packed_target_equal_transformers_and_follow_its_distribut
             assert chi_square_pvalue(counts, joint, samples) > 1e-3
         finally:
             ch.close()
+
+
+# ------------------------------------------------------------------ memory preflight
+
+
+def _param_bytes(model) -> tuple[int, int]:
+    experts = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n)
+    return experts, sum(p.numel() * p.element_size() for p in model.parameters()) - experts
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_preflight_estimate_is_what_the_loaded_ranks_hold(packed_pair, dtype):
+    from target_service.engine import close_model
+    from target_service.preflight import estimate
+    for folder in packed_pair:
+        est = estimate(folder, dtype=dtype)
+        assert (est.experts, est.trunk) == _param_bytes(load_model(folder, dtype=dtype)), folder.name
+    est = estimate(packed_pair[0], world=2, dtype=dtype)
+    drv = load_model(packed_pair[0], dtype=dtype, tensor_parallel_size=2)
+    try:
+        assert (est.experts, est.trunk) == _param_bytes(drv.inner)
+    finally:
+        close_model(drv)
+    packed, twin = estimate(packed_pair[0], dtype=dtype), estimate(packed_pair[1], dtype=dtype)
+    assert packed.experts_dequantized == twin.experts > 3.5 * packed.experts     # 16 or 32 bits vs ~4.25-4.5
+
+
+def test_the_target_refuses_a_model_that_does_not_fit_before_loading_anything(packed_pair, monkeypatch):
+    import target_service.server as server
+    from target_service.preflight import PreflightError, main as preflight_main
+    args = server.build_parser().parse_args(["--model-path", str(packed_pair[0]), "--kv-cache-budget-mb", "64",
+                                             "--device-memory-gb", "0.05"])
+    loaded = []
+    monkeypatch.setattr(server, "load_model", lambda *a, **k: loaded.append(a))
+    with pytest.raises(PreflightError) as err:
+        server._load(args)
+    msg = str(err.value)
+    assert "does not fit" in msg and "KV pool" in msg and "a device with at least" in msg and not loaded
+    assert preflight_main([str(packed_pair[0]), "--kv-cache-budget-mb", "64", "--device-memory-gb", "0.05"]) == 1
+    assert preflight_main([str(packed_pair[0]), "--kv-cache-budget-mb", "8", "--device-memory-gb", "1"]) == 0
+
+
+def test_the_service_exits_at_once_naming_the_numbers(packed_pair):
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "target_service.server", "--model-path", str(packed_pair[0]),
+                        "--port", "0", "--device-memory-gb", "0.01"], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert "does not fit" in r.stdout + r.stderr and "per rank needed" in r.stdout + r.stderr
