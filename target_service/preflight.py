@@ -149,7 +149,7 @@ def estimate(path: str | Path, *, world: int = 1, dtype: str = "bfloat16", kv_bu
 
 def device_memory(device: str | torch.device, world: int = 1) -> tuple[int, str]:
     """(bytes one rank may use, a description): a CUDA device's free memory, or this host's
-    available memory shared by the `world` ranks it spawns."""
+    available memory shared by the `world` ranks of this node."""
     device = torch.device(device)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
@@ -171,14 +171,14 @@ def _mem_available() -> int:
 
 
 def check(path, *, world: int, dtype: str, device: str, kv_budget_mb: int, max_sessions: int, reserve_mb: int,
-          device_memory_gb: float | None = None) -> RankMemory:
+          device_memory_gb: float | None = None, local_ranks: int | None = None) -> RankMemory:
     """`estimate`, then PreflightError when a rank would not fit: the numbers, and what to change."""
     mem = estimate(path, world=world, dtype=dtype, kv_budget_mb=kv_budget_mb, max_sessions=max_sessions,
                    reserve_mb=reserve_mb)
     if device_memory_gb is not None:
         mem.device, mem.device_name = int(device_memory_gb * GIB), f"--device-memory-gb {device_memory_gb:g}"
     else:
-        mem.device, mem.device_name = device_memory(device, world)
+        mem.device, mem.device_name = device_memory(device, local_ranks or world)
     if not mem.fits:
         over = mem.total - mem.device
         weights, fixed = mem.experts + mem.trunk, mem.kv + mem.state + mem.reserve

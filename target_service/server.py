@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import os
 import socket
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -313,6 +314,18 @@ def build_parser() -> argparse.ArgumentParser:
       help="shard the model over this many ranks on torch.distributed (gloo on CPU, NCCL on CUDA: rank r on "
            "the r-th GPU from --device); the service process is rank 0 and spawns the others. Llama / Qwen2 / "
            "Qwen3 and the Kimi / DeepSeek-V3 family; --kv-cache-budget-mb is per rank")
+    a("--nnodes", type=int, default=None,
+      help="nodes the tensor-parallel group spans (SGLang's name; default: LWS_GROUP_SIZE under a "
+           "LeaderWorkerSet, else 1); each node runs this command and holds --tensor-parallel-size / --nnodes ranks")
+    a("--node-rank", type=int, default=None,
+      help="this node's index, 0..--nnodes - 1 (default: LWS_WORKER_INDEX, else 0). Node 0 serves gRPC; "
+           "another node only runs its ranks and exits when one of them does")
+    a("--dist-init-addr", default=None, metavar="HOST:PORT",
+      help="node 0's address for torch.distributed (PORT) and the ranks' control channels (PORT + 1) "
+           "(default: LWS_LEADER_ADDRESS:20000 under a LeaderWorkerSet)")
+    a("--dist-auth-key", default="splitspec",
+      help="shared secret the other nodes' ranks prove to node 0's control port (set it: anyone who can "
+           "reach that port with the key can drive the ranks)")
     a("--device-memory-gb", type=float, default=None,
       help="memory of each rank's device for the start-up preflight (default: the CUDA device's free memory, "
            "or this host's available memory divided among the ranks it spawns)")
@@ -342,6 +355,18 @@ def metrics_state(state: TargetState) -> dict:
                 kv_blocks_free=sched.pool.free_blocks, forwards=sched.forwards, rows=sched.rows)
 
 
+def nodes_from_lws(args: argparse.Namespace) -> None:
+    """Fill --nnodes / --node-rank / --dist-init-addr left unset from the variables a
+    LeaderWorkerSet injects (LWS_GROUP_SIZE, LWS_WORKER_INDEX, LWS_LEADER_ADDRESS)."""
+    env = os.environ
+    if args.nnodes is None:
+        args.nnodes = int(env.get("LWS_GROUP_SIZE", "1"))
+    if args.node_rank is None:
+        args.node_rank = int(env.get("LWS_WORKER_INDEX", "0"))
+    if args.dist_init_addr is None and env.get("LWS_LEADER_ADDRESS") and args.nnodes > 1:
+        args.dist_init_addr = f"{env['LWS_LEADER_ADDRESS']}:20000"
+
+
 def check_args(args: argparse.Namespace) -> None:
     if args.max_queued_requests < 0:
         raise SystemExit("--max-queued-requests must be >= 0")
@@ -353,6 +378,22 @@ def check_args(args: argparse.Namespace) -> None:
         raise SystemExit("--max-context must be >= 0")
     if args.tensor_parallel_size < 1:
         raise SystemExit("--tensor-parallel-size must be >= 1")
+    nodes_from_lws(args)
+    if args.nnodes < 1:
+        raise SystemExit("--nnodes must be >= 1")
+    if not 0 <= args.node_rank < args.nnodes:
+        raise SystemExit(f"--node-rank {args.node_rank} must be in 0..{args.nnodes - 1} (--nnodes {args.nnodes})")
+    if args.nnodes > 1:
+        if args.tensor_parallel_size % args.nnodes:
+            raise SystemExit(f"--tensor-parallel-size {args.tensor_parallel_size} must be a multiple of --nnodes "
+                             f"{args.nnodes}: every node holds the same number of ranks")
+        if not args.dist_init_addr:
+            raise SystemExit("--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address)")
+        from .tp_worker import split_addr
+        try:
+            split_addr(args.dist_init_addr)
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from None
     if args.tensor_parallel_size > 1 and args.attention_backend != "torch":
         raise SystemExit("--tensor-parallel-size > 1 runs --attention-backend torch only")
     if args.tp_timeout_s <= 0:
@@ -364,8 +405,11 @@ def check_args(args: argparse.Namespace) -> None:
 def _load(args: argparse.Namespace):
     device = resolve_device(args.device)
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
-    # Before anything is allocated: refuse a target that cannot fit, with the numbers.
+    # Before anything is allocated: refuse a target that cannot fit, with the numbers. Host memory
+    # is shared by the ranks of this node only.
+    nodes = getattr(args, "nnodes", 1) or 1
     mem = preflight.check(args.model_path, world=getattr(args, "tensor_parallel_size", 1), dtype=dtype, device=device,
+                          local_ranks=getattr(args, "tensor_parallel_size", 1) // nodes,
                           kv_budget_mb=args.kv_cache_budget_mb, max_sessions=args.max_running_requests,
                           reserve_mb=args.memory_reserve_mb, device_memory_gb=args.device_memory_gb)
     logs.get_logger().info("memory_preflight", per_rank_gib=round(mem.total / preflight.GIB, 3),
@@ -374,7 +418,9 @@ def _load(args: argparse.Namespace):
     if getattr(args, "tensor_parallel_size", 1) > 1:
         from . import tp_worker
         model = tp_worker.start(args.model_path, args.tensor_parallel_size, dtype=parse_dtype(dtype), device=device,
-                                timeout_s=args.tp_timeout_s, torch_threads=args.torch_threads)
+                                timeout_s=args.tp_timeout_s, torch_threads=args.torch_threads,
+                                nnodes=getattr(args, "nnodes", 1) or 1, dist_init_addr=getattr(args, "dist_init_addr", None),
+                                auth_key=getattr(args, "dist_auth_key", "splitspec").encode())
         return model, make_verifier(args.sampling_backend, device)
     model = load_model(args.model_path, dtype=parse_dtype(dtype), device=device)
     if args.attention_backend == "flashinfer":
@@ -465,6 +511,15 @@ def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
     check_args(args)
     logs.configure("target", args.log_level)
+    if args.node_rank > 0:
+        # Another node of a multi-node group: no gRPC; its ranks join node 0's and serve its forwards.
+        from . import tp_worker
+        device = resolve_device(args.device)
+        dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
+        sys.exit(tp_worker.launch_node(args.model_path, args.tensor_parallel_size, nnodes=args.nnodes,
+                                       node_rank=args.node_rank, dist_init_addr=args.dist_init_addr,
+                                       dtype=parse_dtype(dtype), device=device, timeout_s=args.tp_timeout_s,
+                                       torch_threads=args.torch_threads, auth_key=args.dist_auth_key.encode()))
     share = start_share("target", args, logs.get_logger())      # sets this process's threads
     try:
         run_main("splitspec-target", serve(args, share=share), (BackendError, AttentionBackendError, ConfigError,

@@ -21,7 +21,15 @@ exists only on rank 0; a worker's pool has the same block ids, with its share of
 
 A worker that dies takes the replica out of service: the monitor thread marks the group
 failed, every later forward raises TensorParallelError (UNAVAILABLE to the gateway, which
-re-prefills elsewhere) and the server's `on_failure` hook turns health NOT_SERVING."""
+re-prefills elsewhere) and the server's `on_failure` hook turns health NOT_SERVING.
+
+**Several nodes** (`--nnodes N --node-rank k --dist-init-addr HOST:PORT`, SGLang's names): each
+node runs the same command and holds world / N consecutive ranks. Node 0 is the service: rank 0
+and its local ranks as above, plus a control listener on PORT + 1 (HMAC-authenticated with
+`--dist-auth-key`) that the other nodes' ranks dial; torch.distributed meets at HOST:PORT. Node
+k > 0 is a launcher (`launch_node`): it spawns its ranks, which connect their control channel
+to node 0 and then behave exactly as local workers, and it exits when one of them does. A lost
+node closes its ranks' control connections, which rank 0's monitor sees like a dead local rank."""
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -108,12 +116,30 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", (device.index or 0) + rank)
 
 
-def init_group(rank: int, world: int, port: int, device: torch.device, timeout_s: float) -> None:
+def init_group(rank: int, world: int, port: int, device: torch.device, timeout_s: float,
+               host: str = "127.0.0.1") -> None:
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", world_size=world, rank=rank,
+    dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", world_size=world, rank=rank,
                             timeout=timedelta(seconds=timeout_s))
+
+
+def dial(host: str, port: int, key: bytes, rank: int, timeout_s: float):
+    """A remote rank's control channel to node 0 (retried until node 0 listens, at most
+    timeout_s); raises ConnectionError naming the address when it never answers."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            conn = multiprocessing.connection.Client((host, port), authkey=key)
+            conn.send(("hello", rank))
+            return conn
+        except (ConnectionRefusedError, OSError) as exc:
+            if time.monotonic() > deadline:
+                raise ConnectionError(f"rank {rank}: node 0's control port {host}:{port} did not answer within "
+                                      f"{timeout_s:.0f} s ({exc}); check --dist-init-addr and that node 0 is "
+                                      f"starting") from None
+            time.sleep(0.5)
 
 
 # ---- ranks 1..N-1 ------------------------------------------------------------------------------
@@ -122,11 +148,17 @@ def worker_main(rank: int, world: int, port: int, spec: dict, conn) -> None:
     """Entry point of a spawned rank: join the group, load the shard, then run what rank 0 sends."""
     if spec.get("torch_threads"):
         torch.set_num_threads(spec["torch_threads"])
-    device = rank_device(torch.device(spec["device"]), rank)
+    local = spec.get("local_rank", rank)
+    device = rank_device(torch.device(spec["device"]), local)
     try:
-        init_group(rank, world, port, device, spec["timeout_s"])
+        if conn is None:            # a rank on another node: its control channel dials node 0
+            conn = dial(spec["host"], port + 1, spec["key"], rank, spec["timeout_s"])
+        init_group(rank, world, port, device, spec["timeout_s"], spec.get("host", "127.0.0.1"))
         model, _ = load_sharded(spec["model_path"], world, rank, dtype=spec["dtype"], device=device)
     except Exception as exc:  # noqa: BLE001 - reported to rank 0, which fails start-up with it
+        if conn is None:            # no channel to report on: this node's launcher sees the exit code
+            log.error("tensor_parallel_rank_failed", rank=rank, error=f"{type(exc).__name__}: {exc}")
+            raise SystemExit(1) from None
         conn.send(("error", f"rank {rank}: {type(exc).__name__}: {exc}"))
         return
     conn.send(("ready", None))
@@ -183,8 +215,11 @@ class TensorParallelDriver:
     """Rank 0's sharded model behind the interface the runner and scheduler use (`cfg`,
     `parameters()`, `forward_batch`); each forward first sends its step to the workers."""
 
-    def __init__(self, model, layout: Layout, procs: list, conns: list, backend: str):
+    def __init__(self, model, layout: Layout, procs: list, conns: list, backend: str, remote: int = 0,
+                 listener=None):
         self.inner, self.layout, self.procs, self.conns = model, layout, procs, conns
+        self.remote = remote        # the last `remote` conns reach ranks on other nodes
+        self.listener = listener
         self.cfg = model.cfg
         self.backend = backend
         self.pool: RecordingKVPool | None = None
@@ -281,8 +316,14 @@ class TensorParallelDriver:
 
     def _watch(self) -> None:
         sentinels = {p.sentinel: i + 1 for i, p in enumerate(self.procs)}
-        ready = multiprocessing.connection.wait(list(sentinels))
+        # A remote rank never writes after "ready": its connection turns readable only at EOF.
+        far = {c: len(self.conns) - self.remote + i + 1 for i, c in enumerate(self.conns[len(self.conns) - self.remote:])}
+        ready = multiprocessing.connection.wait(list(sentinels) + list(far))
         if self.closing:
+            return
+        if ready[0] in far:
+            self._fail(f"tensor-parallel rank {far[ready[0]]} on another node is gone (its control connection "
+                       f"closed); this replica is out of service")
             return
         rank = sentinels[ready[0]]
         code = self.procs[rank - 1].exitcode
@@ -308,6 +349,8 @@ class TensorParallelDriver:
             p.join(5)
             if p.is_alive():
                 p.terminate()
+        if self.listener is not None:
+            self.listener.close()
         try:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - a broken group cannot be torn down cleanly
@@ -315,18 +358,26 @@ class TensorParallelDriver:
 
 
 def start(model_path: str, world: int, *, dtype: torch.dtype, device: torch.device, timeout_s: float,
-          torch_threads: int = 0) -> TensorParallelDriver:
-    """Spawn ranks 1..world-1, join the group as rank 0, load every shard; returns rank 0's driver
-    once every rank has its weights (or raises with the failing rank's error)."""
+          torch_threads: int = 0, nnodes: int = 1, dist_init_addr: str | None = None,
+          auth_key: bytes = b"") -> TensorParallelDriver:
+    """Node 0: spawn its local ranks 1..world/nnodes-1, accept the other nodes' ranks on the
+    control port, join the group as rank 0, load every shard; returns rank 0's driver once every
+    rank has its weights (or raises with the failing rank's error)."""
     from .config import ModelConfig
     from .parallel import make_layout
     make_layout(ModelConfig.from_dir(model_path), world)    # a shape that does not divide fails before any spawn
-    port = free_port()
+    local = world // nnodes
+    host, port = ("127.0.0.1", free_port()) if nnodes == 1 else split_addr(dist_init_addr)
     ctx = mp.get_context("spawn")
     spec = dict(model_path=str(model_path), device=str(device), dtype=dtype, timeout_s=timeout_s,
-                torch_threads=torch_threads)
+                torch_threads=torch_threads, host=host)
+    listener, accepted, closed = None, {}, threading.Event()
+    if nnodes > 1:
+        listener = multiprocessing.connection.Listener((host, port + 1), authkey=auth_key)
+        threading.Thread(target=_accept, args=(listener, world - local, accepted, closed), daemon=True,
+                         name="tp-accept").start()
     procs, conns = [], []
-    for rank in range(1, world):
+    for rank in range(1, local):
         parent, child = ctx.Pipe()
         p = ctx.Process(target=worker_main, args=(rank, world, port, spec, child), daemon=True,
                         name=f"splitspec-tp-rank{rank}")
@@ -335,24 +386,98 @@ def start(model_path: str, world: int, *, dtype: torch.dtype, device: torch.devi
         procs.append(p)
         conns.append(parent)
     try:
-        init_group(0, world, port, rank_device(device, 0), timeout_s)
+        init_group(0, world, port, rank_device(device, 0), timeout_s, host)
         model, layout = load_sharded(model_path, world, 0, dtype=dtype, device=rank_device(device, 0))
         deadline = time.monotonic() + READY_TIMEOUT_S
-        for rank, (p, c) in enumerate(zip(procs, conns), start=1):
+        if nnodes > 1:
+            # every rank joined the group above, so each has dialled in already (or is about to)
+            while len(accepted) < world - local and time.monotonic() < deadline:
+                time.sleep(0.05)
+            missing = sorted(set(range(local, world)) - set(accepted))
+            if missing:
+                raise TensorParallelError(f"tensor-parallel ranks {missing} never reached the control port "
+                                          f"{host}:{port + 1}")
+        remote = [accepted[r] for r in range(local, world)]
+        for rank, c in enumerate(conns + remote, start=1):
+            p = procs[rank - 1] if rank < local else None
             while not c.poll(0.2):
-                if not p.is_alive():
+                if p is not None and not p.is_alive():
                     raise TensorParallelError(f"tensor-parallel rank {rank} exited during start-up "
                                               f"(code {p.exitcode})")
                 if time.monotonic() > deadline:
                     raise TensorParallelError(f"tensor-parallel rank {rank} did not load within {READY_TIMEOUT_S} s")
-            kind, detail = c.recv()
+            try:
+                kind, detail = c.recv()
+            except EOFError:
+                raise TensorParallelError(f"tensor-parallel rank {rank} closed its control connection during "
+                                          f"start-up") from None
             if kind != "ready":
                 raise TensorParallelError(f"tensor-parallel start-up failed: {detail}")
     except BaseException:
         for p in procs:
             p.terminate()
+        if listener is not None:
+            closed.set()
+            listener.close()
         raise
     backend = "nccl" if device.type == "cuda" else "gloo"
-    log.info("tensor_parallel_ready", world=world, backend=backend, pids=[os.getpid()] + [p.pid for p in procs],
-             layout=layout.describe(model.cfg))
-    return TensorParallelDriver(model, layout, procs, conns, backend)
+    log.info("tensor_parallel_ready", world=world, nnodes=nnodes, backend=backend,
+             pids=[os.getpid()] + [p.pid for p in procs], layout=layout.describe(model.cfg))
+    return TensorParallelDriver(model, layout, procs, conns + remote, backend, remote=len(remote), listener=listener)
+
+
+def split_addr(addr: str | None) -> tuple[str, int]:
+    """HOST:PORT of --dist-init-addr (ValueError naming the flag when malformed)."""
+    host, _, port = (addr or "").rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65535:
+        raise ValueError(f"--dist-init-addr {addr!r}: expected HOST:PORT (node 0's address; PORT + 1 must be free "
+                         f"too, for the ranks' control channels)")
+    return host.strip("[]"), int(port)
+
+
+def _accept(listener, n: int, into: dict, closed: threading.Event) -> None:
+    """Node 0: accept the control connections of the `n` ranks on other nodes, keyed by rank."""
+    while len(into) < n:
+        try:
+            conn = listener.accept()
+            kind, rank = conn.recv()
+        except (OSError, EOFError, multiprocessing.AuthenticationError) as exc:
+            if closed.is_set():                 # start-up gave up
+                return
+            log.warning("tensor_parallel_control_refused", reason=str(exc))
+            continue
+        if kind == "hello" and isinstance(rank, int):
+            into[rank] = conn
+
+
+def launch_node(model_path: str, world: int, *, nnodes: int, node_rank: int, dist_init_addr: str,
+                dtype: torch.dtype, device: torch.device, timeout_s: float, torch_threads: int = 0,
+                auth_key: bytes = b"") -> int:
+    """Node k > 0: spawn this node's ranks (k·L .. k·L + L - 1, L = world / nnodes), which dial
+    node 0 and serve its forwards; return when one of them exits (its exit code, or 1 when one
+    failed), terminating the others, so the node's supervisor restarts the group."""
+    host, port = split_addr(dist_init_addr)
+    local = world // nnodes
+    ctx = mp.get_context("spawn")
+    procs = []
+    for i in range(local):
+        rank = node_rank * local + i
+        spec = dict(model_path=str(model_path), device=str(device), dtype=dtype, timeout_s=timeout_s,
+                    torch_threads=torch_threads, host=host, key=auth_key, local_rank=i)
+        p = ctx.Process(target=worker_main, args=(rank, world, port, spec, None), daemon=True,
+                        name=f"splitspec-tp-rank{rank}")
+        p.start()
+        procs.append(p)
+    log.info("tensor_parallel_node", node_rank=node_rank, nnodes=nnodes, ranks=[node_rank * local + i for i in range(local)],
+             dist_init_addr=dist_init_addr, pids=[p.pid for p in procs])
+    try:
+        multiprocessing.connection.wait([p.sentinel for p in procs])
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(5)
+    codes = [p.exitcode for p in procs]
+    log.info("tensor_parallel_node_exited", node_rank=node_rank, exit_codes=codes)
+    return 0 if all(c == 0 for c in codes) else 1

@@ -84,16 +84,18 @@ def find(docs, kind: str, name: str) -> dict:
     return got[0]
 
 
-def pod_templates(docs):
-    """(workload, pod template) for every Deployment and LeaderWorkerSet."""
+def pod_templates(docs, workers: bool = False):
+    """(workload, pod template) of every serving pod: each Deployment's, and a LeaderWorkerSet's
+    leader (its workerTemplate when it has no leaderTemplate). workers=True: also the worker
+    template of a LeaderWorkerSet whose workers only run tensor-parallel ranks."""
     for d in docs:
         if d["kind"] == "Deployment":
             yield d, d["spec"]["template"]
         elif d["kind"] == "LeaderWorkerSet":
             t = d["spec"]["leaderWorkerTemplate"]
-            for key in ("leaderTemplate", "workerTemplate"):
-                if key in t:
-                    yield d, t[key]
+            yield d, t.get("leaderTemplate", t["workerTemplate"])
+            if workers and "leaderTemplate" in t:
+                yield d, t["workerTemplate"]
 
 
 def containers(docs):
@@ -177,8 +179,8 @@ def test_builtin_objects_pass_strict_schemas(rel, version):
             continue
         kubernetes_validate.validate(doc, version, strict=True)
         checked += 1
-    for wl, tmpl in pod_templates(render(rel)):
-        if wl["kind"] == "LeaderWorkerSet":       # its pod template against Kubernetes' own schema
+    for wl, tmpl in pod_templates(render(rel), workers=True):
+        if wl["kind"] == "LeaderWorkerSet":       # its pod templates against Kubernetes' own schema
             kubernetes_validate.validate({"apiVersion": "v1", "kind": "PodTemplate",
                                           "metadata": {"name": wl["metadata"]["name"]}, "template": tmpl},
                                          version, strict=True)
@@ -408,3 +410,29 @@ def test_cuda_overlay_gives_target_and_draft_a_gpu():
             ranks = getattr(args, "tensor_parallel_size", 1)
             assert gpus == str(ranks) and args.device == "cuda"
             assert c["resources"]["requests"]["nvidia.com/gpu"] == gpus
+
+
+def test_leaderworkerset_groups_span_two_nodes():
+    """overlays/lws: a group of two pods is one tensor-parallel replica. Both run the target with
+    the same model and ranks; the node flags come from LWS's variables (leader: node 0, serving
+    gRPC and its dist ports; worker: node 1, ranks only, no probes), and only the leader is
+    selected by the Service."""
+    docs = render("overlays/lws")
+    lws = find(docs, "LeaderWorkerSet", "target")
+    t = lws["spec"]["leaderWorkerTemplate"]
+    assert t["size"] == 2 and t["restartPolicy"] == "RecreateGroupOnPodRestart"
+    leader, worker = t["leaderTemplate"]["spec"]["containers"][0], t["workerTemplate"]["spec"]["containers"][0]
+    assert leader["command"] == worker["command"] == ["splitspec-target"]
+    group = {"LWS_GROUP_SIZE": "2", "LWS_LEADER_ADDRESS": "target-0.target"}
+    for c, index in ((leader, "0"), (worker, "1")):
+        with mock.patch.dict(os.environ, {**group, "LWS_WORKER_INDEX": index}):
+            args = parse_container(c)
+            target_server.nodes_from_lws(args)
+        assert (args.nnodes, args.node_rank, args.dist_init_addr) == (2, int(index), "target-0.target:20000")
+        assert args.tensor_parallel_size == 2 and args.tensor_parallel_size % args.nnodes == 0
+        assert args.model_path == "/models/target"
+    assert {p["containerPort"] for p in leader["ports"]} >= {20000, 20001}
+    assert "ports" not in worker and not any(k in worker for k in ("startupProbe", "livenessProbe", "readinessProbe"))
+    svc = find(docs, "Service", "target")
+    assert svc["spec"]["selector"].items() <= t["leaderTemplate"]["metadata"]["labels"].items()
+    assert not svc["spec"]["selector"].items() <= t["workerTemplate"]["metadata"]["labels"].items()
