@@ -74,11 +74,12 @@ def save_tiny_deepseek(path, *, yarn: bool = False, vocab_size: int = 128, seed:
     if yarn:
         rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
                 "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
-    cfg = DeepseekV3Config(vocab_size=vocab_size, num_hidden_layers=3, q_lora_rank=32, n_routed_experts=8,
-                           num_experts_per_tok=2, n_group=4, topk_group=2, first_k_dense_replace=1,
-                           n_shared_experts=1, routed_scaling_factor=2.5, rope_parameters=rope,
-                           max_position_embeddings=256, pad_token_id=1, bos_token_id=2, eos_token_id=EOS_ID,
-                           **{**KIMI_DIMS, **dims})
+    cfg = DeepseekV3Config(**{**dict(vocab_size=vocab_size, num_hidden_layers=3, q_lora_rank=32, n_routed_experts=8,
+                                     num_experts_per_tok=2, n_group=4, topk_group=2, first_k_dense_replace=1,
+                                     n_shared_experts=1, routed_scaling_factor=2.5, rope_parameters=rope,
+                                     max_position_embeddings=256, pad_token_id=1, bos_token_id=2,
+                                     eos_token_id=EOS_ID),
+                              **KIMI_DIMS, **dims})
     model = DeepseekV3ForCausalLM(cfg).eval()
     _perturb(model, seed)
     model.save_pretrained(str(path))

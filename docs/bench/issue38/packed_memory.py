@@ -23,16 +23,18 @@ CHILD = r"""
 import json, resource, sys, time, torch
 torch.set_num_threads(1)
 from target_service.engine import load_model, generate
-def rss():
+def status(key):
     for line in open("/proc/self/status"):
-        if line.startswith("VmRSS:"):
+        if line.startswith(key + ":"):
             return int(line.split()[1]) * 1024
+def rss():
+    return status("VmRSS")
 base = rss()
 t = time.perf_counter()
 m = load_model(sys.argv[1])
 load_s = time.perf_counter() - t
 after = rss()
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+peak = status("VmHWM")      # this process's own high-water mark (ru_maxrss carries the parent's over exec)
 params = sum(p.numel() * p.element_size() for p in m.parameters())
 experts = sum(p.numel() * p.element_size() for n, p in m.named_parameters() if ".experts." in n)
 prompt = list(range(10, 42))
