@@ -10,7 +10,6 @@ import re
 import shutil
 from pathlib import Path
 
-import torch
 from safetensors.torch import load_file, save_file
 
 from target_service.models.fp4 import (FORMAT, NV_FORMAT, dequantize_mxfp4, dequantize_nvfp4, quantize_mxfp4,

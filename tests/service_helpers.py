@@ -94,6 +94,28 @@ def target_stub(address: str) -> tuple[grpc.Channel, target_pb2_grpc.TargetStub]
     return ch, target_pb2_grpc.TargetStub(ch)
 
 
+def finish_with_one_failover(calls, firsts, want) -> None:
+    """Two streams started before a replica was broken: both finish with the reference tokens,
+    and exactly one of them failed over to the other replica to do so."""
+    failovers = 0
+    for call, first in zip(calls, firsts):
+        ids, _, complete = collect(call)
+        assert first + ids == want
+        failovers += complete.stats.target_failovers
+    assert failovers == 1
+
+
+def wait_not_serving(address: str, timeout_s: float = 30) -> None:
+    """Health turns NOT_SERVING (2) within timeout_s."""
+    import time
+
+    from splitspec.ops.launch import health_status
+    deadline = time.monotonic() + timeout_s
+    while health_status(address) != 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert health_status(address) == 2
+
+
 def target_info(address: str):
     with grpc.insecure_channel(address) as ch:
         return target_pb2_grpc.TargetStub(ch).GetInfo(common_pb2.GetInfoRequest(), timeout=10)

@@ -14,33 +14,31 @@ from __future__ import annotations
 import argparse
 import json
 import struct
+import sys
 from pathlib import Path
 
 import torch
 
-K3 = {
-    "architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear",
-    "vocab_size": 163840, "hidden_size": 7168, "intermediate_size": 33792, "moe_intermediate_size": 3072,
-    "num_hidden_layers": 93, "num_attention_heads": 96, "num_key_value_heads": 96,
-    "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
-    "mla_use_nope": True, "mla_use_output_gate": True,
-    "linear_attn_config": {"head_dim": 128, "num_heads": 96, "short_conv_kernel_size": 4,
-                           "use_full_rank_gate": True, "gate_lower_bound": -5.0,
-                           "full_attn_layers": list(range(4, 93, 4)) + [93],
-                           "kda_layers": [i for i in range(1, 94) if i % 4 and i != 93]},
-    "first_k_dense_replace": 1, "num_experts": 896, "num_experts_per_token": 16, "num_shared_experts": 2,
-    "num_expert_group": 1, "topk_group": 1, "moe_renormalize": True, "routed_scaling_factor": 1.0,
-    "topk_method": "noaux_tc", "routed_expert_hidden_size": 3584, "latent_moe_use_norm": True,
-    "hidden_act": "situ", "activation_situ_beta": 4.0, "activation_situ_linear_beta": 25.0,
-    "attn_res_block_size": 12, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
-    "max_position_embeddings": 1048576, "num_nextn_predict_layers": 0,
-    "bos_token_id": 163584, "eos_token_id": 163586, "pad_token_id": 163839,
-    "quantization_config": {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized",
-                            "ignore": ["lm_head"],
-                            "config_groups": {"group_0": {"targets": [r"re:.*\.experts\.\d+\.w[123]$"],
-                                                          "weights": {"num_bits": 4, "type": "float",
-                                                                      "group_size": 32, "symmetric": True}}}},
-}
+ROOT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(ROOT / "tests"))
+from hybrid_models import K3_CONFIG  # noqa: E402 - the published field names, tiny sizes
+
+# K3_CONFIG at the published sizes (research: shared/research/kimi-k3-target.md)
+K3 = {**K3_CONFIG,
+      "vocab_size": 163840, "hidden_size": 7168, "intermediate_size": 33792, "moe_intermediate_size": 3072,
+      "num_hidden_layers": 93, "num_attention_heads": 96, "num_key_value_heads": 96,
+      "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+      "linear_attn_config": {**K3_CONFIG["linear_attn_config"], "head_dim": 128, "num_heads": 96,
+                             "full_attn_layers": list(range(4, 93, 4)) + [93],
+                             "kda_layers": [i for i in range(1, 94) if i % 4 and i != 93]},
+      "num_experts": 896, "num_experts_per_token": 16, "routed_expert_hidden_size": 3584,
+      "attn_res_block_size": 12, "max_position_embeddings": 1048576,
+      "bos_token_id": 163584, "eos_token_id": 163586, "pad_token_id": 163839,
+      "quantization_config": {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized",
+                              "ignore": ["lm_head"],
+                              "config_groups": {"group_0": {"targets": [r"re:.*\.experts\.\d+\.w[123]$"],
+                                                            "weights": {"num_bits": 4, "type": "float",
+                                                                        "group_size": 32, "symmetric": True}}}}}
 DTYPE = {torch.bfloat16: "BF16", torch.float32: "F32", torch.uint8: "U8"}
 
 
