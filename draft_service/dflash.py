@@ -36,12 +36,16 @@ BLOCK_SIZE_MEANINGS = ("verify_width", "draft_count")
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """Evenly spread taps: round(1 + i * (L - 4) / (n - 1)) (z-lab's build_target_layer_ids)."""
+    """Evenly spread taps: round(1 + i * (L - 4) / (n - 1)) (z-lab's build_target_layer_ids).
+    A target too shallow for that spread (it would tap one layer twice, or run backwards: 4
+    layers and 2 taps gave [1, 1]) gets n distinct layers spread over all of 0..L-1 instead."""
     n, L = num_draft_layers, num_target_layers
     if n == 1:
         return [L // 2]
-    ids = [int(round(1 + i * (L - 4) / (n - 1))) for i in range(n)]
-    return [min(max(i, 0), L - 1) for i in ids]
+    ids = [min(max(int(round(1 + i * (L - 4) / (n - 1))), 0), L - 1) for i in range(n)]
+    if len(set(ids)) < n or ids != sorted(ids):
+        ids = [int(round(i * (L - 1) / (n - 1))) for i in range(n)] if n <= L else ids
+    return ids
 
 
 @dataclass(frozen=True)

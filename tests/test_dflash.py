@@ -245,6 +245,8 @@ def test_checkpoint_roundtrip_and_block_size_meaning(tmp_path, target, tiny_mode
 def test_default_target_layer_ids():
     assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
     assert all(0 <= i < 6 for i in default_target_layer_ids(6, 3))
+    # too shallow for z-lab's spread: distinct, increasing layers instead of [1, 1] / [1, 0]
+    assert default_target_layer_ids(4, 2) == [0, 3] and default_target_layer_ids(3, 2) == [0, 2]
 
 
 def test_ngram_lookup_prefers_longest_recent_match():
