@@ -197,3 +197,18 @@ def test_a_sweep_point_reports_medians_of_its_repeats_and_paired_ratios():
     p = median_point(runs, target)
     assert p["tokens_per_s"] == 120.0 and p["x"] == 1          # the lower-middle run's other fields
     assert p["speedup_vs_target_runs"] == [1.0, 2.0] and p["speedup_vs_target"] == 1.5
+
+
+def test_without_matplotlib_the_report_stands_and_the_plots_are_skipped(tmp_path, monkeypatch, capsys):
+    """Installed without the `bench` extra: results.json, results.md and the printed report, then
+    a line saying the plots were skipped and how to get them (exit 0)."""
+    import sys
+    monkeypatch.setitem(sys.modules, "matplotlib", None)          # `import matplotlib` fails as if absent
+    argv = ["--target-model-path", str(tiny_target_dir(1024)), "--draft-model-path", "none", "--num-prompts", "1",
+            "--max-new-tokens", "4", "--max-prompt-tokens", "24", "--configs", "target", "--temperatures", "0",
+            "--warmup", "0", "--step-time-prompts", "0", "--concurrency", "", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    assert (tmp_path / "results.json").is_file() and (tmp_path / "results.md").is_file()
+    assert not list(tmp_path.glob("*.png"))
+    captured = capsys.readouterr()
+    assert "plots skipped: matplotlib is not installed" in captured.out + captured.err

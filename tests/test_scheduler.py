@@ -4,6 +4,7 @@ frees the slot and the blocks; chunked prefill."""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -205,11 +206,20 @@ def test_an_extended_decode_run_stays_in_every_forward(model):
     async def body(sched):
         a, _ = await sched.open("a", [9, 10], SamplingParams(), max_new_tokens=80)
         b, _ = await sched.open("b", [5, 6, 7], SamplingParams(), max_new_tokens=40)
+        # The engine thread waits here until both runs are pending, so the first forward holds
+        # both however the machine schedules the two tasks.
+        gate = threading.Event()
+        sched.engine.post("hold", lambda: gate.wait(30))
         other = asyncio.ensure_future(_drain(sched.decode(a, 60)))
-        out, sizes, extended = [], [], None
-        async for st in sched.decode(b, 10):
-            if extended is None:
-                extended = sched.extend(b, 10)
+        stream = sched.decode(b, 10)
+        first = asyncio.ensure_future(stream.__anext__())
+        while a.work is None or b.work is None:
+            await asyncio.sleep(0)
+        gate.set()
+        st = await first
+        extended = sched.extend(b, 10)
+        out, sizes = [st.out.committed[0]], [st.batch_size]
+        async for st in stream:
             out.append(st.out.committed[0])
             sizes.append(st.batch_size)
         await other

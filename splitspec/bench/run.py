@@ -677,8 +677,11 @@ def main(argv: list[str] | None = None) -> int:
     md_path.write_text(text)
     paths = [json_path, md_path]
     if not args.no_plots:
-        from .plots import plot
-        paths += plot(results, Path(args.plots) if args.plots else out)
+        try:
+            from .plots import plot
+            paths += plot(results, Path(args.plots) if args.plots else out)
+        except ModuleNotFoundError as exc:       # the `bench` extra is not installed: the report stands
+            log(f"plots skipped: {exc.name} is not installed (pip install -e '.[bench]')")
     print(text)
     log("wrote " + ", ".join(str(p) for p in paths))
     return 0
