@@ -523,7 +523,8 @@ def main(argv=None) -> None:
     share = start_share("target", args, logs.get_logger())      # sets this process's threads
     try:
         run_main("splitspec-target", serve(args, share=share), (BackendError, AttentionBackendError, ConfigError,
-                                                                CheckpointError, ValueError, preflight.PreflightError))
+                                                                CheckpointError, ValueError, preflight.PreflightError,
+                                                                TensorParallelError))
     finally:
         if share is not None:
             share.leave()

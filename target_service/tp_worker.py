@@ -386,7 +386,13 @@ def start(model_path: str, world: int, *, dtype: torch.dtype, device: torch.devi
         procs.append(p)
         conns.append(parent)
     try:
-        init_group(0, world, port, rank_device(device, 0), timeout_s, host)
+        try:
+            init_group(0, world, port, rank_device(device, 0), timeout_s, host)
+        except (RuntimeError, OSError) as exc:      # DistStoreError / DistNetworkError: ranks missing
+            hint = (f"; start the other nodes (--node-rank 1..{nnodes - 1}) with --dist-init-addr {host}:{port}"
+                    if nnodes > 1 else "")
+            raise TensorParallelError(f"the tensor-parallel group of {world} ranks did not form at {host}:{port} "
+                                      f"within --tp-timeout-s {timeout_s:g} ({exc}){hint}") from None
         model, layout = load_sharded(model_path, world, 0, dtype=dtype, device=rank_device(device, 0))
         deadline = time.monotonic() + READY_TIMEOUT_S
         if nnodes > 1:

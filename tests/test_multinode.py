@@ -109,6 +109,16 @@ def test_a_node_whose_node_0_never_answers_exits_non_zero(tmp_path):
     assert f"127.0.0.1:{port + 1} did not answer" in r.stdout + r.stderr
 
 
+def test_node_0_without_its_other_nodes_exits_naming_them():
+    port = _free_pair()
+    r = subprocess.run([sys.executable, "-m", "target_service.server", "--model-path", str(tiny_target_dir(256)),
+                        "--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", "0", "--port", "0",
+                        "--dist-init-addr", f"127.0.0.1:{port}", "--tp-timeout-s", "3"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert f"did not form at 127.0.0.1:{port}" in r.stderr and "start the other nodes (--node-rank 1..1)" in r.stderr
+
+
 def test_leaderworkerset_variables_configure_the_nodes(monkeypatch):
     import target_service.server as server
     monkeypatch.setenv("LWS_GROUP_SIZE", "2")
