@@ -72,13 +72,15 @@ MAX_CHOICES = 256          # prompts x n in one request
 HTTP_NAMES = {"max_new_tokens": "max_tokens", "prompt_logprobs": "logprobs"}
 MIN_LOGPROB = -9999.0      # what -inf becomes in JSON (vLLM's choice): JSON has no infinity
 
+# Constrained decoding as vLLM spells it: known, so refused by name rather than ignored as unknown.
+GUIDED_FIELDS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 COMMON_FIELDS = {"model", "stream", "stream_options", "temperature", "top_p", "top_k", "seed", "max_tokens", "stop",
                  "stop_token_ids", "ignore_eos", "speculative", "n", "best_of", "presence_penalty",
                  "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "logprobs", "user",
-                 "tools", "functions", "tool_choice", "function_call"}
+                 "tools", "functions", "tool_choice", "function_call", "response_format", *GUIDED_FIELDS}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "suffix"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt",
-                               "chat_template_kwargs", "parallel_tool_calls", "response_format"}
+                               "chat_template_kwargs", "parallel_tool_calls"}
 
 
 def http_status(code: grpc.StatusCode) -> tuple[int, str]:
@@ -150,6 +152,20 @@ def _unsupported(body: dict) -> None:
         raise bad("suffix is not supported", "suffix")
     if body.get("tools") or body.get("functions"):
         raise bad("tools / function calling are not supported", "tools")
+    # Until outputs can be constrained (a grammar engine), a request for JSON must not get free
+    # text with a 200: it is refused, naming the field.
+    fmt = body.get("response_format")
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if not isinstance(kind, str):
+            raise bad("response_format must be an object with a string `type`", "response_format")
+        if kind != "text":
+            raise bad(f"response_format type {kind!r} is not supported: outputs cannot be constrained to a "
+                      f"schema or format yet, so they would not be valid; send type 'text' or leave it out",
+                      "response_format")
+    for name in GUIDED_FIELDS:
+        if body.get(name) is not None:
+            raise bad(f"{name} is not supported: outputs cannot be constrained yet", name)
 
 
 @dataclass

@@ -334,6 +334,27 @@ def test_chat_errors_and_unknown_fields(client, services):
     assert any(e["fields"] == ["no_such_field"] for e in logged)
 
 
+def test_unconstrainable_formats_are_refused_not_ignored(client):
+    """A JSON-schema, json_object or yaml response_format (and vLLM's guided / structured fields)
+    would silently get free text: refused with a 400 naming the field, on chat and completions;
+    type text is what every answer is, and passes."""
+    messages = [{"role": "user", "content": "hi"}]
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    for fmt in (schema, {"type": "json_object"}, {"type": "yaml"}, "json"):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model="", messages=messages, max_tokens=2, response_format=fmt)
+        assert err.value.body["param"] == "response_format"
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model="", prompt="hi", max_tokens=2, extra_body={"response_format": fmt})
+        assert err.value.body["param"] == "response_format"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="", messages=messages, max_tokens=2,
+                                       extra_body={"structured_outputs": {"choice": ["a", "b"]}})
+    assert err.value.body["param"] == "structured_outputs"
+    ok = client.chat.completions.create(model="", messages=messages, max_tokens=2, response_format={"type": "text"})
+    assert ok.choices[0].message.content is not None
+
+
 def test_choice_seeds_and_token_bytes(target_dir):
     from tokenizers import Tokenizer
 
