@@ -226,6 +226,7 @@ class SequenceBatch:
                 raise ValueError("a prompt is empty: at least one token id is needed")
             if len(prompt) >= max_len:
                 raise ValueError(f"a prompt has {len(prompt)} tokens; max_len is {max_len}")
+        check_layers(model, hidden_layers)
         rows = rows or len(prompts)
         self.model, self.max_len, self.prefill_chunk = model, max_len, prefill_chunk
         self.keep_logits, self.hidden_layers = keep_logits, tuple(hidden_layers)

@@ -21,6 +21,7 @@ even code, and magnitudes above 6 saturate to 6. The target only dequantizes; th
 what the tests' checkpoint writers use."""
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -57,10 +58,16 @@ def _check_pair(packed: torch.Tensor, scales: torch.Tensor, group: int, scale_dt
 _BYTE_VALUES = torch.stack([E2M1_VALUES[torch.arange(256) & 0x0F], E2M1_VALUES[torch.arange(256) >> 4]], -1)
 
 
+@functools.lru_cache(maxsize=None)
+def _byte_values(device: torch.device) -> torch.Tensor:
+    """The table on `device`, copied there once (an expert's forward runs it every step)."""
+    return _BYTE_VALUES.to(device)
+
+
 def _e2m1(packed: torch.Tensor, group: int) -> torch.Tensor:
     """packed uint8 [..., K/2] -> the E2M1 values [..., K / group, group] (float32). An embedding
     lookup of each byte's value pair: 2.7x faster on this CPU than splitting the nibbles first."""
-    values = nn.functional.embedding(packed.int(), _BYTE_VALUES.to(packed.device))      # [..., K/2, 2]
+    values = nn.functional.embedding(packed.int(), _byte_values(packed.device))         # [..., K/2, 2]
     return values.view(*packed.shape[:-1], packed.shape[-1] * 2 // group, group)
 
 
