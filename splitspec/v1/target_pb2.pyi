@@ -32,7 +32,7 @@ class TargetResponse(_message.Message):
     def __init__(self, opened: _Optional[_Union[TargetOpened, _Mapping]] = ..., token: _Optional[_Union[TargetToken, _Mapping]] = ..., verified: _Optional[_Union[TargetVerified, _Mapping]] = ..., closed: _Optional[_Union[TargetClosed, _Mapping]] = ...) -> None: ...
 
 class TargetOpen(_message.Message):
-    __slots__ = ("session_id", "prompt_token_ids", "sampling", "hidden_layer_ids", "max_new_tokens", "hidden_dtype", "hidden_stream", "generated_tokens", "hidden_last")
+    __slots__ = ("session_id", "prompt_token_ids", "sampling", "hidden_layer_ids", "max_new_tokens", "hidden_dtype", "hidden_stream", "generated_tokens", "hidden_last", "cache_salt")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -42,6 +42,7 @@ class TargetOpen(_message.Message):
     HIDDEN_STREAM_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_LAST_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -51,10 +52,11 @@ class TargetOpen(_message.Message):
     hidden_stream: str
     generated_tokens: int
     hidden_last: int
-    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., hidden_layer_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., hidden_dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., hidden_stream: _Optional[str] = ..., generated_tokens: _Optional[int] = ..., hidden_last: _Optional[int] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., hidden_layer_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., hidden_dtype: _Optional[_Union[_common_pb2.DType, str]] = ..., hidden_stream: _Optional[str] = ..., generated_tokens: _Optional[int] = ..., hidden_last: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class TargetOpened(_message.Message):
-    __slots__ = ("session_id", "first_token_id", "hidden", "length", "forward_ms", "queue_ms", "batch_size", "batch_tokens", "first_logprob", "prompt_logprobs")
+    __slots__ = ("session_id", "first_token_id", "hidden", "length", "forward_ms", "queue_ms", "batch_size", "batch_tokens", "first_logprob", "prompt_logprobs", "cached_tokens")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +67,7 @@ class TargetOpened(_message.Message):
     BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     first_token_id: int
     hidden: _common_pb2.Tensor
@@ -75,7 +78,8 @@ class TargetOpened(_message.Message):
     batch_tokens: int
     first_logprob: _common_pb2.TokenLogprob
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
-    def __init__(self, session_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., hidden: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., length: _Optional[int] = ..., forward_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., hidden: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., length: _Optional[int] = ..., forward_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class TargetDecode(_message.Message):
     __slots__ = ("n", "return_hidden")
