@@ -95,6 +95,13 @@ class StateCollector(Collector):
         if "rows" in state:
             yield CounterMetricFamily(PREFIX + "batched_steps", "Sessions' steps run in batched forwards.",
                                       value=state["rows"])
+        if "prefix_cache_queries" in state:
+            # vLLM's meaning, in tokens: hit rate = hits / queries.
+            yield CounterMetricFamily(PREFIX + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                      value=state["prefix_cache_queries"])
+            yield CounterMetricFamily(PREFIX + "prefix_cache_hits",
+                                      "Prompt tokens whose K/V came from the prefix cache.",
+                                      value=state["prefix_cache_hits"])
 
 
 

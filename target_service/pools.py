@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from splitspec.engine.kv_pool import KVPool
+from splitspec.engine.prefix_cache import PrefixCache
 
 from .state_pool import StatePool
 
@@ -14,9 +15,12 @@ DEFAULT_ROLLBACK = "snapshot"
 
 
 def make_pool(model, *, block_size: int = 16, num_blocks: int | None = None, budget_bytes: int | None = None,
-              max_sessions: int = 1, rollback: str = DEFAULT_ROLLBACK) -> KVPool:
+              max_sessions: int = 1, rollback: str = DEFAULT_ROLLBACK, prefix_cache: bool = False,
+              feature_budget_bytes: int = 0, state_checkpoints: int = 0) -> KVPool:
     """num_blocks, or as many as `budget_bytes` holds (KV only: the state slots come on top, sized
-    by max_sessions, and are reported apart)."""
+    by max_sessions, and are reported apart). prefix_cache: published blocks are kept and found
+    again, with up to feature_budget_bytes of tap rows and, for a recurrent target,
+    state_checkpoints extra state slots (checkpoints at block boundaries)."""
     cfg = model.cfg
     p = next(model.parameters())
     dtype, device = p.dtype, p.device
@@ -43,10 +47,14 @@ def make_pool(model, *, block_size: int = 16, num_blocks: int | None = None, bud
     if h is not None and h.kda_layers:
         d = h.linear_head_dim
         heads = getattr(model, "local_kda_heads", h.linear_num_heads)     # a tensor-parallel rank: its share
+        checkpoints = state_checkpoints if prefix_cache else 0
         pool.states = getattr(model, "state_pool_class", StatePool)(
-            num_layers=len(h.kda_layers), num_slots=max_sessions, conv_channels=3 * heads * d,
+            num_layers=len(h.kda_layers), num_slots=max_sessions + checkpoints, conv_channels=3 * heads * d,
             conv_kernel=h.conv_kernel, heads=heads, k_dim=d, v_dim=d, device=device)
         pool.states.rollback = rollback
+    if prefix_cache:
+        slots = pool.states.reserve(checkpoints) if pool.states is not None else []
+        pool.cache = PrefixCache(block_size, feature_budget_bytes=feature_budget_bytes, state_slots=slots)
     if hasattr(model, "attach_pool"):       # tensor parallel: the workers build the same blocks
         model.attach_pool(pool)
     return pool

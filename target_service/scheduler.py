@@ -35,6 +35,7 @@ from splitspec.engine.sample import SamplingParams, make_generator
 from splitspec.metrics import step_kind
 from splitspec.engine.tree import Tree
 
+from . import prefix
 from .models.dense import CausalLM
 from .runner import Decode, Prefill, Sequence, StepOutput, Verify, check_hidden_stream, run_batch
 
@@ -67,6 +68,7 @@ class Step:
     batch_size: int        # rows (sessions' steps) in that forward
     batch_tokens: int      # query tokens in that forward
     length: int = 0        # the session's committed length right after this step
+    cached_tokens: int = 0  # prefill: prompt tokens whose K/V came from the prefix cache
 
 
 @dataclass
@@ -98,6 +100,7 @@ class Session:
     state: str = "waiting"                  # waiting -> running -> closed
     work: Work | None = None
     in_flight: bool = False
+    prefix: prefix.Track | None = None      # its view of the prefix cache (None: cache off)
 
     @property
     def length(self) -> int:
@@ -107,13 +110,14 @@ class Session:
 class Scheduler:
     def __init__(self, model: CausalLM, *, verifier, pool: KVPool, max_running: int, max_queued: int,
                  max_batched_tokens: int, chunked_prefill_size: int, max_context: int, engine: EngineLoop,
-                 attention: str = "torch", verify_threads: int = 0):
+                 attention: str = "torch", verify_threads: int = 0, model_id: str = ""):
         self.model, self.cfg, self.verifier, self.pool = model, model.cfg, verifier, pool
         self.max_running, self.max_queued = max_running, max_queued
         self.max_batched_tokens, self.chunked_prefill_size = max_batched_tokens, chunked_prefill_size
         self.max_context = max_context
         self.engine = engine
         self.attention = attention
+        self.model_id = model_id        # the prefix cache's namespace, with each request's salt
         # With several sessions a co-located draft computes while the target verifies: the target
         # then gives up threads (--verify-torch-threads) instead of fighting it for every core.
         self.threads = torch.get_num_threads()
@@ -127,6 +131,8 @@ class Scheduler:
         self.forwards = 0           # batched forwards run
         self.rows = 0               # steps run in them (mean batch size = rows / forwards)
         self.busy_ms = 0.0          # time spent in those forwards
+        self.prefix_queries = 0     # prompt tokens of finished prefills (vLLM's prefix_cache_queries)
+        self.prefix_hits = 0        # of them, taken from the prefix cache
         # Called on the engine thread after each forward (kind, rows, tokens, forward_ms) when
         # --metrics-port is on; None costs nothing.
         self.on_forward = None
@@ -162,7 +168,10 @@ class Scheduler:
 
     async def open(self, session_id: str, prompt: list[int], params: SamplingParams, *,
                    hidden_layers: tuple[int, ...] = (), max_new_tokens: int = 0,
-                   hidden_stream: str = "", generated_tokens: int = 0) -> tuple[Session, Step]:
+                   hidden_stream: str = "", generated_tokens: int = 0, cache_salt: str = "",
+                   hidden_last: int = 0) -> tuple[Session, Step]:
+        """hidden_last: how many trailing prompt positions' features the caller reads (0: all);
+        a prefix-cache hit must still return those."""
         if not self.accepting:
             raise DrainingError("the target is draining (shutting down); open the session on another replica")
         if len(prompt) >= self.max_context:
@@ -196,6 +205,10 @@ class Scheduler:
                                BlockTable(self.pool), max_len, tuple(hidden_layers), hidden_stream=hidden_stream,
                                output_start=len(prompt) - generated_tokens,
                                eos_token_ids=tuple(self.cfg.eos_token_ids))
+        if not isinstance(cache_salt, str):
+            raise ValueError(f"open.cache_salt must be a string, got {type(cache_salt).__name__}")
+        session.prefix = prefix.track(self.pool, session.seq, model_id=self.model_id, salt=cache_salt,
+                                      hidden_last=hidden_last)
         with self.lock:
             self.waiting.append(session)
             self._admit()
@@ -315,7 +328,7 @@ class Scheduler:
     def _demand(self, session: Session) -> tuple[int, bool]:
         w = session.work
         if w.kind == "prefill":
-            return len(session.seq.prompt) - session.seq.prefilled, True
+            return prefix.prefill_stop(self.pool, session.seq, session.prefix) - session.seq.prefilled, True
         if w.kind == "decode":
             return 1, False
         return len(w.tree) + 1, False
@@ -336,12 +349,15 @@ class Scheduler:
         with self.lock:
             pending = sorted((s for s in self.running if s.work is not None and not s.in_flight),
                              key=lambda s: s.work.ready_at)
+            if self.pool.cache is not None:
+                pending = self._reuse_prefixes(pending)
             if not pending:
                 return
             chunk = self._prefill_share()
             picked = take_fifo(pending, self._demand, budget=self.max_batched_tokens, chunk=chunk)
-            steps, works = [], []
+            steps, works, lengths = [], [], []
             for session, n in picked:
+                lengths.append(session.seq.table.length)
                 session.in_flight = True
                 w = session.work
                 works.append(w)
@@ -367,17 +383,40 @@ class Scheduler:
             self.forwards += 1
             self.rows += len(picked)
             self.busy_ms += forward_ms
-            for (session, _), work, out in zip(picked, works, outputs):
+            for (session, _), work, out, old_len in zip(picked, works, outputs, lengths):
                 session.in_flight = False
                 if session.state == "closed":
                     session.seq.table.free()
                     continue
+                if session.prefix is not None and not isinstance(out, Exception):
+                    prefix.publish(self.pool, session.seq, session.prefix, old_len, out.hidden,
+                                   prefill=work.kind == "prefill")
                 if session.work is not work:
                     continue        # its waiter left while the step ran (a Decode stream stopped early)
                 self._deliver(done, session, out, start, end, forward_ms, len(picked), tokens)
         done.flush()
         if self.on_forward is not None:
             self.on_forward(step_kind(w.kind for w in works), len(picked), tokens, forward_ms)
+
+    def _reuse_prefixes(self, pending: list[Session]) -> list[Session]:
+        """Before a forward: every prefill waiting to run takes the cached blocks that continue
+        it; of prefills that would compute the same next block, only the oldest runs this time
+        (the others take that block from the cache in the next forward instead of computing it
+        twice: n > 1 samples and bursts of one system prompt)."""
+        out, computing = [], set()
+        for s in pending:
+            if s.work.kind == "prefill" and s.prefix is not None:
+                _, rows, drop = prefix.reuse(self.pool, s.seq, s.prefix)
+                if drop:
+                    s.work.hidden.clear()
+                s.work.hidden.extend(rows)
+                key = prefix.next_key(self.pool, s.seq, s.prefix)
+                if key is not None:
+                    if key in computing:
+                        continue
+                    computing.add(key)
+            out.append(s)
+        return out
 
     def _deliver(self, done: Deliveries, session: Session, out, start: float, end: float, forward_ms: float,
                  rows: int, tokens: int) -> None:
@@ -403,5 +442,12 @@ class Scheduler:
                 w.ready_at = end        # the next chunk queues from here
                 return
             out = StepOutput(out.committed, torch.cat(w.hidden) if w.hidden else None, logprobs=out.logprobs)
+            cached = session.prefix.cached_tokens if session.prefix is not None else 0
+            self.prefix_queries += session.prompt_len
+            self.prefix_hits += cached
+            session.work = None
+            done.resolve(w.loop, w.future, Step(out, w.forward_ms, w.queue_ms, rows, tokens, session.length,
+                                                cached_tokens=cached))
+            return
         session.work = None
         done.resolve(w.loop, w.future, Step(out, w.forward_ms, w.queue_ms, rows, tokens, session.length))

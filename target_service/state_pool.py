@@ -53,6 +53,15 @@ class StatePool:
         self.rec[:, slot].zero_()
         return slot
 
+    def reserve(self, n: int) -> list[int]:
+        """Take n slots out of circulation for good (the prefix cache's state checkpoints)."""
+        with self._lock:
+            if n > len(self._free):
+                raise ValueError(f"{n} checkpoint slots asked of a state pool with {len(self._free)} free")
+            out = self._free[:n]
+            del self._free[:n]
+            return out
+
     def copy(self, src: int, dst: int) -> None:
         """Slot dst takes slot src's state (a forked session continues from the same point)."""
         self.conv[:, dst].copy_(self.conv[:, src])

@@ -87,6 +87,10 @@ class RecordingStatePool(StatePool):
     def on_commit(self, row: int, path: list[int]) -> None:
         self.events.append(("commit", row, list(path)))
 
+    def copy(self, src: int, dst: int) -> None:
+        super().copy(src, dst)
+        self.events.append(("copy", src, dst))
+
 
 def _np(t: torch.Tensor) -> np.ndarray:
     return t.detach().cpu().numpy()
@@ -186,6 +190,8 @@ def worker_main(rank: int, world: int, port: int, spec: dict, conn) -> None:
                     for event in msg.get("state_events", ()):
                         if event[0] == "commit":
                             last_states.commit(event[1], event[2])
+                        elif event[0] == "copy":
+                            pool.states.copy(event[1], event[2])
                         else:
                             pool.states.conv[:, event[1]].zero_()
                             pool.states.rec[:, event[1]].zero_()

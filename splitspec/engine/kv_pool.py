@@ -5,7 +5,11 @@ per sequence (the vLLM / nano-vllm layout). Token i of a sequence lives in slot
 Growing a sequence takes blocks off the free list; rollback and close hand whole blocks back.
 Nothing is copied to grow. Block 0 is never handed out: it stays zero so that padded gathers
 (shorter rows in a batch) read finite numbers that the mask then hides; the rest of the pool
-is `torch.empty`, so untouched blocks cost no resident memory on CPU."""
+is `torch.empty`, so untouched blocks cost no resident memory on CPU.
+
+With a prefix cache (`pool.cache`, splitspec/engine/prefix_cache.py) published blocks may be
+held by several tables; one nobody holds stays cached and counts as free until the free list
+runs dry and it is evicted."""
 from __future__ import annotations
 
 import threading
@@ -39,6 +43,7 @@ class KVPool:
         # Blocks come and go on the engine thread, but a closing session hands its blocks back
         # from the server's thread at once.
         self._lock = threading.Lock()
+        self.cache = None       # a PrefixCache, when prefix caching is on
         # Per-session fixed-size state (a recurrent target's KDA state), one slot per table; None
         # for attention-only models.
         self.states = None
@@ -64,8 +69,14 @@ class KVPool:
         return self.num_blocks - 1
 
     @property
+    def lock(self) -> threading.Lock:
+        """Held while the free list or the prefix cache changes (the engine looks up hits under it)."""
+        return self._lock
+
+    @property
     def free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks a sequence could take now: the free list and the cached blocks nobody holds."""
+        return len(self._free) + (len(self.cache.idle) if self.cache is not None else 0)
 
     @property
     def used_blocks(self) -> int:
@@ -80,6 +91,9 @@ class KVPool:
 
     def allocate(self, n: int) -> list[int]:
         with self._lock:
+            short = n - len(self._free)
+            if short > 0 and self.cache is not None and len(self.cache.idle) >= short:
+                self._free[:0] = self.cache.evict(short)[::-1]     # taken last, after the free list
             if n > len(self._free):
                 raise PoolExhausted(f"the KV pool has {len(self._free)} free blocks of {self.block_size} tokens; "
                                     f"{n} are needed (--kv-cache-budget-mb)")
@@ -95,7 +109,10 @@ class KVPool:
 
     def release(self, blocks: list[int]) -> None:
         with self._lock:
-            self._free.extend(reversed(blocks))
+            if self.cache is not None:
+                self._free.extend(self.cache.release(blocks))    # published blocks stay cached
+            else:
+                self._free.extend(reversed(blocks))
 
 
 class BlockTable:
@@ -125,6 +142,14 @@ class BlockTable:
         idx = torch.arange(start, end)
         table = torch.tensor(self.blocks, dtype=torch.long)
         return (table[idx // bs] * bs + idx % bs).to(self.pool.k.device)
+
+    def adopt(self, blocks: list[int]) -> None:
+        """Append cached blocks (already shared by the caller) whose K/V this sequence would
+        compute next: they hold its tokens [length, length + len(blocks) * block_size)."""
+        if self.length != len(self.blocks) * self.pool.block_size:
+            raise ValueError(f"adopt at length {self.length}: cached blocks start on a block boundary")
+        self.blocks.extend(blocks)
+        self.length = len(self.blocks) * self.pool.block_size
 
     def truncate(self, n: int) -> None:
         """Keep the first n tokens and give back every block past them."""
