@@ -127,12 +127,14 @@ class TargetSession(_StreamSession):
     async def open(self, session_id: str, prompt_ids: list[int], sampling: common_pb2.SamplingParams, *,
                    hidden_layer_ids=(), max_new_tokens: int = 0, hidden_dtype: int = 0,
                    hidden_stream: str = "", generated_tokens: int = 0,
-                   hidden_last: int = 0) -> target_pb2.TargetOpened:
+                   hidden_last: int = 0, cache_salt: str = "") -> target_pb2.TargetOpened:
+        """cache_salt: the request's prefix-cache namespace (TargetOpen.cache_salt; "" = shared).
+        The answer's cached_tokens says how many prompt tokens the target took from its cache."""
         await self._send(target_pb2.TargetRequest(open=target_pb2.TargetOpen(
             session_id=session_id, prompt_token_ids=prompt_ids, sampling=sampling,
             hidden_layer_ids=list(hidden_layer_ids), max_new_tokens=max_new_tokens,
             hidden_dtype=hidden_dtype, hidden_stream=hidden_stream, generated_tokens=generated_tokens,
-            hidden_last=hidden_last)))
+            hidden_last=hidden_last, cache_salt=cache_salt)))
         opened = await self._recv("opened")
         self.opened = True
         return opened

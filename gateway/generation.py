@@ -44,6 +44,8 @@ class Stats:
     time_to_first_token_ms: float = 0.0
     decode_runs: int = 0                   # target-only runs started
     decode_extensions: int = 0             # ... and extended before their last token
+    cached_tokens: int = 0                 # prompt tokens the target took from its prefix cache (the
+                                           # first Open of the prompt; a failover's reopen is not counted)
     steps: list[tuple[str, int, int, int]] = field(default_factory=list)   # (method, nodes drafted, accepted, depth) per step
     steps_by_method: dict[str, int] = field(default_factory=dict)
     started: float = field(default_factory=time.perf_counter)   # when the request arrived
@@ -123,5 +125,6 @@ async def stream_response(req: Request, steps: AsyncIterator[list[int]], tokeniz
             yield gateway_pb2.GenerateResponse(chunk=gateway_pb2.Chunk(text=tail))
     yield gateway_pb2.GenerateResponse(complete=gateway_pb2.Complete(
         finish_reason=finish,
-        usage=gateway_pb2.Usage(prompt_tokens=len(req.prompt_ids), completion_tokens=generated),
+        usage=gateway_pb2.Usage(prompt_tokens=len(req.prompt_ids), completion_tokens=generated,
+                                cached_tokens=min(stats.cached_tokens, len(req.prompt_ids))),
         stats=stats.to_pb()))

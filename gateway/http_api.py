@@ -13,8 +13,12 @@ OpenAI numbers them), each through the batched services like any other request.
 Sampling fields map to the gRPC request: temperature (OpenAI's default 1.0 when absent), top_p,
 top_k, max_tokens, stop, seed, presence_penalty, frequency_penalty, logit_bias, logprobs /
 top_logprobs, echo, plus vLLM's extensions repetition_penalty, min_tokens, stop_token_ids,
-ignore_eos, chat_template_kwargs; speculation through the extension object `speculative`
+ignore_eos, chat_template_kwargs, cache_salt (the prefix-cache namespace: a string of at most 256
+characters; every choice of the request gets it, so n > 1 choices share the prompt's cached blocks);
+speculation through the extension object `speculative`
 ({"method", "num_steps", "topk", "num_draft_tokens", "draft_sampling"}, like SpeculativeParams).
+`usage.prompt_tokens_details.cached_tokens` says how many prompt tokens came from the target's
+prefix cache (see `usage`).
 Fields this server does not know are ignored and logged (`http_unknown_fields`), as vLLM does;
 known fields it cannot honour (best_of > 1, suffix, tools) are refused with a 400 naming them.
 gRPC statuses become OpenAI-style error bodies with the matching HTTP status (`http_status`)."""
@@ -42,6 +46,7 @@ from splitspec.v1 import common_pb2, gateway_pb2
 
 from . import inproc
 from .chat import ChatTemplate, ChatTemplateError
+from .request import MAX_CACHE_SALT
 
 # gRPC status -> (HTTP status, OpenAI error type).
 HTTP_STATUS = {
@@ -77,7 +82,8 @@ GUIDED_FIELDS = ("structured_outputs", "guided_json", "guided_regex", "guided_ch
 COMMON_FIELDS = {"model", "stream", "stream_options", "temperature", "top_p", "top_k", "seed", "max_tokens", "stop",
                  "stop_token_ids", "ignore_eos", "speculative", "n", "best_of", "presence_penalty",
                  "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "logprobs", "user",
-                 "tools", "functions", "tool_choice", "function_call", "response_format", *GUIDED_FIELDS}
+                 "tools", "functions", "tool_choice", "function_call", "response_format", "cache_salt",
+                 *GUIDED_FIELDS}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "suffix"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt",
                                "chat_template_kwargs", "parallel_tool_calls"}
@@ -178,6 +184,7 @@ class Wanted:
 
 def parse_options(body: dict, *, chat: bool) -> Wanted:
     _unsupported(body)
+    _cache_salt(body)       # refused before the prompt is rendered or tokenized
     w = Wanted(n=_number(body, "n", int, minimum=1, maximum=MAX_N) or 1)
     if chat:
         if body.get("echo"):
@@ -245,12 +252,28 @@ def build_request(body: dict, prompt, request_id: str, *, max_tokens_field: str 
         s.logprobs = wanted.logprobs
     if wanted.echo and (wanted.logprobs is not None or max_tokens == 0):
         s.prompt_logprobs = wanted.logprobs or 0
-    req = gateway_pb2.GenerateRequest(request_id=request_id, sampling=s, speculative=_speculative(body))
+    req = gateway_pb2.GenerateRequest(request_id=request_id, sampling=s, speculative=_speculative(body),
+                                      cache_salt=_cache_salt(body))
     if isinstance(prompt, str):
         req.text = prompt
     else:
         req.token_ids.ids.extend(prompt)
     return req
+
+
+def _cache_salt(body: dict) -> str:
+    """vLLM's cache_salt: a string of at most MAX_CACHE_SALT characters, the same limit as
+    GenerateRequest.cache_salt's (empty or absent: the shared prefix cache)."""
+    salt = body.get("cache_salt")
+    if salt is None:
+        return ""
+    if not isinstance(salt, str):
+        raise bad(f"cache_salt must be a string (e.g. a tenant id or a hash of one; \"\" or absent: the shared "
+                  f"prefix cache), got {type(salt).__name__} {salt!r}"[:300], "cache_salt")
+    if len(salt) > MAX_CACHE_SALT:
+        raise bad(f"cache_salt has {len(salt)} characters; at most {MAX_CACHE_SALT} are accepted (a tenant or "
+                  f"user id, or a hash of one)", "cache_salt")
+    return salt
 
 
 def _logit_bias(bias, s: common_pb2.SamplingParams, vocab_size: int | None) -> None:
@@ -402,17 +425,25 @@ class Choice:
 
 
 def usage(choices: list[Choice], prompts: int) -> dict:
-    """OpenAI counts each prompt once however many choices it has, and every choice's tokens."""
-    prompt_tokens, seen = 0, set()
-    completion = 0
+    """OpenAI counts each prompt once however many choices it has, and every choice's tokens.
+    prompt_tokens_details.cached_tokens follows: per prompt, once, the fewest cached tokens among
+    its choices (so at most its prompt_tokens). With n > 1 the choices run concurrently and the
+    later ones may reuse the blocks the first one just computed; the minimum reports what the
+    cache held for the prompt, not the request's reuse of itself."""
+    prompt_tokens, completion = 0, 0
+    cached: dict[int, int] = {}
     for c in choices:
         if c.complete is None:
             continue
-        if c.prompt_index not in seen:
-            seen.add(c.prompt_index)
-            prompt_tokens += c.complete.usage.prompt_tokens
-        completion += c.complete.usage.completion_tokens
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+        u = c.complete.usage
+        if c.prompt_index not in cached:
+            prompt_tokens += u.prompt_tokens
+            cached[c.prompt_index] = u.cached_tokens
+        else:
+            cached[c.prompt_index] = min(cached[c.prompt_index], u.cached_tokens)
+        completion += u.completion_tokens
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}
 
 
 def spec_stats(complete: gateway_pb2.Complete) -> dict:

@@ -40,6 +40,7 @@ class Request:
     speculative: SpeculativeConfig           # the request's choices over the gateway's defaults
     logprobs: int | None = None              # top alternatives per emitted token; None: no log-probs
     prompt_logprobs: int | None = None       # the same for the prompt; None: none
+    cache_salt: str = ""                     # prefix-cache namespace, sent on every TargetOpen ("": shared)
 
     @property
     def prompt_only(self) -> bool:
@@ -71,6 +72,9 @@ def parse_request(req: gateway_pb2.GenerateRequest, cfg: GatewayConfig, limits: 
             raise RequestError(f"sampling.stop_token_ids[{i}] = {t} is outside the vocabulary "
                                f"[0, {limits.vocab_size})")
     _processors(s, limits, max_new)
+    if len(req.cache_salt) > MAX_CACHE_SALT:
+        raise RequestError(f"cache_salt has {len(req.cache_salt)} characters; at most {MAX_CACHE_SALT} are "
+                           f"accepted (a tenant or user id, or a hash of one)")
 
     prompt = _prompt(req, limits, tokenizer)
     if cfg.max_prompt_tokens and len(prompt) > cfg.max_prompt_tokens:
@@ -100,12 +104,14 @@ def parse_request(req: gateway_pb2.GenerateRequest, cfg: GatewayConfig, limits: 
         eos_token_ids=frozenset() if s.ignore_eos else frozenset(limits.eos_token_ids),
         speculative=_speculative(req.speculative, cfg.speculative),
         logprobs=s.logprobs if s.HasField("logprobs") else None,
-        prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None)
+        prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
+        cache_salt=req.cache_salt)
 
 
 # Sampling fields the target gets as they are (when set).
 FORWARDED = ("temperature", "top_p", "top_k", "seed", "repetition_penalty", "logprobs", "prompt_logprobs")
 MAX_LOGPROBS = 20
+MAX_CACHE_SALT = 256       # characters of GenerateRequest.cache_salt (the target refuses longer ones too)
 
 
 def _processors(s: common_pb2.SamplingParams, limits: ModelLimits, max_new: int) -> None:

@@ -98,7 +98,13 @@ class SpeculativeLoop:
                                         max_new_tokens=remaining + self.max_width, hidden_stream=self.hidden_stream,
                                         hidden_dtype=self.hidden_dtype if self.layer_ids else 0,
                                         generated_tokens=len(history),
-                                        hidden_last=self.hidden_last if self.layer_ids else 0)
+                                        hidden_last=self.hidden_last if self.layer_ids else 0,
+                                        cache_salt=req.cache_salt)
+        if not history:
+            # The open that prefilled the request's own prompt. A failover's reopen (prompt + the
+            # tokens streamed so far, history non-empty) is not counted: Usage.prompt_tokens counts
+            # the prompt once, and so does Usage.cached_tokens.
+            stats.cached_tokens = opened.cached_tokens
         stats.model_ms += opened.forward_ms
         stats.queue_ms += opened.queue_ms
         stats.verify_ms += (time.perf_counter() - t) * 1e3

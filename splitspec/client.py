@@ -12,7 +12,10 @@ from splitspec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 def build_request(prompt: str | list[int], *, max_new_tokens: int | None = None,
                   temperature: float | None = None, top_p: float | None = None,
                   top_k: int | None = None, seed: int | None = None, stop=(), stop_token_ids=(),
-                  ignore_eos: bool = False, method: str = "", request_id: str = "") -> gateway_pb2.GenerateRequest:
+                  ignore_eos: bool = False, method: str = "", request_id: str = "",
+                  cache_salt: str = "") -> gateway_pb2.GenerateRequest:
+    """cache_salt: the prefix-cache namespace (only requests with the same salt share cached
+    prompt blocks on the target; "" = the shared one)."""
     sampling = common_pb2.SamplingParams(stop=list(stop), stop_token_ids=list(stop_token_ids),
                                          ignore_eos=ignore_eos)
     for name, value in (("max_new_tokens", max_new_tokens), ("temperature", temperature),
@@ -20,7 +23,8 @@ def build_request(prompt: str | list[int], *, max_new_tokens: int | None = None,
         if value is not None:
             setattr(sampling, name, value)
     req = gateway_pb2.GenerateRequest(request_id=request_id, sampling=sampling,
-                                      speculative=common_pb2.SpeculativeParams(method=method))
+                                      speculative=common_pb2.SpeculativeParams(method=method),
+                                      cache_salt=cache_salt)
     if isinstance(prompt, str):
         req.text = prompt
     else:
@@ -43,7 +47,7 @@ def format_stats(complete: gateway_pb2.Complete, elapsed_s: float) -> str:
     s, u = complete.stats, complete.usage
     rate = u.completion_tokens / elapsed_s if elapsed_s > 0 else 0.0
     lines = [f"finish_reason={complete.finish_reason} prompt_tokens={u.prompt_tokens} "
-             f"completion_tokens={u.completion_tokens} time={elapsed_s:.2f}s ({rate:.1f} tok/s) "
+             f"completion_tokens={u.completion_tokens} cached_tokens={u.cached_tokens} time={elapsed_s:.2f}s ({rate:.1f} tok/s) "
              f"ttft={s.time_to_first_token_ms:.0f}ms",
              f"method={s.method} verify_steps={s.verify_steps} accept_length={s.accept_length:.2f} "
              f"verify_ms={s.verify_ms:.0f} draft_ms={s.draft_ms:.0f} wire_ms={s.wire_ms:.0f}"]

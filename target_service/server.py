@@ -207,6 +207,9 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
         if msg.hidden_last < 0:
             raise WireError(f"open.hidden_last = {msg.hidden_last} is negative: send 0 for every prompt "
                             "position's features, or n > 0 for the last n")
+        if len(msg.cache_salt) > 256:       # the gateway's limit too (gateway/request.py MAX_CACHE_SALT)
+            raise WireError(f"open.cache_salt has {len(msg.cache_salt)} characters; at most 256 "
+                            "are accepted (send a tenant id or a hash of one; empty: the shared prefix cache)")
         params = sampling_from_pb(msg.sampling)
         # The dtype the caller's draft takes hidden states in (DraftInfo.hidden_dtype), cast here once
         # per step; unset: the model's own (TargetInfo.dtype).
@@ -214,7 +217,8 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
         session, step = await sched.open(msg.session_id or uuid.uuid4().hex, prompt, params,
                                         hidden_layers=tuple(msg.hidden_layer_ids),
                                         max_new_tokens=msg.max_new_tokens,
-                                        hidden_stream=msg.hidden_stream, generated_tokens=msg.generated_tokens)
+                                        hidden_stream=msg.hidden_stream, generated_tokens=msg.generated_tokens,
+                                        cache_salt=msg.cache_salt, hidden_last=msg.hidden_last)
         session.wire_dtype = wire_dtype
         # Built inside the response: a TargetOpened wrapped afterwards would copy the prompt's
         # hidden states (the largest message of a session) once more.
@@ -223,6 +227,7 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
         opened.session_id, opened.first_token_id, opened.length = session.session_id, step.out.committed[0], session.length
         opened.forward_ms, opened.queue_ms = step.forward_ms, step.queue_ms
         opened.batch_size, opened.batch_tokens = step.batch_size, step.batch_tokens
+        opened.cached_tokens = getattr(step, "cached_tokens", 0)     # prompt tokens taken from the prefix cache
         if step.out.hidden is not None:
             hidden = step.out.hidden
             if msg.hidden_last > 0:
@@ -298,6 +303,15 @@ def build_parser() -> argparse.ArgumentParser:
     a("--kv-cache-budget-mb", type=int, default=4096,
       help="size of the paged KV pool for all sessions (blocks are touched only when used)")
     a("--kv-block-size", type=int, default=16, help="tokens per KV block")
+    a("--disable-radix-cache", action="store_true",
+      help="turn the prefix cache off: every prompt is computed in full (by default full KV blocks of committed "
+           "tokens are kept and reused by any session whose prompt starts the same, within one cache_salt)")
+    a("--prefix-cache-hidden-mb", type=int, default=256,
+      help="memory for the target tap rows stored with cached blocks, so a drafter opened on a prefix hit gets "
+           "the features it reads (a hit is shortened where they are missing); 0: none stored")
+    a("--prefix-cache-state-slots", type=int, default=32,
+      help="recurrent (KDA) targets: state checkpoints kept at block boundaries (each prompt's last full "
+           "block and chunk ends), one state slot each; a hit ends at the deepest checkpoint")
     a("--max-context", type=int, default=0, help="longest sequence (0: the model's max_position_embeddings)")
     a("--kda-rollback", default="snapshot", choices=["snapshot", "replay"],
       help="hybrid (KDA) targets: how a verify undoes rejected drafts in the recurrent state: snapshot (keep the "
@@ -352,7 +366,8 @@ def metrics_state(state: TargetState) -> dict:
     if sched is None:
         return {}
     return dict(running=len(sched.running), waiting=len(sched.waiting), kv_blocks_used=sched.pool.used_blocks,
-                kv_blocks_free=sched.pool.free_blocks, forwards=sched.forwards, rows=sched.rows)
+                kv_blocks_free=sched.pool.free_blocks, forwards=sched.forwards, rows=sched.rows,
+                prefix_cache_queries=sched.prefix_queries, prefix_cache_hits=sched.prefix_hits)
 
 
 def nodes_from_lws(args: argparse.Namespace) -> None:
@@ -374,6 +389,9 @@ def check_args(args: argparse.Namespace) -> None:
                  "kv_block_size", "max_message_mb"):
         if getattr(args, name) <= 0:
             raise SystemExit(f"--{name.replace('_', '-')} must be positive")
+    for name in ("prefix_cache_hidden_mb", "prefix_cache_state_slots"):
+        if getattr(args, name) < 0:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 0")
     if args.max_context < 0:
         raise SystemExit("--max-context must be >= 0")
     if args.tensor_parallel_size < 1:
@@ -472,11 +490,15 @@ async def serve(args: argparse.Namespace, *, load=_load, started=None, share: Ho
         # A hybrid (KDA / MLA) target gets a pool of MLA latent rows plus one recurrent-state slot
         # per running session (pools.py); an attention model the plain KV pool.
         pool = make_pool(model, budget_bytes=args.kv_cache_budget_mb * 1024 * 1024, block_size=args.kv_block_size,
-                         max_sessions=args.max_running_requests, rollback=args.kda_rollback)
+                         max_sessions=args.max_running_requests, rollback=args.kda_rollback,
+                         prefix_cache=not args.disable_radix_cache,
+                         feature_budget_bytes=args.prefix_cache_hidden_mb * 1024 * 1024,
+                         state_checkpoints=args.prefix_cache_state_slots)
         sched = Scheduler(model, verifier=verifier, pool=pool, max_running=args.max_running_requests,
                           max_queued=args.max_queued_requests, max_batched_tokens=args.max_num_batched_tokens,
                           chunked_prefill_size=args.chunked_prefill_size, max_context=max_context, engine=engine,
-                          attention=args.attention_backend, verify_threads=args.verify_torch_threads)
+                          attention=args.attention_backend, verify_threads=args.verify_torch_threads,
+                          model_id=state.model_id)
         load_s = time.perf_counter() - t
         warm_ms = await sched.warmup()
         if metrics is not None:
@@ -491,6 +513,9 @@ async def serve(args: argparse.Namespace, *, load=_load, started=None, share: Ho
         log.info("serving", model_id=state.model_id, architecture=cfg.architecture, layers=cfg.num_hidden_layers,
                  vocab_size=cfg.vocab_size, max_context=max_context, dtype=str(sched.dtype).removeprefix("torch."),
                  kv_blocks=pool.capacity_blocks, kv_block_size=pool.block_size, attention_backend=args.attention_backend,
+                 prefix_cache=pool.cache is not None,
+                 state_checkpoint_mb=round(pool.cache.state_slots * pool.states.bytes_per_slot / 2**20, 1)
+                 if pool.cache is not None and pool.states is not None else 0,
                  load_s=round(load_s, 3), warmup_ms=round(warm_ms, 1), sampling_backend=verifier.name,
                  tensor_parallel_size=getattr(model, "world", 1))
 

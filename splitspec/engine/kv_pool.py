@@ -80,7 +80,7 @@ class KVPool:
 
     @property
     def used_blocks(self) -> int:
-        return self.capacity_blocks - len(self._free)
+        return self.capacity_blocks - self.free_blocks
 
     @property
     def bytes_per_block(self) -> int:

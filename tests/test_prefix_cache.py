@@ -1,0 +1,295 @@
+"""The prefix cache: keys, reference counts, LRU eviction and namespaces on a tiny pool; and
+through the target's scheduler, hits that change nothing a request computes (dense and KDA
+targets), the drafter's tap rows on a hit, hits capped before the last prompt token, blocks
+shared by sessions that roll back and close, and eviction under pool pressure."""
+from __future__ import annotations
+
+import asyncio
+import tempfile
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from hybrid_models import save_tiny_kimi
+from service_helpers import tiny_target_dir
+from splitspec.engine.kv_pool import BlockTable, KVPool, PoolExhausted
+from splitspec.engine.loop import EngineLoop
+from splitspec.engine.prefix_cache import PrefixCache, block_keys, namespace_key
+from splitspec.engine.sample import SamplingParams
+from splitspec.engine.tree import Tree
+from target_service.engine import generate
+from target_service.loader import load_model
+from target_service.pools import make_pool
+from target_service.scheduler import Scheduler
+from target_service.torch_verifier import TorchVerifier
+
+BS = 4
+
+
+# --- the cache on its own ------------------------------------------------------------------
+def test_keys_chain_blocks_and_separate_namespaces():
+    root = namespace_key("m", "")
+    toks = list(range(10))
+    keys = block_keys(root, toks, BS)
+    assert len(keys) == 2                                   # the partial block has no key
+    assert block_keys(root, toks[:8] + [99, 98], BS) == keys
+    changed = block_keys(root, [50] + toks[1:], BS)
+    assert changed[0] != keys[0] and changed[1] != keys[1]  # a block's key covers the whole prefix
+    assert block_keys(namespace_key("m", "tenant-a"), toks, BS)[0] != keys[0]
+    assert block_keys(namespace_key("other-model", ""), toks, BS)[0] != keys[0]
+    assert block_keys(root, toks, BS, keys[:1]) == keys     # extending what is known
+
+
+def cached_pool(blocks=9) -> KVPool:
+    pool = KVPool(num_layers=1, num_kv_heads=1, head_dim=2, num_blocks=blocks, block_size=BS)
+    pool.cache = PrefixCache(BS)
+    return pool
+
+
+def publish(pool, table, keys):
+    with pool.lock:
+        for b, k in zip(table.blocks, keys):
+            pool.cache.publish(b, k)
+
+
+def test_refcounts_keep_shared_blocks_and_lru_evicts_oldest_tail_first():
+    pool = cached_pool(blocks=9)            # 8 usable blocks
+    keys = block_keys(namespace_key("m", ""), list(range(12)), BS)
+    a = BlockTable(pool)
+    a.ensure(12)
+    publish(pool, a, keys)
+    b = BlockTable(pool)
+    with pool.lock:
+        got = pool.cache.longest(keys, 0, 3)
+        pool.cache.share(got)
+    b.adopt(got)
+    assert got == a.blocks and b.length == 12
+    a.free()                                # b still holds all three: none is idle
+    assert pool.cache.refs == {blk: 1 for blk in got} and not pool.cache.idle
+    assert pool.free_blocks == 5
+    b.free()
+    assert pool.free_blocks == 8 and pool.used_blocks == 0
+    assert list(pool.cache.idle) == got[::-1]               # the tail waits first in line
+    c = BlockTable(pool)
+    c.ensure(6 * BS)                        # 5 free + 1 evicted: the tail block
+    assert pool.cache.cached_blocks == 2 and got[2] in c.blocks
+    with pool.lock:
+        assert pool.cache.longest(keys, 0, 3) == got[:2]
+    c.ensure(8 * BS)
+    assert pool.cache.cached_blocks == 0 and pool.cache.evictions == 3
+    with pytest.raises(PoolExhausted):
+        BlockTable(pool).ensure(1)
+
+
+def test_an_equal_block_computed_twice_stays_private():
+    pool = cached_pool()
+    keys = block_keys(namespace_key("m", ""), list(range(4)), BS)
+    a, b = BlockTable(pool), BlockTable(pool)
+    a.ensure(4)
+    b.ensure(4)
+    with pool.lock:
+        assert pool.cache.publish(a.blocks[0], keys[0])
+        assert not pool.cache.publish(b.blocks[0], keys[0])
+    b.free()                                # private: straight back on the free list
+    assert pool.cache.cached_blocks == 1 and pool.free_blocks == 7
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 3)), min_size=1, max_size=30))
+def test_blocks_are_never_lost_or_double_owned(ops):
+    """Any sequence of sessions opening on shared prefixes and closing: every block is free,
+    idle-cached or held, exactly once."""
+    pool = cached_pool(blocks=17)
+    root = namespace_key("m", "")
+    live = []
+    for prompt_id, nblocks in ops:
+        if len(live) >= 3:
+            live.pop(0).free()
+        keys = block_keys(root, [prompt_id] * (nblocks * BS), BS)
+        t = BlockTable(pool)
+        with pool.lock:
+            hit = pool.cache.longest(keys, 0, nblocks)
+            pool.cache.share(hit)
+        t.adopt(hit)
+        t.ensure(nblocks * BS)
+        publish(pool, t, keys)
+        live.append(t)
+    held = [b for t in live for b in t.blocks]
+    shared = [b for b in held if b in pool.cache.key_of]
+    for b in set(shared):
+        assert pool.cache.refs[b] == shared.count(b)
+    private = [b for b in held if b not in pool.cache.key_of]
+    assert len(private) == len(set(private))
+    everything = set(held) | set(pool.cache.idle) | set(pool._free)
+    assert everything == set(range(1, 17))
+    assert len(set(held)) + len(pool.cache.idle) + len(pool._free) == 16
+
+
+# --- through the scheduler ----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def model():
+    return load_model(tiny_target_dir())
+
+
+@pytest.fixture(scope="module")
+def kimi():
+    return load_model(save_tiny_kimi(tempfile.mkdtemp(prefix="kimi-") + "/tiny-kimi"))
+
+
+def run(model, body, *, cache=True, blocks=200, checkpoints=4, features=1 << 24, **kw):
+    async def main():
+        engine = EngineLoop()
+        try:
+            pool = make_pool(model, num_blocks=blocks, block_size=BS, max_sessions=4, prefix_cache=cache,
+                             feature_budget_bytes=features, state_checkpoints=checkpoints)
+            sched = Scheduler(model, verifier=TorchVerifier(), engine=engine, pool=pool, **{
+                "max_running": 4, "max_queued": 16, "max_batched_tokens": 64, "chunked_prefill_size": 8,
+                "max_context": 256, "model_id": "tiny", **kw})
+            return await body(sched)
+        finally:
+            engine.stop()
+    return asyncio.run(main())
+
+
+async def complete(sched, sid, prompt, n, params=None, **kw):
+    params = params or SamplingParams()
+    s, step = await sched.open(sid, prompt, params, max_new_tokens=n + 1, **kw)
+    out = [step.out.committed[0]]
+    async for t in sched.decode(s, n - 1):
+        out.append(t.out.committed[0])
+    sched.close(s)
+    return out, step
+
+
+PREFIX = [(5 * i) % 100 + 3 for i in range(37)]
+
+
+def test_hits_change_nothing_and_cover_full_blocks_before_the_last_token(model):
+    prompts = [PREFIX + [70], PREFIX + [71, 72], PREFIX[:24], PREFIX + [70]]
+
+    async def body(sched):
+        return [await complete(sched, str(i), p, 10) for i, p in enumerate(prompts)], sched
+    got, sched = run(model, body)
+    for p, (out, _) in zip(prompts, got):
+        assert out == generate(model, p, 10)
+    cached = [step.cached_tokens for _, step in got]
+    # 38 tokens: 9 full blocks before the last token; PREFIX[:24] ends on a block boundary, so
+    # its last block is computed again for b0; the repeat of prompt 0 takes all it can.
+    assert cached == [0, 36, 20, 36]
+    assert sched.prefix_queries == sum(map(len, prompts)) and sched.prefix_hits == sum(cached)
+
+
+def test_sampled_outputs_are_the_same_with_and_without_the_cache(model):
+    params = lambda seed: SamplingParams(temperature=1.0, top_p=0.9, seed=seed)  # noqa: E731
+
+    async def body(sched):
+        return [(await complete(sched, str(s), PREFIX + [s], 12, params(s)))[0] for s in range(4)]
+    assert run(model, body) == run(model, body, cache=False)
+
+
+def test_salts_never_share_blocks(model):
+    async def body(sched):
+        steps = []
+        for salt in ("a", "b", "a", ""):
+            steps.append((await complete(sched, salt, PREFIX, 3, cache_salt=salt))[1].cached_tokens)
+        return steps
+    assert run(model, body) == [0, 0, 36, 0]
+
+
+def test_a_drafter_gets_the_same_tap_rows_on_a_hit(model):
+    """A windowed drafter reads the last hidden_last prompt positions' features: on a hit they
+    come from the stored rows and must be the ones a full prefill gives; with none stored the
+    hit is shortened so that they are computed."""
+    taps = dict(hidden_layers=(0, 1), hidden_last=10)
+
+    async def body(sched):
+        rows = []
+        for i in range(2):
+            _, step = await complete(sched, str(i), PREFIX + [60 + i], 2, **taps)
+            rows.append((step.out.hidden, step.cached_tokens))
+        return rows
+    (miss, c0), (hit, c1) = run(model, body)
+    (_, _), (cold, _) = run(model, body, cache=False)
+    assert c0 == 0 and c1 == 36
+    assert hit.shape[0] >= 10 and torch.allclose(hit[-10:], cold[-10:], atol=1e-5)
+    # No stored rows: the hit stops before the window (38 - 10 = 28 -> 7 blocks).
+    (_, _), (short, c2) = run(model, body, features=0)
+    assert c2 == 28 and torch.allclose(short[-10:], cold[-10:], atol=1e-5)
+
+    async def untapped_then_tapped(sched):
+        await complete(sched, "plain", PREFIX + [60], 2)              # publishes blocks, no rows
+        _, step = await complete(sched, "tapped", PREFIX + [61], 2, **taps)
+        return step
+    step = run(model, untapped_then_tapped)
+    assert step.cached_tokens == 28 and torch.allclose(step.out.hidden[-10:], cold[-10:], atol=1e-5)
+
+
+def test_prompt_logprobs_are_never_served_from_the_cache(model):
+    async def body(sched):
+        await complete(sched, "a", PREFIX, 2)
+        _, step = await complete(sched, "b", PREFIX, 2, params=SamplingParams(prompt_logprobs=0))
+        return step.cached_tokens, len(sched.running)
+    assert run(model, body)[0] == 0
+
+
+def test_a_shared_block_survives_one_sessions_rollback_and_close(model):
+    ref = generate(model, PREFIX + [70], 12)
+
+    async def body(sched):
+        a, _ = await sched.open("a", PREFIX + [70], SamplingParams(), max_new_tokens=20)
+        b, step = await sched.open("b", PREFIX + [70], SamplingParams(), max_new_tokens=20)
+        assert step.cached_tokens == 36
+        shared = list(b.seq.table.blocks[:9])
+        assert shared == a.seq.table.blocks[:9]
+        # a verifies a draft that is all wrong (rolled back), then leaves.
+        wrong = [(t + 1) % 100 for t in ref[1:4]]
+        v = await sched.verify(a, a.length, Tree.chain(wrong), None)
+        assert v.out.result.num_accepted == 0
+        sched.close(a)
+        assert all(blk in sched.pool.cache.key_of for blk in shared)
+        out = [step.out.committed[0]]
+        async for t in sched.decode(b, 11):
+            out.append(t.out.committed[0])
+        sched.close(b)
+        return out
+    assert run(model, body) == ref
+
+
+def test_same_prompts_at_once_compute_the_shared_blocks_once(model):
+    async def body(sched):
+        res = await asyncio.gather(*(complete(sched, str(i), PREFIX + [80 + i], 4) for i in range(3)))
+        return res, sched
+    res, sched = run(model, body)
+    for i, (out, _) in enumerate(res):
+        assert out == generate(model, PREFIX + [80 + i], 4)
+    assert sorted(step.cached_tokens for _, step in res) == [0, 36, 36]
+
+
+def test_pool_pressure_evicts_cached_blocks_instead_of_refusing(model):
+    """A pool of 24 blocks: each request reserves 12 (46 tokens + 2 new); after a few distinct
+    prompts the free list is empty and only evicting cached blocks lets the next one run."""
+    prompts = [[p] * 46 for p in range(10, 16)]
+
+    async def body(sched):
+        outs = [await complete(sched, str(i), p, 2) for i, p in enumerate(prompts)]
+        return outs, sched.pool.cache.evictions
+    outs, evictions = run(model, body, blocks=25)
+    assert evictions > 0
+    assert [o for o, _ in outs] == [generate(model, p, 2) for p in prompts]
+
+
+def test_kda_hits_resume_from_state_checkpoints(kimi):
+    prompt = [(7 * i) % 120 + 3 for i in range(41)]
+    prompts = [prompt + [5], prompt + [6, 6], prompt + [5]]
+
+    async def body(sched):
+        return [await complete(sched, str(i), p, 10) for i, p in enumerate(prompts)]
+    got = run(kimi, body)
+    for p, (out, _) in zip(prompts, got):
+        assert out == generate(kimi, p, 10)
+    # The prefill ends a chunk on the prompt's last full block before its last token (40) and
+    # checkpoints the state there; later prompts resume from it.
+    assert [s.cached_tokens for _, s in got] == [0, 40, 40]
+    # No checkpoint slots: K/V alone cannot resume a recurrence, so no hit at all.
+    assert [s.cached_tokens for _, s in run(kimi, body, checkpoints=0)] == [0, 0, 0]
