@@ -3,9 +3,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .routing import LOAD_FACTOR
+
 METHODS = ("auto", "dflash", "ngram", "none")
 ALGORITHMS = {"AUTO": "auto", "DFLASH": "dflash", "NGRAM": "ngram", "NONE": "none"}
 DRAFT_SAMPLING = ("greedy", "sample")
+ROUTING_POLICIES = ("prefix", "round_robin")
 
 
 @dataclass(frozen=True)
@@ -32,4 +35,6 @@ class GatewayConfig:
     draft_timeout_ms: float = 2000.0        # per draft step (Propose); Open gets 4x
     reconnect_max_s: float = 5.0      # backoff cap of the health probes of a failed backend
     target_failover_attempts: int = 3       # replica switches one request may make
+    routing_policy: str = "prefix"          # over several --target replicas; see gateway/routing.py
+    routing_load_factor: float = LOAD_FACTOR    # prefix routing: most a replica holds, in mean in-flight loads
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)

@@ -37,6 +37,7 @@ from .generation import Stats
 from .plan import Plan
 from .policy import AutoPolicy, FixedPolicy, sampling_bucket
 from .request import Request
+from .routing import prefix_key
 from .spec_loop import DraftLost, RemoteDraft, SpeculativeLoop
 
 # Codes from a target that mean "this replica (or our connection to it) is gone": fail over.
@@ -143,15 +144,19 @@ class ResilientSource:
     async def steps(self) -> AsyncIterator[list[int]]:
         failovers = 0
         tried: set[int] = set()
-        self.client = self.b.pick_target()
+        # The prompt's prefix, not the history: a failover re-prefills prompt + history, but the
+        # replicas' caches are keyed by how prompts start, which the history does not change.
+        key = prefix_key(self.req.prompt_ids, getattr(self.req, "cache_salt", "") or "")
+        self.client = self.b.pick_target(key=key)
         while True:
             tried.add(id(self.client))
             self.target = self.client.session(self.timeout_s())
             try:
-                async with contextlib.aclosing(self._attempt()) as attempt:
-                    async for toks in attempt:
-                        self.history.extend(toks)
-                        yield toks
+                with self.b.serving(self.client):       # counted until this attempt ends, however
+                    async with contextlib.aclosing(self._attempt()) as attempt:
+                        async for toks in attempt:
+                            self.history.extend(toks)
+                            yield toks
                 return
             except BackendError as exc:
                 if exc.backend != "target":
@@ -165,7 +170,7 @@ class ResilientSource:
                 self._drop_draft()
                 if lost:
                     self.b.target_health(self.client).mark_failed(f"{exc.code.name}: {exc.message}")
-                nxt = self.b.pick_target(exclude=tried)
+                nxt = self.b.pick_target(exclude=tried, key=key)
                 if full:
                     if nxt is None:
                         raise           # every replica is full: RESOURCE_EXHAUSTED as is

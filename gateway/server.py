@@ -25,7 +25,7 @@ from splitspec.serving import Server, Unparsable, add_connection_age_flags, add_
 from splitspec.v1 import draft_pb2, gateway_pb2, gateway_pb2_grpc, target_pb2
 
 from .backends import BackendError, DraftClient, TargetClient
-from .config import ALGORITHMS, DRAFT_SAMPLING, GatewayConfig, SpeculativeConfig
+from .config import ALGORITHMS, DRAFT_SAMPLING, ROUTING_POLICIES, GatewayConfig, SpeculativeConfig
 from .failover import Health, ResilientSource
 from .plan import plan_request
 from .policy import Measurements
@@ -33,6 +33,7 @@ from .generation import Stats, stream_response
 from .http_server import start_http
 from .metrics import GatewayMetrics
 from .request import ModelLimits, RequestError, parse_request
+from .routing import LOAD_FACTOR, PrefixRouter
 
 SERVICE = "splitspec.v1.Generation"
 
@@ -79,6 +80,11 @@ class Backends:
         self.log = log or logs.get_logger()
         self.targets = [TargetClient(a, cfg.max_message_mb, cfg.reconnect_max_s, credentials) for a in cfg.targets]
         self._next = itertools.cycle(range(len(self.targets)))
+        # Router names: the address, made unique when one is given twice (two clients, as before).
+        self._names = {id(c): c.address if cfg.targets.count(c.address) == 1 else f"{c.address}#{i}"
+                       for i, c in enumerate(self.targets)}
+        self._by_name = {self._names[id(c)]: c for c in self.targets}
+        self.router = PrefixRouter(self._names.values(), load_factor=cfg.routing_load_factor)
         self._health = {id(c): Health("target", c.address, c.channel, self.log,
                                       max_backoff_s=cfg.reconnect_max_s) for c in self.targets}
         self.draft = DraftClient(cfg.draft, cfg.max_message_mb, cfg.reconnect_max_s, credentials) if cfg.draft else None
@@ -97,10 +103,17 @@ class Backends:
         """One --target: a dns:/// name may stand for several replicas, so retrying it is useful."""
         return len(self.targets) == 1
 
-    def pick_target(self, exclude: set[int] | None = None) -> TargetClient | None:
-        """The next healthy replica in turn (round robin over --target addresses). With
-        `exclude` (ids of clients a request already tried): one not tried, healthy first, or
-        None. Without: a healthy one, or the next one anyway (it answers UNAVAILABLE)."""
+    def pick_target(self, exclude: set[int] | None = None, key: bytes | None = None) -> TargetClient | None:
+        """The replica for a request: with a `key` (gateway/routing.py prefix_key) and
+        --routing-policy prefix, the one its prompt prefix hashes to, unless that one is over its
+        share of the requests in flight; otherwise the next healthy replica in turn (round robin
+        over --target addresses). With `exclude` (ids of clients a request already tried): one
+        not tried, healthy first, or None. Without: a healthy one, or the next one anyway (it
+        answers UNAVAILABLE)."""
+        if key is not None and self.cfg.routing_policy == "prefix" and len(self.targets) > 1:
+            name = self.router.pick(key, exclude={self._names[i] for i in exclude or ()},
+                                    healthy=lambda n: self._health[id(self._by_name[n])].healthy)
+            return None if name is None else self._by_name[name]
         start = next(self._next)
         order = self.targets[start:] + self.targets[:start]
         candidates = [c for c in order if exclude is None or id(c) not in exclude]
@@ -110,6 +123,17 @@ class Backends:
         if candidates:
             return candidates[0]
         return None
+
+    @contextlib.contextmanager
+    def serving(self, client: TargetClient):
+        """Count one request on `client` while an attempt of it runs there: the in-flight
+        numbers the load bound of prefix routing compares."""
+        name = self._names[id(client)]
+        self.router.acquire(name)
+        try:
+            yield
+        finally:
+            self.router.release(name)
 
     async def _recheck_draft(self) -> bool:
         """A draft that came back must still fit the target (it may have been replaced)."""
@@ -350,6 +374,13 @@ def build_parser() -> argparse.ArgumentParser:
       help="longest wait between health probes of a failed draft or target (exponential backoff from 0.1 s)")
     a("--target-failover-attempts", type=int, default=3,
       help="how many times one request may move to another target replica before failing UNAVAILABLE")
+    a("--routing-policy", default="prefix", choices=list(ROUTING_POLICIES),
+      help="how requests are spread over several --target replicas: prefix sends prompts that start "
+           "alike to the same replica (its prefix cache), within --routing-load-factor; round_robin "
+           "takes them in turn")
+    a("--routing-load-factor", type=float, default=LOAD_FACTOR,
+      help="prefix routing: a replica holding more than this times the mean number of requests in "
+           "flight is passed over for the next one (>= 1; lower balances, higher keeps prefixes together)")
     a("--drain-timeout-s", type=float, default=30.0, help="on SIGTERM, how long in-flight requests may run")
     add_connection_age_flags(p)
     a("--log-level", default="info", choices=list(logs.LEVELS), help="JSON log lines at this level and above")
@@ -376,6 +407,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     for name in ("max_prompt_tokens", "target_failover_attempts"):
         if getattr(args, name) < 0:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 0")
+    if args.routing_load_factor < 1:
+        raise SystemExit("--routing-load-factor must be >= 1")
     method = ALGORITHMS[args.speculative_algorithm or ("AUTO" if args.draft else "NONE")]
     if method == "dflash" and not args.draft:
         method = "none"         # logged as speculation_without_draft at start-up
@@ -393,6 +426,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
                          max_prompt_tokens=args.max_prompt_tokens, draft_timeout_ms=args.draft_timeout_ms,
                          reconnect_max_s=args.reconnect_max_s,
                          target_failover_attempts=args.target_failover_attempts,
+                         routing_policy=args.routing_policy, routing_load_factor=args.routing_load_factor,
                          speculative=spec)
 
 

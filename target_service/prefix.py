@@ -148,9 +148,12 @@ def publish(pool, seq: Sequence, tr: Track | None, old_len: int, hidden: torch.T
         rows, tr.feats, tr.feat_from = None, [], new_len     # a step without rows: start again here
     with pool.lock:
         for j in range(tr.published, full):
-            if cache.publish(table.blocks[j], tr.keys[j]) and rows is not None and j * bs >= tr.feat_from:
+            cache.publish(table.blocks[j], tr.keys[j])
+            # An equal block cached before (by a session without taps, say) gets this one's rows.
+            held = cache.block_of[tr.keys[j]]
+            if rows is not None and j * bs >= tr.feat_from and cache.features_of(held, _tap(seq)) is None:
                 # A copy: the slice would keep the whole batch's hidden tensor alive.
-                cache.add_features(table.blocks[j], _tap(seq), rows[j * bs - tr.feat_from:(j + 1) * bs - tr.feat_from].clone())
+                cache.add_features(held, _tap(seq), rows[j * bs - tr.feat_from:(j + 1) * bs - tr.feat_from].clone())
         tr.published = max(tr.published, full)
         slot = None
         if prefill and pool.states is not None and new_len % bs == 0 and new_len:

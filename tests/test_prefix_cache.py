@@ -219,10 +219,13 @@ def test_a_drafter_gets_the_same_tap_rows_on_a_hit(model):
 
     async def untapped_then_tapped(sched):
         await complete(sched, "plain", PREFIX + [60], 2)              # publishes blocks, no rows
-        _, step = await complete(sched, "tapped", PREFIX + [61], 2, **taps)
-        return step
-    step = run(model, untapped_then_tapped)
-    assert step.cached_tokens == 28 and torch.allclose(step.out.hidden[-10:], cold[-10:], atol=1e-5)
+        _, first = await complete(sched, "tapped", PREFIX + [61], 2, **taps)
+        _, second = await complete(sched, "again", PREFIX + [61], 2, **taps)
+        return first, second
+    first, second = run(model, untapped_then_tapped)
+    assert first.cached_tokens == 28 and torch.allclose(first.out.hidden[-10:], cold[-10:], atol=1e-5)
+    # The tapped session computed the window's blocks again: their rows now ride on the cached ones.
+    assert second.cached_tokens == 36 and torch.allclose(second.out.hidden[-10:], cold[-10:], atol=1e-5)
 
 
 def test_prompt_logprobs_are_never_served_from_the_cache(model):
@@ -293,3 +296,27 @@ def test_kda_hits_resume_from_state_checkpoints(kimi):
     assert [s.cached_tokens for _, s in got] == [0, 40, 40]
     # No checkpoint slots: K/V alone cannot resume a recurrence, so no hit at all.
     assert [s.cached_tokens for _, s in run(kimi, body, checkpoints=0)] == [0, 0, 0]
+
+
+def test_a_second_turn_reuses_the_first_turns_prompt_and_answer(model):
+    """Blocks fill with generated tokens as they are committed (decode and verify), so the next
+    turn's prompt (first prompt + answer + new message) hits past the first prompt."""
+    first = PREFIX[:22]
+
+    async def body(sched):
+        s, step = await sched.open("t1", first, SamplingParams(), max_new_tokens=40)
+        answer = [step.out.committed[0]]
+        ref = generate(model, first, 20)
+        v = await sched.verify(s, s.length, Tree.chain(ref[1:5]), None)     # verified tokens publish too
+        answer += v.out.committed
+        async for t in sched.decode(s, 20 - len(answer)):
+            answer.append(t.out.committed[0])
+        sched.close(s)
+        assert answer == ref
+        second = first + answer + [90, 91, 92]
+        out, step2 = await complete(sched, "t2", second, 5)
+        return second, out, step2.cached_tokens
+    second, out, cached = run(model, body)
+    assert out == generate(model, second, 5)
+    # 22 + 20 committed, 41 of them in the pool when the first turn closed: 10 full blocks.
+    assert cached == 40

@@ -327,3 +327,24 @@ def test_sampled_speculation_through_tp2_follows_the_target_distribution(kimi_tp
           f"continuations seen")
     assert samples // 10 <= accepted <= samples - samples // 10
     assert chi_square_pvalue(counts, joint, samples) > 1e-3
+
+
+def test_kda_prefix_hits_through_tp2_services(kimi_tp_stack):
+    """A prefix-cache hit on a TP=2 KimiLinear target: rank 0 copies the checkpointed KDA state
+    into the session's slot and rank 1 replays the copy (its share of the heads) before the next
+    forward, so the second request resumes at block 32 and still equals the TP=1 engine."""
+    _, gw, _, model = kimi_tp_stack
+    prefix = [(5 * i) % 13 + 2 for i in range(40)]      # the tiny vocabulary has 16 ids
+    ch, stub = gateway_stub(gw.address)
+    with ch:
+        cached = []
+        for q in ([3, 7], [4, 7], [3, 7]):
+            for method in ("none", "dflash"):
+                req = build_request(prefix + q, max_new_tokens=N_NEW, ignore_eos=True, method=method)
+                req.cache_salt = "tp-kda"
+                ids, _, complete = collect(stub.Generate(req, timeout=300))
+                assert ids == generate(model, prefix + q, N_NEW), (q, method)
+                cached.append(complete.usage.cached_tokens)
+    # The first DFlash request finds the blocks without the tap rows its draft reads (the
+    # target-only request stored none): it computes them, and stores them for the next ones.
+    assert cached == [0, 0, 32, 32, 32, 32]

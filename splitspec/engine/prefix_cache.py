@@ -115,6 +115,7 @@ class PrefixCache:
         nbytes = rows.nelement() * rows.element_size()
         if nbytes > self.feature_budget:
             return
+        self._drop_features(block)      # another draft's taps: the newest wins
         while self.feature_bytes + nbytes > self.feature_budget and self.features:
             self._drop_features(next(iter(self.features)))
         self.features[block] = (tap, rows)
