@@ -157,7 +157,8 @@ class SpeculativeLoop:
             ran = Choice(choice.method, drafted, choice.tokens, choice.ms)
             branched = not is_chain(tree.parents)
             tried = tree_trials(list(tree.parents), list(tree.token_ids), committed) if branched else None
-            self.policy.observe(ran, verified.num_accepted, match, tried=tried)
+            # Tokens the target's grammar forced (jump-forward) are not the drafter's acceptance.
+            self.policy.observe(ran, verified.num_accepted - verified.num_forced, match, tried=tried)
             record_step(stats, choice.method, drafted, verified.num_accepted, len(committed),
                         depth=max(depths(tree.parents), default=0))
             self._committed(committed, verified.hidden)

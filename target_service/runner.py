@@ -19,6 +19,7 @@ from splitspec.engine.penalties import TokenLogprob, path_tokens, process_logits
 from splitspec.engine.sample import SamplingParams, sample
 from splitspec.engine.tree import Tree
 
+from .grammar import mask_rows
 from .models.dense import CausalLM, PagedBatch
 from .parallel import TensorParallelError
 from .state_pool import StatePlan, StateRow
@@ -46,6 +47,7 @@ class Sequence:
     # Return the logits each sampled token was drawn from (StepOutput.logits): the ceiling's and
     # the draft trainer's distributions, which the service never ships.
     keep_logits: bool = False
+    guide: object | None = None         # structured output: a grammar.Guide, advanced by committed tokens
 
     def __post_init__(self):
         if not self.tokens:
@@ -53,13 +55,24 @@ class Sequence:
         if self.output_start is None:
             self.output_start = len(self.prompt)
 
-    def processed(self, logits: torch.Tensor, paths: list[list[int]] | None = None) -> torch.Tensor:
+    def processed(self, logits: torch.Tensor, paths: list[list[int]] | None = None, tree: Tree | None = None) -> torch.Tensor:
         """The logits the sampler and verifier use: `logits` through this request's processors
-        (penalties, logit_bias, min_tokens) with each row's own context; as is when it has none."""
-        if not self.params.processes:
-            return logits
-        return process_logits(logits, self.params, self.tokens[:self.output_start], self.tokens[self.output_start:],
-                              paths, self.eos_token_ids)
+        (penalties, logit_bias, min_tokens) with each row's own context, then its grammar's mask
+        with each row's own state (a tree's nodes: the state after their path); as is when it
+        has neither."""
+        scored = logits
+        if self.params.processes:
+            scored = process_logits(logits, self.params, self.tokens[:self.output_start],
+                                    self.tokens[self.output_start:], paths, self.eos_token_ids)
+        if self.guide is not None and not self.guide.done:
+            allowed = self.guide.allowed()[None] if tree is None else self.guide.tree_allowed(tree)
+            scored = mask_rows(scored, logits, allowed)
+        return scored
+
+    def commit(self, tokens: list[int]) -> None:
+        self.tokens.extend(tokens)
+        if self.guide is not None:
+            self.guide.advance(tokens)
 
     @property
     def length(self) -> int:
@@ -239,19 +252,19 @@ def _finish(step, logits: torch.Tensor, feats: torch.Tensor | None, verifier) ->
             return StepOutput([], feats)
         scored = seq.processed(logits[-1:])
         first = sample(scored[0], seq.params, seq.generator)
-        seq.tokens.append(first)
+        seq.commit([first])
         return StepOutput([first], feats, logprobs=None if want is None else token_logprobs(logits[-1:], [first], want),
                           logits=scored if seq.keep_logits else None)
     if isinstance(step, Decode):
         scored = seq.processed(logits[:1])
         tok = sample(scored[0], seq.params, seq.generator)
         table.length += 1
-        seq.tokens.append(tok)
+        seq.commit([tok])
         return StepOutput([tok], feats, logprobs=None if want is None else token_logprobs(logits[:1], [tok], want),
                           logits=scored if seq.keep_logits else None)
     base = table.length
     probs = None if step.draft_probs is None else step.draft_probs.to(logits.device)
-    scored = seq.processed(logits, path_tokens(step.tree.token_ids, step.tree.parents))
+    scored = seq.processed(logits, path_tokens(step.tree.token_ids, step.tree.parents), step.tree)
     result = verifier.verify(scored, step.tree, seq.params, seq.generator, probs)
     keep = [0] + [node + 1 for node in result.accepted]
     if keep != list(range(len(keep))):         # a tree branch: compact the path in place
@@ -259,7 +272,7 @@ def _finish(step, logits: torch.Tensor, feats: torch.Tensor | None, verifier) ->
     table.length = base + len(keep)
     table.truncate(base + len(keep))
     committed = result.committed(step.tree)
-    seq.tokens.extend(committed)
+    seq.commit(committed)
     # Each committed token is scored at the row that predicted it: its parent's (root first).
     lps = None if want is None else token_logprobs(logits[keep], committed, want)
     return StepOutput(committed, None if feats is None else feats[keep], result, lps)

@@ -36,6 +36,7 @@ from splitspec.metrics import step_kind
 from splitspec.engine.tree import Tree
 
 from . import prefix
+from .grammar import rewrite_tree
 from .models.dense import CausalLM
 from .runner import Decode, Prefill, Sequence, StepOutput, Verify, check_hidden_stream, run_batch
 
@@ -69,6 +70,7 @@ class Step:
     batch_tokens: int      # query tokens in that forward
     length: int = 0        # the session's committed length right after this step
     cached_tokens: int = 0  # prefill: prompt tokens whose K/V came from the prefix cache
+    forced: int = 0         # verify: accepted tokens the grammar forced (nodes the target added)
 
 
 @dataclass
@@ -169,7 +171,7 @@ class Scheduler:
     async def open(self, session_id: str, prompt: list[int], params: SamplingParams, *,
                    hidden_layers: tuple[int, ...] = (), max_new_tokens: int = 0,
                    hidden_stream: str = "", generated_tokens: int = 0, cache_salt: str = "",
-                   hidden_last: int = 0) -> tuple[Session, Step]:
+                   hidden_last: int = 0, guide=None) -> tuple[Session, Step]:
         """hidden_last: how many trailing prompt positions' features the caller reads (0: all);
         a prefix-cache hit must still return those."""
         if not self.accepting:
@@ -205,6 +207,7 @@ class Scheduler:
                                BlockTable(self.pool), max_len, tuple(hidden_layers), hidden_stream=hidden_stream,
                                output_start=len(prompt) - generated_tokens,
                                eos_token_ids=tuple(self.cfg.eos_token_ids))
+        session.seq.guide = guide
         if not isinstance(cache_salt, str):
             raise ValueError(f"open.cache_salt must be a string, got {type(cache_salt).__name__}")
         session.prefix = prefix.track(self.pool, session.seq, model_id=self.model_id, salt=cache_salt,
@@ -275,11 +278,20 @@ class Scheduler:
         if session.length + len(tree) > session.max_len:
             raise ContextError(f"verifying {len(tree)} nodes would grow the sequence past the {session.max_len} "
                                f"tokens this session holds (open.max_new_tokens / max context)")
+        first_added = None
+        if session.seq.guide is not None:
+            # No step of this session is in flight: its grammar state is the committed one.
+            room = min(session.max_len - session.length, len(tree) + 16)
+            tree, draft_probs, added = rewrite_tree(session.seq.guide, tree, draft_probs, room)
+            first_added = len(tree) - added if added else None
         loop = asyncio.get_running_loop()
         work = Work("verify", loop, time.perf_counter(), future=loop.create_future(), tree=tree,
                     draft_probs=draft_probs)
         self._submit(session, work)
-        return await work.future
+        step = await work.future
+        if first_added is not None:
+            step.forced = sum(1 for node in step.out.result.accepted if node >= first_added)
+        return step
 
     def _submit(self, session: Session, work: Work) -> None:
         with self.lock:

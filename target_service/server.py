@@ -37,6 +37,7 @@ from .scheduler import AdmissionError, ClosedError, ContextError, DrainingError,
 from splitspec.engine.flashinfer_attention import AttentionBackendError
 from splitspec.engine.flashinfer_attention import check_available as check_attention_backend
 from . import preflight
+from .grammar import Grammars, Guide
 from .pools import make_pool
 from .parallel import TensorParallelError
 from splitspec.engine.loop import EngineLoop
@@ -77,6 +78,7 @@ class TargetState:
     def __init__(self, args: argparse.Namespace):
         self.args = args
         self.scheduler: Scheduler | None = None
+        self.grammars: Grammars | None = None      # structured output, once the model is loaded
         self.model = None
         self.replica_id = f"{socket.gethostname()}-{os.getpid()}"
         path = Path(args.model_path)
@@ -211,6 +213,12 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
             raise WireError(f"open.cache_salt has {len(msg.cache_salt)} characters; at most 256 "
                             "are accepted (send a tenant id or a hash of one; empty: the shared prefix cache)")
         params = sampling_from_pb(msg.sampling)
+        guide = None
+        if msg.sampling.HasField("constraint"):
+            if params.ignore_eos:
+                raise WireError("open.sampling.constraint cannot be combined with sampling.ignore_eos: a constrained "
+                                "answer ends (eos) where its grammar does")
+            guide = Guide(await self.state.grammars.compile_async(msg.sampling.constraint), sched.cfg.vocab_size)
         # The dtype the caller's draft takes hidden states in (DraftInfo.hidden_dtype), cast here once
         # per step; unset: the model's own (TargetInfo.dtype).
         wire_dtype = dtype_from_pb(msg.hidden_dtype, "open.hidden_dtype") if msg.hidden_dtype else sched.dtype
@@ -218,7 +226,7 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
                                         hidden_layers=tuple(msg.hidden_layer_ids),
                                         max_new_tokens=msg.max_new_tokens,
                                         hidden_stream=msg.hidden_stream, generated_tokens=msg.generated_tokens,
-                                        cache_salt=msg.cache_salt, hidden_last=msg.hidden_last)
+                                        cache_salt=msg.cache_salt, hidden_last=msg.hidden_last, guide=guide)
         session.wire_dtype = wire_dtype
         # Built inside the response: a TargetOpened wrapped afterwards would copy the prompt's
         # hidden states (the largest message of a session) once more.
@@ -263,6 +271,7 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
         resp = target_pb2.TargetResponse()      # filled in place: no copy of the hidden states
         verified = resp.verified
         verified.step, verified.length, verified.num_accepted = msg.step, session.length, step.out.result.num_accepted
+        verified.num_forced = step.forced
         verified.committed_token_ids.extend(step.out.committed)
         verified.forward_ms, verified.queue_ms = step.forward_ms, step.queue_ms
         verified.batch_size, verified.batch_tokens = step.batch_size, step.batch_tokens
@@ -428,7 +437,8 @@ def _load(args: argparse.Namespace):
     nodes = getattr(args, "nnodes", 1) or 1
     mem = preflight.check(args.model_path, world=getattr(args, "tensor_parallel_size", 1), dtype=dtype, device=device,
                           local_ranks=getattr(args, "tensor_parallel_size", 1) // nodes,
-                          kv_budget_mb=args.kv_cache_budget_mb, max_sessions=args.max_running_requests,
+                          kv_budget_mb=args.kv_cache_budget_mb, max_sessions=args.max_running_requests + (
+                              0 if getattr(args, "disable_radix_cache", True) else args.prefix_cache_state_slots),
                           reserve_mb=args.memory_reserve_mb, device_memory_gb=args.device_memory_gb)
     logs.get_logger().info("memory_preflight", per_rank_gib=round(mem.total / preflight.GIB, 3),
                            experts_gib=round(mem.experts / preflight.GIB, 3), trunk_gib=round(mem.trunk / preflight.GIB, 3),
@@ -509,6 +519,7 @@ async def serve(args: argparse.Namespace, *, load=_load, started=None, share: Ho
                 sched.threads, sched.verify_threads = plan.threads, plan.verify_threads
             apply(share.plan())
             followers.append(asyncio.ensure_future(follow_share(share, apply, log)))
+        state.grammars = Grammars(args.model_path, cfg.vocab_size, cfg.eos_token_ids)
         state.scheduler = sched
         log.info("serving", model_id=state.model_id, architecture=cfg.architecture, layers=cfg.num_hidden_layers,
                  vocab_size=cfg.vocab_size, max_context=max_context, dtype=str(sched.dtype).removeprefix("torch."),

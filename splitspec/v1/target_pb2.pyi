@@ -122,7 +122,7 @@ class TargetVerify(_message.Message):
     def __init__(self, step: _Optional[int] = ..., base_len: _Optional[int] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., draft_probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class TargetVerified(_message.Message):
-    __slots__ = ("step", "committed_token_ids", "hidden", "length", "num_accepted", "forward_ms", "queue_ms", "batch_size", "batch_tokens", "logprobs")
+    __slots__ = ("step", "committed_token_ids", "hidden", "length", "num_accepted", "forward_ms", "queue_ms", "batch_size", "batch_tokens", "logprobs", "num_forced")
     STEP_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
@@ -133,6 +133,7 @@ class TargetVerified(_message.Message):
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FORCED_FIELD_NUMBER: _ClassVar[int]
     step: int
     committed_token_ids: _containers.RepeatedScalarFieldContainer[int]
     hidden: _common_pb2.Tensor
@@ -143,7 +144,8 @@ class TargetVerified(_message.Message):
     batch_size: int
     batch_tokens: int
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
-    def __init__(self, step: _Optional[int] = ..., committed_token_ids: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., length: _Optional[int] = ..., num_accepted: _Optional[int] = ..., forward_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
+    num_forced: int
+    def __init__(self, step: _Optional[int] = ..., committed_token_ids: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., length: _Optional[int] = ..., num_accepted: _Optional[int] = ..., forward_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., num_forced: _Optional[int] = ...) -> None: ...
 
 class TargetClose(_message.Message):
     __slots__ = ()
