@@ -100,6 +100,7 @@ class DFlashProposer(_Tokens):
         self.generator = make_generator(sampling.seed if sampling else None, device)
         self.cache = DraftCache(model, max_len, pool)
         self.tokens: list[int] = []
+        self.guide = None       # structured output: a target_service.grammar.Guide over the output so far
 
     @property
     def context_window(self) -> int:
@@ -142,6 +143,10 @@ class DFlashProposer(_Tokens):
         tests each kind by its own rule (`target_service/verify.py`)."""
         shape = self.shape
         dflash2 = isinstance(self.model, DFlash2Draft)
+        if self.guide is not None and shape.topk == 1 and not dflash2:
+            spine, q = self._grammar_spine(logits[:shape.nodes])
+            if spine:
+                return Tree.chain(spine), q
         if dflash2:
             # The selector's q ignores the request's top-k/top-p (they shape the target's p only).
             temp = 0.0 if self.sampling is None else self.sampling.temperature
@@ -168,6 +173,41 @@ class DFlashProposer(_Tokens):
         probs = q.new_zeros(len(tree), q.shape[-1])
         probs[:built.spine] = q[:built.spine]
         return tree, probs
+
+    def _grammar_spine(self, logits: torch.Tensor) -> tuple[list[int], torch.Tensor | None]:
+        """A chain that stays inside the request's grammar: position j chooses among the tokens
+        allowed after the chain so far (its argmax, or a sample from q masked and renormalised,
+        whose row is what the verifier then tests it against: min(1, p/q') with the q' it was
+        drawn from is exact for any q'). It stops where the grammar ends or the masked q has no
+        mass left. The state is left as the committed tokens set it."""
+        g, spine, rows = self.guide, [], []
+        try:
+            for row in logits:
+                if g.done:
+                    break
+                masked = row.masked_fill(~g.allowed().to(row.device), float("-inf"))
+                if self.sampling is None:
+                    tok = int(masked.argmax())
+                else:
+                    q = probs_from_logits(masked, self.sampling)
+                    if not bool(torch.isfinite(q).all()) or float(q.sum()) <= 0:
+                        break
+                    tok = sample_from_probs(q, self.generator)
+                    rows.append(q)
+                if not g.matcher.accept_token(tok):
+                    break
+                spine.append(tok)
+        finally:
+            if spine:
+                g.matcher.rollback(len(spine))
+        rows = rows[:len(spine)]
+        return spine, (torch.stack(rows) if rows else None) if self.sampling is not None else None
+
+    def extend(self, new_ids: list[int]) -> None:
+        """Committed tokens since the last Propose."""
+        self.tokens.extend(new_ids)
+        if self.guide is not None:
+            self.guide.advance(new_ids)
 
     def propose(self, base_len: int, new_ids: list[int], new_hidden: torch.Tensor | None) -> Proposal:
         out = propose_batch(self.model, [(self, base_len, new_ids, new_hidden)])[0]
@@ -198,7 +238,7 @@ def propose_batch(model: DFlashDraft, items: list[tuple]) -> list[Proposal | Exc
     with torch.inference_mode():
         append_context(model, [(items[i][0].cache, items[i][3]) for i in live])
         for i in live:
-            items[i][0].tokens.extend(items[i][2])
+            items[i][0].extend(items[i][2])
         hidden = block_hidden(model, [items[i][0].cache for i in live], [items[i][0].tokens[-1] for i in live],
                               [items[i][1] - 1 for i in live])
         W = model.cfg.common_window

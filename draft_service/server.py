@@ -75,6 +75,7 @@ class DraftState:
     pool: KVPool | None = None
     active: int = 0
     accepting: bool = True
+    grammars: object = None         # target_service.grammar.Grammars (the target's tokenizer), for constraints
 
     @property
     def block_size(self) -> int:
@@ -261,6 +262,14 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
                                topk=topk, sampling=sampling if spec.draft_sampling == "sample" else None, pool=st.pool)
         except ProposerError as exc:      # the shape the client asked for: name its field on the wire
             raise WireError(f"open.{exc}") from exc
+        if msg.sampling.HasField("constraint") and st.grammars is not None:
+            # Drafts that respect the request's grammar (a chain: the target masks and prunes
+            # whatever it gets; this only saves it rejected drafts). The output so far has
+            # already moved the grammar on.
+            from target_service.grammar import Guide
+            p.guide = Guide(await st.grammars.compile_async(msg.sampling.constraint), st.vocab_size)
+            if msg.generated_tokens:
+                p.guide.advance(prompt[-msg.generated_tokens:])
         try:
             await st.scheduler.open(p, prompt, hidden, start)
         except BaseException:
@@ -403,6 +412,9 @@ async def serve(args: argparse.Namespace, *, started=None, share: HostShare | No
     target_path = Path(args.target_model_path) if args.target_model_path else None
     target_cfg = ModelConfig.from_dir(target_path) if target_path else None
     state = DraftState(args, args.method, target_cfg, tokenizer_hash(target_path) if target_path else "")
+    if target_path is not None and (target_path / "tokenizer.json").is_file():
+        from target_service.grammar import Grammars
+        state.grammars = Grammars(target_path, target_cfg.vocab_size, target_cfg.eos_token_ids)
     server = Server([SERVICE], max_message_mb=args.max_message_mb, credentials=server_credentials(args),
                     max_connection_age_s=args.max_connection_age_s,
                     max_connection_age_grace_s=args.max_connection_age_grace_s)

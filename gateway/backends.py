@@ -180,11 +180,12 @@ class DraftSession(_StreamSession):
 
     async def open(self, session_id: str, prompt_ids: list[int], prompt_hidden: common_pb2.Tensor | None,
                    speculative: common_pb2.SpeculativeParams, sampling: common_pb2.SamplingParams,
-                   target_tokenizer_hash: str = "", prompt_hidden_start: int = 0) -> draft_pb2.DraftOpened:
+                   target_tokenizer_hash: str = "", prompt_hidden_start: int = 0,
+                   generated_tokens: int = 0) -> draft_pb2.DraftOpened:
         req = draft_pb2.DraftRequest()      # built in place: the prompt's hidden states are copied once
         msg = req.open
         msg.session_id, msg.target_tokenizer_hash = session_id, target_tokenizer_hash
-        msg.prompt_hidden_start = prompt_hidden_start
+        msg.prompt_hidden_start, msg.generated_tokens = prompt_hidden_start, generated_tokens
         msg.prompt_token_ids.extend(prompt_ids)
         if speculative is not None:
             msg.speculative.CopyFrom(speculative)

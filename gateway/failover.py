@@ -255,7 +255,8 @@ class ResilientSource:
         try:
             answer = await self._draft_call(self.draft.open(
                 req.request_id, prefix, opened.hidden if plan.layer_ids else None, plan.speculative,
-                req.sampling, plan.tokenizer_hash, prompt_hidden_start=start),
+                req.sampling, plan.tokenizer_hash, prompt_hidden_start=start,
+                generated_tokens=len(prefix) - len(req.prompt_ids)),
                 4 * self.cfg.draft_timeout_ms / 1e3,   # Open also prefills
                 client_errors=True)
         except DraftLost:

@@ -283,3 +283,36 @@ def test_compiled_grammars_are_cached_and_choice_is_exact(grammars, model, tok):
     schema = json.dumps({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]})
     strict = grammars.compile(common_pb2.Constraint(json_schema=schema, strict=True))
     assert strict is not grammars.compile(common_pb2.Constraint(json_schema=schema, strict=False))
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_a_dflash_chain_drafts_inside_the_grammar(grammars, model, tok, sampled):
+    """The draft side's chain: each position picks among the tokens the grammar allows after
+    the chain so far; sampled rows of q are those masked distributions (zero on forbidden
+    tokens, summing to one), which the verifier tests the tokens against."""
+    from draft_service.dflash import new_draft
+    from draft_service.proposer import DFlashProposer
+    from target_service.engine import TargetSequence
+    d = new_draft(model.cfg, num_layers=1, block_size=8, mask_token_id=2, seed=1)
+    d.attach_target(model.model.embed_tokens.weight, model.lm_head.weight)
+    params = SamplingParams(temperature=1.0, seed=4)
+    seq = TargetSequence(model, PROMPT, params, max_len=64, hidden_layers=d.cfg.target_layer_ids)
+    prop = DFlashProposer(d, max_len=64, sampling=params if sampled else None)
+    prop.guide = regex_guide(grammars, model, "[ab]{3,9}c")
+    first = seq.prefill()
+    prop.open(PROMPT, first.hidden)
+    out = prop.propose(seq.length, first.committed, None)
+    assert len(out.tree) >= 1
+    check = regex_guide(grammars, model, "[ab]{3,9}c")
+    assert all(check.matcher.accept_token(t) for t in out.tree.token_ids)
+    # The guide is back where the committed tokens left it: nothing drafted was consumed.
+    assert prop.guide.matcher.accept_token(out.tree.token_ids[0])
+    if sampled:
+        assert out.draft_probs.shape[0] == len(out.tree)
+        torch.testing.assert_close(out.draft_probs.sum(-1), torch.ones(len(out.tree)))
+        walk = regex_guide(grammars, model, "[ab]{3,9}c")
+        for row, t in zip(out.draft_probs, out.tree.token_ids):
+            assert not bool(row[~walk.allowed()].any())
+            walk.advance([t])
+    else:
+        assert out.draft_probs is None

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from splitspec.v1 import common_pb2 as splitspec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18splitspec/v1/draft.proto\x12\x0csplitspec.v1\x1a\x19splitspec/v1/common.proto\"\x99\x01\n\x0c\x44raftRequest\x12\'\n\x04open\x18\x01 \x01(\x0b\x32\x17.splitspec.v1.DraftOpenH\x00\x12-\n\x07propose\x18\x02 \x01(\x0b\x32\x1a.splitspec.v1.DraftProposeH\x00\x12)\n\x05\x63lose\x18\x03 \x01(\x0b\x32\x18.splitspec.v1.DraftCloseH\x00\x42\x06\n\x04kind\"\x9d\x01\n\rDraftResponse\x12+\n\x06opened\x18\x01 \x01(\x0b\x32\x19.splitspec.v1.DraftOpenedH\x00\x12*\n\x08proposal\x18\x02 \x01(\x0b\x32\x16.splitspec.v1.ProposalH\x00\x12+\n\x06\x63losed\x18\x03 \x01(\x0b\x32\x19.splitspec.v1.DraftClosedH\x00\x42\x06\n\x04kind\"\x88\x02\n\tDraftOpen\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12+\n\rprompt_hidden\x18\x03 \x01(\x0b\x32\x14.splitspec.v1.Tensor\x12\x34\n\x0bspeculative\x18\x04 \x01(\x0b\x32\x1f.splitspec.v1.SpeculativeParams\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.splitspec.v1.SamplingParams\x12\x1d\n\x15target_tokenizer_hash\x18\x06 \x01(\t\x12\x1b\n\x13prompt_hidden_start\x18\x07 \x01(\x05\"K\n\x0b\x44raftOpened\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06method\x18\x02 \x01(\t\x12\x18\n\x10num_draft_tokens\x18\x03 \x01(\x05\"a\n\x0c\x44raftPropose\x12\x10\n\x08\x62\x61se_len\x18\x01 \x01(\x05\x12\x15\n\rnew_token_ids\x18\x02 \x03(\x05\x12(\n\nnew_hidden\x18\x03 \x01(\x0b\x32\x14.splitspec.v1.Tensor\"\xa6\x01\n\x08Proposal\x12\x10\n\x08\x62\x61se_len\x18\x01 \x01(\x05\x12%\n\x04tree\x18\x02 \x01(\x0b\x32\x17.splitspec.v1.TokenTree\x12)\n\x0b\x64raft_probs\x18\x03 \x01(\x0b\x32\x14.splitspec.v1.Tensor\x12\x10\n\x08\x64raft_ms\x18\x04 \x01(\x01\x12\x10\n\x08queue_ms\x18\x05 \x01(\x01\x12\x12\n\nbatch_size\x18\x06 \x01(\x05\"\x0c\n\nDraftClose\"\r\n\x0b\x44raftClosed\"\xca\x04\n\tDraftInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x0e\n\x06method\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x15\n\rmask_token_id\x18\x04 \x01(\x05\x12\x18\n\x10target_layer_ids\x18\x05 \x03(\x05\x12\x1a\n\x12target_hidden_size\x18\x06 \x01(\x05\x12\x19\n\x11target_vocab_size\x18\x07 \x01(\x05\x12\x19\n\x11target_num_layers\x18\x08 \x01(\x05\x12\x1d\n\x15target_tokenizer_hash\x18\t \x01(\t\x12\x17\n\x0f\x61\x63tive_sessions\x18\n \x01(\x05\x12\x14\n\x0cmax_sessions\x18\x0b \x01(\x05\x12\r\n\x05\x64type\x18\x0c \x01(\t\x12\x15\n\rkv_block_size\x18\r \x01(\x05\x12\x16\n\x0ekv_blocks_used\x18\x0e \x01(\x03\x12\x16\n\x0ekv_blocks_free\x18\x0f \x01(\x03\x12\x16\n\x0e\x66orward_passes\x18\x10 \x01(\x03\x12\x15\n\rbatched_steps\x18\x11 \x01(\x03\x12\x0f\n\x07\x62usy_ms\x18\x12 \x01(\x01\x12\x14\n\x0c\x61rchitecture\x18\x13 \x01(\t\x12\x1c\n\x14target_hidden_stream\x18\x14 \x01(\t\x12\x10\n\x08max_topk\x18\x15 \x01(\x05\x12\x17\n\x0fmax_draft_nodes\x18\x16 \x01(\x05\x12)\n\x0chidden_dtype\x18\x17 \x01(\x0e\x32\x13.splitspec.v1.DType\x12\x16\n\x0e\x63ontext_window\x18\x18 \x01(\x05\x32\x91\x01\n\x05\x44raft\x12\x46\n\x07Session\x12\x1a.splitspec.v1.DraftRequest\x1a\x1b.splitspec.v1.DraftResponse(\x01\x30\x01\x12@\n\x07GetInfo\x12\x1c.splitspec.v1.GetInfoRequest\x1a\x17.splitspec.v1.DraftInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18splitspec/v1/draft.proto\x12\x0csplitspec.v1\x1a\x19splitspec/v1/common.proto\"\x99\x01\n\x0c\x44raftRequest\x12\'\n\x04open\x18\x01 \x01(\x0b\x32\x17.splitspec.v1.DraftOpenH\x00\x12-\n\x07propose\x18\x02 \x01(\x0b\x32\x1a.splitspec.v1.DraftProposeH\x00\x12)\n\x05\x63lose\x18\x03 \x01(\x0b\x32\x18.splitspec.v1.DraftCloseH\x00\x42\x06\n\x04kind\"\x9d\x01\n\rDraftResponse\x12+\n\x06opened\x18\x01 \x01(\x0b\x32\x19.splitspec.v1.DraftOpenedH\x00\x12*\n\x08proposal\x18\x02 \x01(\x0b\x32\x16.splitspec.v1.ProposalH\x00\x12+\n\x06\x63losed\x18\x03 \x01(\x0b\x32\x19.splitspec.v1.DraftClosedH\x00\x42\x06\n\x04kind\"\xa2\x02\n\tDraftOpen\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12+\n\rprompt_hidden\x18\x03 \x01(\x0b\x32\x14.splitspec.v1.Tensor\x12\x34\n\x0bspeculative\x18\x04 \x01(\x0b\x32\x1f.splitspec.v1.SpeculativeParams\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.splitspec.v1.SamplingParams\x12\x1d\n\x15target_tokenizer_hash\x18\x06 \x01(\t\x12\x1b\n\x13prompt_hidden_start\x18\x07 \x01(\x05\x12\x18\n\x10generated_tokens\x18\x08 \x01(\x05\"K\n\x0b\x44raftOpened\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06method\x18\x02 \x01(\t\x12\x18\n\x10num_draft_tokens\x18\x03 \x01(\x05\"a\n\x0c\x44raftPropose\x12\x10\n\x08\x62\x61se_len\x18\x01 \x01(\x05\x12\x15\n\rnew_token_ids\x18\x02 \x03(\x05\x12(\n\nnew_hidden\x18\x03 \x01(\x0b\x32\x14.splitspec.v1.Tensor\"\xa6\x01\n\x08Proposal\x12\x10\n\x08\x62\x61se_len\x18\x01 \x01(\x05\x12%\n\x04tree\x18\x02 \x01(\x0b\x32\x17.splitspec.v1.TokenTree\x12)\n\x0b\x64raft_probs\x18\x03 \x01(\x0b\x32\x14.splitspec.v1.Tensor\x12\x10\n\x08\x64raft_ms\x18\x04 \x01(\x01\x12\x10\n\x08queue_ms\x18\x05 \x01(\x01\x12\x12\n\nbatch_size\x18\x06 \x01(\x05\"\x0c\n\nDraftClose\"\r\n\x0b\x44raftClosed\"\xca\x04\n\tDraftInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x0e\n\x06method\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x15\n\rmask_token_id\x18\x04 \x01(\x05\x12\x18\n\x10target_layer_ids\x18\x05 \x03(\x05\x12\x1a\n\x12target_hidden_size\x18\x06 \x01(\x05\x12\x19\n\x11target_vocab_size\x18\x07 \x01(\x05\x12\x19\n\x11target_num_layers\x18\x08 \x01(\x05\x12\x1d\n\x15target_tokenizer_hash\x18\t \x01(\t\x12\x17\n\x0f\x61\x63tive_sessions\x18\n \x01(\x05\x12\x14\n\x0cmax_sessions\x18\x0b \x01(\x05\x12\r\n\x05\x64type\x18\x0c \x01(\t\x12\x15\n\rkv_block_size\x18\r \x01(\x05\x12\x16\n\x0ekv_blocks_used\x18\x0e \x01(\x03\x12\x16\n\x0ekv_blocks_free\x18\x0f \x01(\x03\x12\x16\n\x0e\x66orward_passes\x18\x10 \x01(\x03\x12\x15\n\rbatched_steps\x18\x11 \x01(\x03\x12\x0f\n\x07\x62usy_ms\x18\x12 \x01(\x01\x12\x14\n\x0c\x61rchitecture\x18\x13 \x01(\t\x12\x1c\n\x14target_hidden_stream\x18\x14 \x01(\t\x12\x10\n\x08max_topk\x18\x15 \x01(\x05\x12\x17\n\x0fmax_draft_nodes\x18\x16 \x01(\x05\x12)\n\x0chidden_dtype\x18\x17 \x01(\x0e\x32\x13.splitspec.v1.DType\x12\x16\n\x0e\x63ontext_window\x18\x18 \x01(\x05\x32\x91\x01\n\x05\x44raft\x12\x46\n\x07Session\x12\x1a.splitspec.v1.DraftRequest\x1a\x1b.splitspec.v1.DraftResponse(\x01\x30\x01\x12@\n\x07GetInfo\x12\x1c.splitspec.v1.GetInfoRequest\x1a\x17.splitspec.v1.DraftInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,19 +37,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DRAFTRESPONSE']._serialized_start=226
   _globals['_DRAFTRESPONSE']._serialized_end=383
   _globals['_DRAFTOPEN']._serialized_start=386
-  _globals['_DRAFTOPEN']._serialized_end=650
-  _globals['_DRAFTOPENED']._serialized_start=652
-  _globals['_DRAFTOPENED']._serialized_end=727
-  _globals['_DRAFTPROPOSE']._serialized_start=729
-  _globals['_DRAFTPROPOSE']._serialized_end=826
-  _globals['_PROPOSAL']._serialized_start=829
-  _globals['_PROPOSAL']._serialized_end=995
-  _globals['_DRAFTCLOSE']._serialized_start=997
-  _globals['_DRAFTCLOSE']._serialized_end=1009
-  _globals['_DRAFTCLOSED']._serialized_start=1011
-  _globals['_DRAFTCLOSED']._serialized_end=1024
-  _globals['_DRAFTINFO']._serialized_start=1027
-  _globals['_DRAFTINFO']._serialized_end=1613
-  _globals['_DRAFT']._serialized_start=1616
-  _globals['_DRAFT']._serialized_end=1761
+  _globals['_DRAFTOPEN']._serialized_end=676
+  _globals['_DRAFTOPENED']._serialized_start=678
+  _globals['_DRAFTOPENED']._serialized_end=753
+  _globals['_DRAFTPROPOSE']._serialized_start=755
+  _globals['_DRAFTPROPOSE']._serialized_end=852
+  _globals['_PROPOSAL']._serialized_start=855
+  _globals['_PROPOSAL']._serialized_end=1021
+  _globals['_DRAFTCLOSE']._serialized_start=1023
+  _globals['_DRAFTCLOSE']._serialized_end=1035
+  _globals['_DRAFTCLOSED']._serialized_start=1037
+  _globals['_DRAFTCLOSED']._serialized_end=1050
+  _globals['_DRAFTINFO']._serialized_start=1053
+  _globals['_DRAFTINFO']._serialized_end=1639
+  _globals['_DRAFT']._serialized_start=1642
+  _globals['_DRAFT']._serialized_end=1787
 # @@protoc_insertion_point(module_scope)

@@ -28,7 +28,7 @@ class DraftResponse(_message.Message):
     def __init__(self, opened: _Optional[_Union[DraftOpened, _Mapping]] = ..., proposal: _Optional[_Union[Proposal, _Mapping]] = ..., closed: _Optional[_Union[DraftClosed, _Mapping]] = ...) -> None: ...
 
 class DraftOpen(_message.Message):
-    __slots__ = ("session_id", "prompt_token_ids", "prompt_hidden", "speculative", "sampling", "target_tokenizer_hash", "prompt_hidden_start")
+    __slots__ = ("session_id", "prompt_token_ids", "prompt_hidden", "speculative", "sampling", "target_tokenizer_hash", "prompt_hidden_start", "generated_tokens")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_HIDDEN_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,7 @@ class DraftOpen(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TARGET_TOKENIZER_HASH_FIELD_NUMBER: _ClassVar[int]
     PROMPT_HIDDEN_START_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     prompt_hidden: _common_pb2.Tensor
@@ -43,7 +44,8 @@ class DraftOpen(_message.Message):
     sampling: _common_pb2.SamplingParams
     target_tokenizer_hash: str
     prompt_hidden_start: int
-    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt_hidden: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., speculative: _Optional[_Union[_common_pb2.SpeculativeParams, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., target_tokenizer_hash: _Optional[str] = ..., prompt_hidden_start: _Optional[int] = ...) -> None: ...
+    generated_tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt_hidden: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., speculative: _Optional[_Union[_common_pb2.SpeculativeParams, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., target_tokenizer_hash: _Optional[str] = ..., prompt_hidden_start: _Optional[int] = ..., generated_tokens: _Optional[int] = ...) -> None: ...
 
 class DraftOpened(_message.Message):
     __slots__ = ("session_id", "method", "num_draft_tokens")
