@@ -49,15 +49,21 @@ class ChatTemplate:
     def available(self) -> bool:
         return self._compiled is not None
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
-        """kwargs: the request's chat_template_kwargs (e.g. enable_thinking), as vLLM passes them."""
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
+               **kwargs) -> str:
+        """kwargs: the request's chat_template_kwargs (e.g. enable_thinking), as vLLM passes them.
+        tools: the request's tools ([{"type": "function", "function": {name, description,
+        parameters}}]), the template's `tools` variable as Hugging Face passes it (undefined
+        when the request has none)."""
         if self._compiled is None:
             raise ChatTemplateError(
                 f"model {self.model_id!r} has no chat template (no 'chat_template' in its tokenizer_config.json), "
                 "so chat messages cannot be turned into a prompt; use /v1/completions with a plain prompt")
         try:
-            return self._compiled.render(**{**self.special, **kwargs, "messages": messages,
-                                            "add_generation_prompt": add_generation_prompt})
+            context = {**self.special, **kwargs, "messages": messages, "add_generation_prompt": add_generation_prompt}
+            if tools is not None:
+                context["tools"] = tools
+            return self._compiled.render(**context)
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"the chat template rejected the messages: {exc}") from None
 

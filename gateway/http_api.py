@@ -19,8 +19,15 @@ speculation through the extension object `speculative`
 ({"method", "num_steps", "topk", "num_draft_tokens", "draft_sampling"}, like SpeculativeParams).
 `usage.prompt_tokens_details.cached_tokens` says how many prompt tokens came from the target's
 prefix cache (see `usage`).
+Structured outputs (gateway/structured.py): response_format (json_object, json_schema),
+vLLM's structured_outputs and its legacy guided_* fields, and on chat tools / tool_choice /
+parallel_tool_calls become one GenerateRequest.sampling.constraint per choice, which the target
+enforces exactly under speculation; the tools go to the chat template, and the answer's
+`<tool_call>` blocks come back as OpenAI tool_calls (message.tool_calls, or deltas when
+streaming, finish_reason "tool_calls"). A constraint the target cannot compile is a 400 whose
+`param` is the field it came from.
 Fields this server does not know are ignored and logged (`http_unknown_fields`), as vLLM does;
-known fields it cannot honour (best_of > 1, suffix, tools) are refused with a 400 naming them.
+known fields it cannot honour (best_of > 1, suffix, functions) are refused with a 400 naming them.
 gRPC statuses become OpenAI-style error bodies with the matching HTTP status (`http_status`)."""
 from __future__ import annotations
 
@@ -44,7 +51,7 @@ from splitspec import logs
 from splitspec.security import UNAUTHENTICATED_MESSAGE, ApiKeys
 from splitspec.v1 import common_pb2, gateway_pb2
 
-from . import inproc
+from . import inproc, structured
 from .chat import ChatTemplate, ChatTemplateError
 from .request import MAX_CACHE_SALT
 
@@ -76,14 +83,17 @@ MAX_CHOICES = 256          # prompts x n in one request
 # gRPC SamplingParams field -> the HTTP field a client set.
 HTTP_NAMES = {"max_new_tokens": "max_tokens", "prompt_logprobs": "logprobs"}
 MIN_LOGPROB = -9999.0      # what -inf becomes in JSON (vLLM's choice): JSON has no infinity
+# A refusal of the request's grammar, as the gateway or the target (through the gateway, whose
+# message names the backend) words it.
+CONSTRAINT_ERROR = re.compile(r"^(?:(?:target|draft): )?(?:open\.)?sampling\.constraint\b")
 
-# Constrained decoding as vLLM spells it: known, so refused by name rather than ignored as unknown.
-GUIDED_FIELDS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+# Constrained decoding (gateway/structured.py): response_format, vLLM's structured_outputs and its
+# legacy guided_* aliases (honoured, never ignored); tools on chat (named, so refused on completions).
 COMMON_FIELDS = {"model", "stream", "stream_options", "temperature", "top_p", "top_k", "seed", "max_tokens", "stop",
                  "stop_token_ids", "ignore_eos", "speculative", "n", "best_of", "presence_penalty",
                  "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "logprobs", "user",
                  "tools", "functions", "tool_choice", "function_call", "response_format", "cache_salt",
-                 *GUIDED_FIELDS}
+                 "structured_outputs", *structured.GUIDED}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "suffix"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt",
                                "chat_template_kwargs", "parallel_tool_calls"}
@@ -156,22 +166,6 @@ def _unsupported(body: dict) -> None:
         raise bad("best_of is not supported (only best_of = n); use n to get several samples", "best_of")
     if body.get("suffix"):
         raise bad("suffix is not supported", "suffix")
-    if body.get("tools") or body.get("functions"):
-        raise bad("tools / function calling are not supported", "tools")
-    # Until outputs can be constrained (a grammar engine), a request for JSON must not get free
-    # text with a 200: it is refused, naming the field.
-    fmt = body.get("response_format")
-    if fmt is not None:
-        kind = fmt.get("type") if isinstance(fmt, dict) else None
-        if not isinstance(kind, str):
-            raise bad("response_format must be an object with a string `type`", "response_format")
-        if kind != "text":
-            raise bad(f"response_format type {kind!r} is not supported: outputs cannot be constrained to a "
-                      f"schema or format yet, so they would not be valid; send type 'text' or leave it out",
-                      "response_format")
-    for name in GUIDED_FIELDS:
-        if body.get(name) is not None:
-            raise bad(f"{name} is not supported: outputs cannot be constrained yet", name)
 
 
 @dataclass
@@ -180,12 +174,20 @@ class Wanted:
     n: int = 1
     logprobs: int | None = None          # alternatives per token; None: no logprobs in the answer
     echo: bool = False
+    structured: structured.Structured = field(default_factory=structured.Structured)
 
 
 def parse_options(body: dict, *, chat: bool) -> Wanted:
     _unsupported(body)
     _cache_salt(body)       # refused before the prompt is rendered or tokenized
     w = Wanted(n=_number(body, "n", int, minimum=1, maximum=MAX_N) or 1)
+    try:
+        w.structured = structured.from_request(body, chat=chat)
+    except structured.StructuredError as exc:
+        raise bad(exc.message, exc.param) from None
+    if w.structured.constraint is not None and _flag(body, "ignore_eos"):
+        raise bad(f"ignore_eos cannot be combined with {w.structured.source}: a constrained answer ends (eos) "
+                  f"where its grammar is complete", "ignore_eos")
     if chat:
         if body.get("echo"):
             raise bad("echo is a /v1/completions field", "echo")
@@ -252,6 +254,8 @@ def build_request(body: dict, prompt, request_id: str, *, max_tokens_field: str 
         s.logprobs = wanted.logprobs
     if wanted.echo and (wanted.logprobs is not None or max_tokens == 0):
         s.prompt_logprobs = wanted.logprobs or 0
+    if wanted.structured.constraint is not None:
+        s.constraint.CopyFrom(wanted.structured.constraint)
     req = gateway_pb2.GenerateRequest(request_id=request_id, sampling=s, speculative=_speculative(body),
                                       cache_salt=_cache_salt(body))
     if isinstance(prompt, str):
@@ -349,8 +353,27 @@ def chat_messages(body: dict) -> list[dict]:
             content = "".join(p.get("text", "") for p in content)
         if content is not None and not isinstance(content, str):
             raise bad(f"messages[{i}].content must be a string", f"messages[{i}].content")
-        out.append({**m, "content": content or ""})
+        m = {**m, "content": content or ""}
+        if isinstance(m.get("tool_calls"), list):
+            m["tool_calls"] = [_template_call(c) for c in m["tool_calls"]]
+        out.append(m)
     return out
+
+
+def _template_call(call):
+    """An assistant message's tool call as chat templates read it (as vLLM passes it): the
+    arguments JSON string parsed into an object, at `function.arguments`."""
+    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+        return call
+    args = call["function"].get("arguments")
+    if isinstance(args, str):
+        try:
+            parsed = json.loads(args)
+        except json.JSONDecodeError:
+            return call
+        if isinstance(parsed, dict):
+            return {**call, "function": {**call["function"], "arguments": parsed}}
+    return call
 
 
 def choice_seed(seed: int, i: int) -> int:
@@ -597,8 +620,13 @@ class OpenAIApi:
         kwargs = body.get("chat_template_kwargs") or {}
         if not isinstance(kwargs, dict):
             raise bad("chat_template_kwargs must be an object", "chat_template_kwargs")
+        reserved = sorted(set(kwargs) & {"messages", "add_generation_prompt", "tools"})
+        if reserved:
+            raise bad(f"chat_template_kwargs cannot set {', '.join(reserved)}: send them as request fields",
+                      "chat_template_kwargs")
         add_generation_prompt = body.get("add_generation_prompt", True)
-        prompt = self.template().render(messages, add_generation_prompt=add_generation_prompt, **kwargs)
+        prompt = self.template().render(messages, add_generation_prompt=add_generation_prompt,
+                                        tools=wanted.structured.tools, **kwargs)
         job = self._job(body, [prompt], rid, wanted, chat=True, max_tokens_field="max_completion_tokens")
         return await self._respond(request, body, job)
 
@@ -690,6 +718,9 @@ class OpenAIApi:
         param = None
         if exc.code == grpc.StatusCode.OUT_OF_RANGE:
             param = f"prompt[{job.choices[i].prompt_index}]" if job.prompts > 1 else "prompt"
+        elif exc.code == grpc.StatusCode.INVALID_ARGUMENT and CONSTRAINT_ERROR.match(exc.details or ""):
+            # The target (or the gateway) refused the grammar: name the field it was built from.
+            param = job.wanted.structured.source
         return ApiError.from_grpc(exc.code, exc.details, param)
 
     async def _collect(self, job: Job, i: int, stream) -> None:
@@ -713,6 +744,12 @@ class OpenAIApi:
             choice = {"index": c.index, "finish_reason": finish, "logprobs": None}
             if job.chat:
                 choice["message"] = {"role": "assistant", "content": text}
+                if job.wanted.structured.parse_tools:
+                    content, calls = structured.parse_tool_calls(text, job.wanted.structured.names)
+                    if calls:
+                        choice["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
+                        if finish == "stop":
+                            choice["finish_reason"] = "tool_calls"
                 if job.wanted.logprobs is not None:
                     choice["logprobs"] = {"content": self._chat_logprobs(c.logprobs, job.wanted.logprobs),
                                           "refusal": None}
@@ -782,7 +819,7 @@ class OpenAIApi:
                     async for resp in stream:
                         await queue.put((i, resp))
             except inproc.LocalRpcError as exc:
-                await queue.put((i, ApiError.from_grpc(exc.code, exc.details)))
+                await queue.put((i, self._error(job, i, exc)))
             finally:
                 await queue.put((i, end))
 
@@ -790,6 +827,22 @@ class OpenAIApi:
             return {**head, "object": kind, "choices": [choice]}
 
         offsets = [0] * len(job.choices)
+        # Tool calls: each choice's text goes through a parser; calls come out as deltas.
+        tools = job.wanted.structured
+        parsers = [structured.ToolCallParser(tools.names) if job.chat and tools.parse_tools else None
+                   for _ in job.choices]
+        ncalls = [0] * len(job.choices)
+
+        def tool_deltas(i: int, c: Choice, content: str, calls: list[dict], lps) -> list[dict]:
+            out = []
+            if content or lps is not None:
+                out.append({"index": c.index, "delta": {"content": content}, "finish_reason": None, "logprobs": lps})
+            for call in calls:
+                out.append({"index": c.index, "delta": {"tool_calls": [{"index": ncalls[i], **call}]},
+                            "finish_reason": None, "logprobs": None})
+                ncalls[i] += 1
+            return out
+
         tasks = [asyncio.ensure_future(pump(i, f, s)) for i, (f, s) in enumerate(zip(firsts, streams))]
         try:
             if job.chat:
@@ -829,6 +882,10 @@ class OpenAIApi:
                             if lps["text_offset"]:
                                 last = lps["text_offset"][-1] + len(lps["tokens"][-1])
                                 offsets[i] = last
+                    if parsers[i] is not None:
+                        for choice in tool_deltas(i, c, *parsers[i].feed(text), lps):
+                            yield sse(event(choice))
+                        continue
                     if job.chat:
                         choice = {"index": c.index, "delta": {"content": text}, "finish_reason": None, "logprobs": lps}
                     else:
@@ -837,6 +894,11 @@ class OpenAIApi:
                     continue
                 complete = item.complete
                 finish = FINISH.get(complete.finish_reason, complete.finish_reason)
+                if parsers[i] is not None:
+                    for choice in tool_deltas(i, c, parsers[i].finish(), [], None):
+                        yield sse(event(choice))
+                    if ncalls[i] and finish == "stop":
+                        finish = "tool_calls"
                 if job.chat:
                     choice = {"index": c.index, "delta": {}, "finish_reason": finish, "logprobs": None}
                 else:

@@ -12,6 +12,7 @@ import grpc
 from splitspec.v1 import common_pb2, gateway_pb2
 
 from .config import DRAFT_SAMPLING, METHODS, GatewayConfig, SpeculativeConfig
+from .structured import constraint_problem
 
 
 class RequestError(Exception):
@@ -72,6 +73,14 @@ def parse_request(req: gateway_pb2.GenerateRequest, cfg: GatewayConfig, limits: 
             raise RequestError(f"sampling.stop_token_ids[{i}] = {t} is outside the vocabulary "
                                f"[0, {limits.vocab_size})")
     _processors(s, limits, max_new)
+    if s.HasField("constraint"):
+        problem = constraint_problem(s.constraint)
+        if problem:
+            raise RequestError(problem)
+        if s.ignore_eos:
+            raise RequestError(f"sampling.ignore_eos cannot be combined with sampling.constraint."
+                               f"{s.constraint.WhichOneof('kind')}: a constrained answer ends (eos) where its "
+                               f"grammar is complete")
     if len(req.cache_salt) > MAX_CACHE_SALT:
         raise RequestError(f"cache_salt has {len(req.cache_salt)} characters; at most {MAX_CACHE_SALT} are "
                            f"accepted (a tenant or user id, or a hash of one)")
@@ -93,6 +102,8 @@ def parse_request(req: gateway_pb2.GenerateRequest, cfg: GatewayConfig, limits: 
     sampling.presence_penalty, sampling.frequency_penalty = s.presence_penalty, s.frequency_penalty
     sampling.min_tokens, sampling.ignore_eos = s.min_tokens, s.ignore_eos
     sampling.logit_bias.update(s.logit_bias)
+    if s.HasField("constraint"):
+        sampling.constraint.CopyFrom(s.constraint)      # the target (and the draft) constrain with it
     if s.min_tokens:
         sampling.stop_token_ids.extend(s.stop_token_ids)
     return Request(

@@ -334,13 +334,13 @@ def test_chat_errors_and_unknown_fields(client, services):
     assert any(e["fields"] == ["no_such_field"] for e in logged)
 
 
-def test_unconstrainable_formats_are_refused_not_ignored(client):
-    """A JSON-schema, json_object or yaml response_format (and vLLM's guided / structured fields)
-    would silently get free text: refused with a 400 naming the field, on chat and completions;
-    type text is what every answer is, and passes."""
+def test_bad_formats_are_refused_not_ignored(client):
+    """An unknown or malformed response_format (and a malformed structured_outputs) would
+    silently get free text: refused with a 400 naming the field, on chat and completions; type
+    text is what every answer is, and passes. (Constrained answers: tests/test_structured_*.py.)"""
     messages = [{"role": "user", "content": "hi"}]
-    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
-    for fmt in (schema, {"type": "json_object"}, {"type": "yaml"}, "json"):
+    bad_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}
+    for fmt in (bad_schema, {"type": "yaml"}, "json"):
         with pytest.raises(openai.BadRequestError) as err:
             client.chat.completions.create(model="", messages=messages, max_tokens=2, response_format=fmt)
         assert err.value.body["param"] == "response_format"
@@ -349,7 +349,7 @@ def test_unconstrainable_formats_are_refused_not_ignored(client):
         assert err.value.body["param"] == "response_format"
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model="", messages=messages, max_tokens=2,
-                                       extra_body={"structured_outputs": {"choice": ["a", "b"]}})
+                                       extra_body={"structured_outputs": {"choice": ["a", "b"], "regex": "a"}})
     assert err.value.body["param"] == "structured_outputs"
     ok = client.chat.completions.create(model="", messages=messages, max_tokens=2, response_format={"type": "text"})
     assert ok.choices[0].message.content is not None
