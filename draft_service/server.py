@@ -30,7 +30,7 @@ from splitspec.serving import (ProtocolError, Server, add_connection_age_flags, 
                                end_session_with, read_message, run_main)
 from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from splitspec.wire import (WireError, check_token_ids, dtype_name, dtype_to_pb, sampling_from_pb, tensor_from_pb,
-                            tensor_to_pb, tree_to_pb)
+                            tensor_to_pb)
 from target_service.config import ConfigError, ModelConfig
 from target_service.loader import CheckpointError, parse_dtype, resolve_device, tokenizer_hash
 from splitspec.engine.kv_pool import KVPool, PoolExhausted

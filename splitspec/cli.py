@@ -122,6 +122,12 @@ def build_parser() -> argparse.ArgumentParser:
                                                         "the services (see its --help)")
     sub.add_parser("bench-trees", add_help=False, help="chain vs tree drafts side by side, and verify cost against "
                                                        "node count (see its --help)")
+    sub.add_parser("bench-prefix", add_help=False, help="the target's prefix cache on and off through the services: "
+                                                        "shared prefixes, multi-turn, TTFT probe, unique prompts "
+                                                        "(see its --help)")
+    sub.add_parser("bench-structured", add_help=False, help="structured outputs (JSON schemas, regex, choice, tool "
+                                                            "calls) per method and temperature: tau, tok/s, validity, "
+                                                            "the grammar's cost (see its --help)")
     return p
 
 
@@ -294,6 +300,12 @@ def main(argv=None) -> None:
     if argv and argv[0] == "bench-trees":
         from splitspec.bench.trees import main as bench_trees_main
         sys.exit(bench_trees_main(argv[1:]))
+    if argv and argv[0] == "bench-prefix":
+        from splitspec.bench.prefix import cli_main as bench_prefix_main
+        sys.exit(bench_prefix_main(argv[1:]))
+    if argv and argv[0] == "bench-structured":
+        from splitspec.bench.structured import cli_main as bench_structured_main
+        sys.exit(bench_structured_main(argv[1:]))
     args = build_parser().parse_args(argv)
     from splitspec.ops import certs, scaleout
     sys.exit({"up": cmd_up, "generate": cmd_generate, "health": cmd_health,
