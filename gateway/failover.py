@@ -266,7 +266,8 @@ class ResilientSource:
 
     def _attempt(self) -> AsyncIterator[list[int]]:
         plan = self.plan
-        remote = plan.speculative is not None and self.policy.wants_draft() and self._want_draft()
+        remaining = self.req.max_new_tokens - len(self.history)
+        remote = plan.speculative is not None and self.policy.wants_draft(remaining) and self._want_draft()
         if remote or plan.local_ngram:
             self.stats.method = plan.method
         elif not self.history:

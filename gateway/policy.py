@@ -147,6 +147,7 @@ class Measurements:
         self.decode_stream = Ema()           # later tokens of a Decode stream
         self.sessions = 1.0                  # requests in flight per target replica (set by the servicer)
         self.draft_ms: dict[str, Ema] = {}
+        self.draft_open = Ema()              # a DFlash session's Open round trip (its prefill of the prompt)
         self.max_positions = max_positions
         self.accept: dict[tuple, Acceptance] = {}
         # The exploration schedule is the gateway's, not a request's: short requests make few
@@ -171,6 +172,9 @@ class Measurements:
 
     def decode_gap(self, ms: float, forward_ms: float, first: bool) -> None:
         (self.decode_first if first else self.decode_stream).add(max(0.0, ms - forward_ms))
+
+    def opened_draft(self, ms: float) -> None:
+        self.draft_open.add(ms)
 
     def proposal(self, method: str, ms: float) -> None:
         self.draft_ms.setdefault(method, Ema()).add(ms)
@@ -229,7 +233,7 @@ class FixedPolicy:
         self.method = method
         self.drafter_gone = False
 
-    def wants_draft(self) -> bool:
+    def wants_draft(self, remaining: int | None = None) -> bool:
         return True
 
     def choose(self, offer: Offer, remaining: int) -> Choice:
@@ -281,18 +285,33 @@ class AutoPolicy:
         # Acceptance depends on how the target samples (and the drafts are drawn): per bucket.
         return ("ngram", ngram_match, self.bucket) if method == "ngram" else (method, self.bucket)
 
-    def wants_draft(self) -> bool:
+    def wants_draft(self, remaining: int | None = None) -> bool:
         """Whether this request opens a DFlash session. Opening one costs a draft prefill and
         the target's features on the wire for every committed token, paid even by a request that
-        then never drafts; where DFlash has been winning under WORTH of the decisions of this
-        bucket lately (sampled requests with greedy drafts, say), only every REOPEN_EVERY-th
-        request opens one, to keep the estimate current."""
+        then never drafts. It opens one only where that is expected to pay back over its
+        `remaining` tokens (`session_pays`) and where DFlash has been winning at least WORTH of
+        the decisions of this bucket lately (sampled requests with greedy drafts rarely do);
+        otherwise only every REOPEN_EVERY-th request of the bucket opens one, to keep the
+        estimates current. Without a session a request sends no features and verifies no
+        DFlash probe: it runs target-only and n-gram steps, which cost nothing to offer."""
         m, b = self.m, self.bucket
-        if m.worth_seen.get(b, 0) < WORTH_AFTER or m.dflash_worth[b].get() >= DRAFT_WORTH:
+        worth = m.worth_seen.get(b, 0) < WORTH_AFTER or m.dflash_worth[b].get() >= DRAFT_WORTH
+        if worth and (remaining is None or self.session_pays(remaining)):
             m.skipped[b] = 0
             return True
         m.skipped[b] = m.skipped.get(b, 0) + 1
         return m.skipped[b] % REOPEN_EVERY == 0
+
+    def session_pays(self, remaining: int) -> bool:
+        """Whether a DFlash session should save more than it costs over `remaining` tokens, at
+        the prices measured now (the batch's size included) and the bucket's acceptance learnt
+        across requests: the time DFlash's best step saves per token, times the tokens, against
+        the Open's round trip."""
+        costs = self.m.costs()
+        best = choose({"dflash": self.m.acceptance(("dflash", self.bucket)).rates()},
+                      {"dflash": max(1, self.max_k)}, costs, decode=False)
+        saved_per_token = costs.step_ms("none", 0) - best.ms / best.tokens
+        return saved_per_token * max(0, remaining - 1) > self.m.draft_open.get(0.0)
 
     def choose(self, offer: Offer, remaining: int) -> Choice:
         cap = min(self.max_k, max(0, remaining - 1))     # the bonus is always one of the remaining

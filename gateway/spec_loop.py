@@ -120,7 +120,10 @@ class SpeculativeLoop:
         if self.open_draft is not None and generated < remaining:
             t = time.perf_counter()
             self.draft = await self.open_draft(opened, prefix)
-            stats.draft_ms += (time.perf_counter() - t) * 1e3
+            ms = (time.perf_counter() - t) * 1e3
+            stats.draft_ms += ms
+            if self.draft is not None:
+                self.m.opened_draft(ms)
             if self.draft is not None:
                 self.draft.owe([b0], None)
 
