@@ -26,6 +26,7 @@ class Track:
     root: bytes                      # the namespace: model + cache_salt
     keys: list[bytes]                # chained keys of the sequence's full blocks, as far as known
     need_from: int                   # first prompt position whose tap rows the Open returns
+    needs_rows: bool = True          # the caller reads tap rows (a session computing them only to store them does not)
     published: int = 0               # leading blocks of the table already in the cache (published or adopted)
     cached_tokens: int = 0           # prompt tokens taken from the cache
     feat_from: int = 0               # position of the first buffered tap row
@@ -36,12 +37,13 @@ class Track:
         return sum(f.shape[0] for f in self.feats)
 
 
-def track(pool, seq: Sequence, *, model_id: str, salt: str, hidden_last: int) -> Track | None:
+def track(pool, seq: Sequence, *, model_id: str, salt: str, hidden_last: int, needs_rows: bool = True) -> Track | None:
     if pool.cache is None:
         return None
     n = len(seq.prompt)
-    return Track(namespace_key(model_id, salt), block_keys(namespace_key(model_id, salt), seq.prompt, pool.block_size),
-                 need_from=0 if hidden_last <= 0 else max(0, n - hidden_last))
+    root = namespace_key(model_id, salt)
+    return Track(root, block_keys(root, seq.prompt, pool.block_size),
+                 need_from=0 if hidden_last <= 0 else max(0, n - hidden_last), needs_rows=needs_rows)
 
 
 def _tap(seq: Sequence):
@@ -107,7 +109,7 @@ def reuse(pool, seq: Sequence, tr: Track | None) -> tuple[int, list[torch.Tensor
     tr.published = k
     tr.cached_tokens += (k - k0) * bs
     tr.feats, tr.feat_from = [], table.length
-    return (k - k0) * bs, rows, bool(seq.hidden_layers) and tr.need_from // bs > k0
+    return (k - k0) * bs, rows, tr.needs_rows and tr.need_from // bs > k0
 
 
 def _resumable(pool, seq, tr, found, k0: int, k: int) -> list[torch.Tensor] | None:
@@ -116,7 +118,7 @@ def _resumable(pool, seq, tr, found, k0: int, k: int) -> list[torch.Tensor] | No
     cache, bs = pool.cache, pool.block_size
     if pool.states is not None and cache.checkpoint(tr.keys[k - 1]) is None:
         return None
-    if not seq.hidden_layers:
+    if not tr.needs_rows or not seq.hidden_layers:
         return []
     rows = []
     for j in range(max(k0, tr.need_from // bs), k):

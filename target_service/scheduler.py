@@ -103,6 +103,9 @@ class Session:
     work: Work | None = None
     in_flight: bool = False
     prefix: prefix.Track | None = None      # its view of the prefix cache (None: cache off)
+    # Whether the caller asked for features. A session that did not may still compute a draft's
+    # taps, only to store them with the blocks it publishes (Scheduler.open).
+    ships_hidden: bool = True
 
     @property
     def length(self) -> int:
@@ -135,6 +138,10 @@ class Scheduler:
         self.busy_ms = 0.0          # time spent in those forwards
         self.prefix_queries = 0     # prompt tokens of finished prefills (vLLM's prefix_cache_queries)
         self.prefix_hits = 0        # of them, taken from the prefix cache
+        # The taps (layers, stream) the last session with a draft asked for: sessions without one
+        # compute them too when the cache stores rows, so that a drafted request that hits their
+        # blocks later finds its features there (auto runs many requests undrafted).
+        self.store_taps: tuple[tuple[int, ...], str] | None = None
         # Called on the engine thread after each forward (kind, rows, tokens, forward_ms) when
         # --metrics-port is on; None costs nothing.
         self.on_forward = None
@@ -203,15 +210,22 @@ class Scheduler:
         loop = asyncio.get_running_loop()
         session = Session(session_id, len(prompt), max_len, need)
         session.work = Work("prefill", loop, time.perf_counter(), future=loop.create_future())
+        taps, stream = tuple(hidden_layers), hidden_stream
+        session.ships_hidden = bool(taps)
+        cache = self.pool.cache
+        if taps:
+            self.store_taps = (taps, stream)
+        elif cache is not None and cache.feature_budget > 0 and self.store_taps is not None:
+            taps, stream = self.store_taps
         session.seq = Sequence(list(prompt), params, make_generator(params.seed, self.pool.k.device),
-                               BlockTable(self.pool), max_len, tuple(hidden_layers), hidden_stream=hidden_stream,
+                               BlockTable(self.pool), max_len, taps, hidden_stream=stream,
                                output_start=len(prompt) - generated_tokens,
                                eos_token_ids=tuple(self.cfg.eos_token_ids))
         session.seq.guide = guide
         if not isinstance(cache_salt, str):
             raise ValueError(f"open.cache_salt must be a string, got {type(cache_salt).__name__}")
         session.prefix = prefix.track(self.pool, session.seq, model_id=self.model_id, salt=cache_salt,
-                                      hidden_last=hidden_last)
+                                      hidden_last=hidden_last, needs_rows=session.ships_hidden)
         with self.lock:
             self.waiting.append(session)
             self._admit()
@@ -421,7 +435,8 @@ class Scheduler:
                 _, rows, drop = prefix.reuse(self.pool, s.seq, s.prefix)
                 if drop:
                     s.work.hidden.clear()
-                s.work.hidden.extend(rows)
+                if s.ships_hidden:
+                    s.work.hidden.extend(rows)
                 key = prefix.next_key(self.pool, s.seq, s.prefix)
                 if key is not None:
                     if key in computing:
@@ -433,6 +448,8 @@ class Scheduler:
     def _deliver(self, done: Deliveries, session: Session, out, start: float, end: float, forward_ms: float,
                  rows: int, tokens: int) -> None:
         w = session.work
+        if not session.ships_hidden and not isinstance(out, Exception) and out.hidden is not None:
+            out = StepOutput(out.committed, None, out.result, out.logprobs, out.logits)     # computed for the cache only
         w.queue_ms += (start - w.ready_at) * 1e3
         w.forward_ms += forward_ms
         if w.kind == "decode":

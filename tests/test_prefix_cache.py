@@ -320,3 +320,24 @@ def test_a_second_turn_reuses_the_first_turns_prompt_and_answer(model):
     assert out == generate(model, second, 5)
     # 22 + 20 committed, 41 of them in the pool when the first turn closed: 10 full blocks.
     assert cached == 40
+
+
+def test_undrafted_sessions_store_the_last_drafts_taps_without_shipping_them(model):
+    """auto runs many requests without a draft: once a drafted session has declared its taps,
+    sessions without a draft compute them too (never returning them), so that a drafted
+    request hitting their blocks gets every row it reads."""
+    taps = dict(hidden_layers=(0, 1), hidden_last=10)
+
+    async def body(sched):
+        await complete(sched, "drafted", [90, 91, 92, 93, 94], 2, **taps)      # declares the taps
+        _, plain = await complete(sched, "plain", PREFIX + [60], 2)
+        _, later = await complete(sched, "later", PREFIX + [61], 2, **taps)
+        return plain, later
+    plain, later = run(model, body)
+    assert plain.out.hidden is None                          # nothing shipped to a caller without a draft
+
+    async def cold_body(sched):
+        return (await complete(sched, "x", PREFIX + [61], 2, **taps))[1]
+    cold = run(model, cold_body, cache=False)
+    assert later.cached_tokens == 36
+    assert torch.allclose(later.out.hidden[-10:], cold.out.hidden[-10:], atol=1e-5)
