@@ -2,6 +2,9 @@
 own, and through Backends.pick_target with lazy (never dialled) channels."""
 from __future__ import annotations
 
+import asyncio
+import functools
+
 import math
 import random
 from collections import Counter
@@ -150,7 +153,19 @@ def test_pick_never_returns_an_excluded_replica(n, excluded, sick, loads, salt, 
 
 # ---- through Backends -------------------------------------------------------------------------
 
+def in_loop(test):
+    """Run the test inside an event loop: Backends makes grpc.aio channels, which need one (an
+    earlier test may have left the main thread without a default loop)."""
+    @functools.wraps(test)
+    def run(*a, **kw):
+        async def main():
+            return test(*a, **kw)
+        return asyncio.run(main())
+    return run
+
+
 @pytest.mark.parametrize("policy", ["prefix", "round_robin"])
+@in_loop
 def test_backends_pick_target(policy):
     cfg = GatewayConfig(targets=("127.0.0.1:1", "127.0.0.1:2"), routing_policy=policy)
     b = Backends(cfg)                # channels are lazy: nothing is dialled
@@ -175,6 +190,7 @@ def test_backends_pick_target(policy):
         assert [c.address for c in homes[:4]] == ["127.0.0.1:1", "127.0.0.1:2"] * 2
 
 
+@in_loop
 def test_one_target_is_picked_as_before():
     b = Backends(GatewayConfig(targets=("dns:///target:50051",)))
     t = b.targets[0]
@@ -182,6 +198,7 @@ def test_one_target_is_picked_as_before():
     assert b.pick_target(exclude={id(t)}, key=key(1)) is None       # then failover retries the name
 
 
+@in_loop
 def test_a_target_given_twice_stays_two_clients():
     b = Backends(GatewayConfig(targets=("127.0.0.1:1", "127.0.0.1:1")))
     first = b.pick_target(key=key(1))

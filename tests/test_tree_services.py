@@ -75,13 +75,18 @@ def test_greedy_tree_speculation_equals_target_only(stub, model, method):
         return collect(stub.Generate(req, timeout=300))
     with ThreadPoolExecutor(4) as pool:
         results = list(pool.map(run, prompts))
-    trees = 0
+    trees = drafted = 0
     for (ids, _, complete), ref in zip(results, refs):
         assert ids == ref
         assert complete.stats.draft_fallbacks == 0
         assert all(s.k <= 12 and s.depth <= 5 for s in complete.stats.steps)
         trees += branched(complete.stats)
-    assert trees > 0, "no step verified a branching tree"
+        drafted += any(s.k for s in complete.stats.steps)
+    # auto may rightly draft nothing: on this CPU, at the prices the gateway has measured by now,
+    # neither drafter pays for 32 tokens (gateway/policy.py session_pays). When it drafts, it
+    # drafts trees.
+    if method != "auto" or drafted:
+        assert trees > 0, "no step verified a branching tree"
 
 
 @pytest.mark.parametrize("draft_sampling", ["greedy", "sample"])
