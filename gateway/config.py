@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .routing import LOAD_FACTOR
+from .routing import BALANCE_ABS, LOAD_FACTOR
 
 METHODS = ("auto", "dflash", "ngram", "none")
 ALGORITHMS = {"AUTO": "auto", "DFLASH": "dflash", "NGRAM": "ngram", "NONE": "none"}
@@ -37,4 +37,5 @@ class GatewayConfig:
     target_failover_attempts: int = 3       # replica switches one request may make
     routing_policy: str = "prefix"          # over several --target replicas; see gateway/routing.py
     routing_load_factor: float = LOAD_FACTOR    # prefix routing: most a replica holds, in mean in-flight loads
+    routing_balance_abs: int = BALANCE_ABS      # ... applied once it holds this many more than the least loaded
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)

@@ -8,7 +8,10 @@ to the first replica that is usable. Consistent hashing keeps the mapping stable
 come and go (only the keys of the replica that left move); the load bound of "Consistent
 Hashing with Bounded Loads" (Mirrokni, Thorup, Zadimoghaddam, 2016) keeps a hot prefix from
 piling every request onto one replica: a replica already holding its share of the in-flight
-requests is passed over for the next one on the ring.
+requests is passed over for the next one on the ring. As in SGLang's cache-aware router, the
+bound only applies once the replica holds `balance_abs` more requests than the least loaded
+one: at small loads a cache hit is worth more than an even split (8 conversations on 2
+replicas would otherwise often move one away from its cache).
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ BLOCK_SIZE = 16         # the targets' prefix-cache block; only full blocks can 
 KEY_BLOCKS = 4          # the first 64 tokens: the shared part (system prompt, template) decides
 VNODES = 64             # points per replica: smooths the share of each replica to a few percent
 LOAD_FACTOR = 1.25      # c of the paper: a replica may hold up to c times the mean load
+BALANCE_ABS = 32        # ... once it holds this many more than the least loaded (SGLang's balance_abs_threshold)
 
 
 def _hash64(data: bytes) -> int:
@@ -47,11 +51,13 @@ def prefix_key(prompt_ids: Iterable[int], cache_salt: str = "", *, blocks: int =
 class PrefixRouter:
     """Replicas by name on a hash ring, with the number of requests in flight on each."""
 
-    def __init__(self, names: Iterable[str], *, load_factor: float = LOAD_FACTOR, vnodes: int = VNODES):
+    def __init__(self, names: Iterable[str], *, load_factor: float = LOAD_FACTOR, vnodes: int = VNODES,
+                 balance_abs: int = BALANCE_ABS):
         self.names = list(dict.fromkeys(names))
         if load_factor < 1:
             raise ValueError(f"load factor {load_factor} < 1: no placement could stay within the bound")
         self.load_factor = load_factor
+        self.balance_abs = balance_abs
         ring = sorted((_hash64(f"{n}#{v}".encode()), n) for n in self.names for v in range(vnodes))
         self._points = [p for p, _ in ring]
         self._owners = [n for _, n in ring]
@@ -92,7 +98,8 @@ class PrefixRouter:
         if not ok:
             return candidates[0]
         cap = self.bound(sum(1 for n in self.names if healthy(n)))
+        least = min(self.inflight[n] for n in ok)
         for n in ok:
-            if self.inflight[n] < cap:
+            if self.inflight[n] < cap or self.inflight[n] - least < self.balance_abs:
                 return n
         return min(ok, key=lambda n: self.inflight[n])     # min keeps ring order among ties

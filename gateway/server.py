@@ -33,7 +33,7 @@ from .generation import Stats, stream_response
 from .http_server import start_http
 from .metrics import GatewayMetrics
 from .request import ModelLimits, RequestError, parse_request
-from .routing import LOAD_FACTOR, PrefixRouter
+from .routing import BALANCE_ABS, LOAD_FACTOR, PrefixRouter
 
 SERVICE = "splitspec.v1.Generation"
 
@@ -84,7 +84,8 @@ class Backends:
         self._names = {id(c): c.address if cfg.targets.count(c.address) == 1 else f"{c.address}#{i}"
                        for i, c in enumerate(self.targets)}
         self._by_name = {self._names[id(c)]: c for c in self.targets}
-        self.router = PrefixRouter(self._names.values(), load_factor=cfg.routing_load_factor)
+        self.router = PrefixRouter(self._names.values(), load_factor=cfg.routing_load_factor,
+                                   balance_abs=cfg.routing_balance_abs)
         self._health = {id(c): Health("target", c.address, c.channel, self.log,
                                       max_backoff_s=cfg.reconnect_max_s) for c in self.targets}
         self.draft = DraftClient(cfg.draft, cfg.max_message_mb, cfg.reconnect_max_s, credentials) if cfg.draft else None
@@ -381,6 +382,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--routing-load-factor", type=float, default=LOAD_FACTOR,
       help="prefix routing: a replica holding more than this times the mean number of requests in "
            "flight is passed over for the next one (>= 1; lower balances, higher keeps prefixes together)")
+    a("--routing-balance-abs-threshold", type=int, default=BALANCE_ABS,
+      help="prefix routing: the load bound applies only to a replica holding at least this many more requests "
+           "than the least loaded one (SGLang router's balance_abs_threshold; 0: always)")
     a("--drain-timeout-s", type=float, default=30.0, help="on SIGTERM, how long in-flight requests may run")
     add_connection_age_flags(p)
     a("--log-level", default="info", choices=list(logs.LEVELS), help="JSON log lines at this level and above")
@@ -409,6 +413,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 0")
     if args.routing_load_factor < 1:
         raise SystemExit("--routing-load-factor must be >= 1")
+    if args.routing_balance_abs_threshold < 0:
+        raise SystemExit("--routing-balance-abs-threshold must be >= 0")
     method = ALGORITHMS[args.speculative_algorithm or ("AUTO" if args.draft else "NONE")]
     if method == "dflash" and not args.draft:
         method = "none"         # logged as speculation_without_draft at start-up
@@ -427,6 +433,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
                          reconnect_max_s=args.reconnect_max_s,
                          target_failover_attempts=args.target_failover_attempts,
                          routing_policy=args.routing_policy, routing_load_factor=args.routing_load_factor,
+                         routing_balance_abs=args.routing_balance_abs_threshold,
                          speculative=spec)
 
 

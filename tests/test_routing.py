@@ -66,7 +66,7 @@ def test_the_salt_is_part_of_the_key():
 
 
 def test_bounded_load_spills_to_another_replica():
-    r = PrefixRouter(REPLICAS[:2], load_factor=1.25)
+    r = PrefixRouter(REPLICAS[:2], load_factor=1.25, balance_abs=0)
     k = key(3)
     home = r.pick(k)
     placed = []
@@ -82,6 +82,21 @@ def test_bounded_load_spills_to_another_replica():
     for name in placed:              # as they end, the hot prefix goes home again
         r.release(name)
     assert r.pick(k) == home and sum(r.inflight.values()) == 0
+
+
+def test_small_imbalances_keep_the_prefix_on_its_replica():
+    """The bound applies only past `balance_abs` more requests than the least loaded replica."""
+    r = PrefixRouter(REPLICAS[:2], load_factor=1.25, balance_abs=6)
+    k = key(3)
+    placed = []
+    for _ in range(10):
+        name = r.pick(k)
+        r.acquire(name)
+        placed.append(name)
+    # Home takes the first 6 (over the bound of ceil(1.25 * m / 2) from the 3rd on, but fewer than
+    # 6 ahead of the other); the 7th would put it 6 ahead: it goes to the other, and so on.
+    assert placed[:6] == [placed[0]] * 6 and placed[6] != placed[0]
+    assert max(r.inflight.values()) - min(r.inflight.values()) <= 6
 
 
 def test_a_large_load_factor_keeps_the_prefix_together():
@@ -146,8 +161,10 @@ def test_pick_never_returns_an_excluded_replica(n, excluded, sick, loads, salt, 
     assert got in r.names and got not in skip
     if healthy - skip:               # healthy first
         assert got in healthy
-        under = [m for m in healthy - skip if r.inflight[m] < r.bound(len(healthy))]
-        if under:                    # and within the bound whenever one is
+        least = min(r.inflight[m] for m in healthy - skip)
+        under = [m for m in healthy - skip
+                 if r.inflight[m] < r.bound(len(healthy)) or r.inflight[m] - least < r.balance_abs]
+        if under:                    # and within the bound (or the balance slack) whenever one is
             assert got in under
 
 
