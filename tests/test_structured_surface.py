@@ -19,6 +19,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from service_helpers import asgi_post as post
 from tiny_models import save_tiny_tokenizer
 
 from gateway import inproc
@@ -526,32 +527,6 @@ async def stack(tokenizer_json: bytes, text: str = "ok", refuse: str = ""):
     finally:
         await backends.close()
         await srv.stop(None)
-
-
-async def post(app, path: str, body) -> tuple[int, bytes]:
-    """One HTTP request straight into the ASGI app (no server, no socket)."""
-    raw = json.dumps(body).encode()
-    sent, done = [], asyncio.Event()
-    messages = [{"type": "http.request", "body": raw, "more_body": False}]
-
-    async def receive():
-        if messages:
-            return messages.pop(0)
-        await done.wait()
-        return {"type": "http.disconnect"}
-
-    async def send(message):
-        sent.append(message)
-        if message["type"] == "http.response.body" and not message.get("more_body"):
-            done.set()
-
-    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-             "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
-             "root_path": "", "headers": [(b"content-type", b"application/json")],
-             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
-    await asyncio.wait_for(app(scope, receive, send), 20)
-    status = next(m["status"] for m in sent if m["type"] == "http.response.start")
-    return status, b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
 
 
 def events(body: bytes) -> list:
