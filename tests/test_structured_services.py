@@ -218,3 +218,26 @@ def test_bad_specs_are_400s_naming_the_field(client):
         client.chat.completions.create(model="", messages=USER, max_tokens=4, response_format={
             "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "(a"}}})
     assert err.value.body["param"] == "response_format", err.value.body
+
+
+@pytest.mark.parametrize("method", ["none", "dflash"])
+def test_stop_strings_and_max_tokens_inside_a_constrained_answer(client, method):
+    """The gateway's other limits still apply inside a constrained answer: a stop string ends it
+    there (finish_reason stop, the string not emitted: a JSON prefix, as asked), max_tokens cuts
+    it (length); without them the grammar's end is the answer's (stop)."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "flat", "schema": SCHEMAS["flat"], "strict": True}}
+    extra = {"speculative": {"method": method}}
+    whole = client.chat.completions.create(model="", messages=USER, max_tokens=MAX_TOKENS, temperature=0,
+                                           response_format=fmt, extra_body=extra)
+    text = whole.choices[0].message.content
+    assert whole.choices[0].finish_reason == "stop" and valid("json_schema_flat", text, None) is None
+    # A stop string that occurs in the answer: the answer ends just before it.
+    cut = client.chat.completions.create(model="", messages=USER, max_tokens=MAX_TOKENS, temperature=0,
+                                         response_format=fmt, stop=['"count"'], extra_body=extra)
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].message.content == text[:text.index('"count"')]
+    # max_tokens inside the answer: a prefix of it, finish_reason length.
+    short = client.chat.completions.create(model="", messages=USER, max_tokens=3, temperature=0,
+                                           response_format=fmt, extra_body=extra)
+    assert short.choices[0].finish_reason == "length" and text.startswith(short.choices[0].message.content)
+    assert short.usage.completion_tokens == 3
