@@ -185,9 +185,23 @@ class DFlash2Draft(DFlashDraft):
         return z if not cap else cap * torch.tanh(z / cap)
 
     def walk(self, h: torch.Tensor, unary: torch.Tensor, anchor: int, n: int, temperature: float = 0.0,
-             generator: torch.Generator | None = None) -> tuple[list[int], torch.Tensor | None]:
+             generator: torch.Generator | None = None, guide=None) -> tuple[list[int], torch.Tensor | None]:
         """The chain of n tokens one block drafts, and q [n, V] when sampled.
-        h [B-1, H] final normed hidden and unary [B-1, V] logits of the mask slots."""
+        h [B-1, H] final normed hidden and unary [B-1, V] logits of the mask slots.
+        guide: a structured-output grammar (target_service.grammar.Guide): each position chooses
+        among the candidates it allows after the chain so far (q renormalised over them, which is
+        what the token is drawn from, so the verifier's test stays exact); the chain stops where
+        none is allowed or the grammar ends. The guide's state is left as it was."""
+        if guide is not None:
+            steps = []
+            try:
+                return self._walk(h, unary, anchor, n, temperature, generator, guide, steps)
+            finally:
+                if steps:
+                    guide.matcher.rollback(len(steps))
+        return self._walk(h, unary, anchor, n, temperature, generator, None, [])
+
+    def _walk(self, h, unary, anchor, n, temperature, generator, guide, steps):
         sel = self.candidate_selector
         cand, u = sel.candidates(unary[:n])                                  # [n, K]
         gate = sel.hidden_projection(h[:n]).float()                          # [n, r]
@@ -196,6 +210,11 @@ class DFlash2Draft(DFlashDraft):
         prev, chain, qs = anchor, [], []
         for t in range(n):
             s = u[t] + succ[t] @ (pred_book[prev].float() * gate[t])
+            if guide is not None:
+                ok = None if guide.done else guide.allowed().to(cand.device)[cand[t]]
+                if ok is None or not bool(ok.any()):
+                    break
+                s = s.masked_fill(~ok, float("-inf"))
             if temperature > 0:
                 q = torch.softmax(s / temperature, -1)
                 j = sample_from_probs(q, generator)
@@ -203,6 +222,11 @@ class DFlash2Draft(DFlashDraft):
             else:
                 j = int(torch.argmax(s))
             prev = int(cand[t, j])
+            if guide is not None:
+                if not guide.matcher.accept_token(prev):
+                    qs = qs[:len(chain)]
+                    break
+                steps.append(prev)
             chain.append(prev)
         return chain, torch.stack(qs) if qs else None
 

@@ -150,7 +150,10 @@ class DFlashProposer(_Tokens):
         if dflash2:
             # The selector's q ignores the request's top-k/top-p (they shape the target's p only).
             temp = 0.0 if self.sampling is None else self.sampling.temperature
-            spine, q = self.model.walk(hidden, logits, self.tokens[-1], shape.depth, temp, self.generator)
+            spine, q = self.model.walk(hidden, logits, self.tokens[-1], shape.depth, temp, self.generator,
+                                       guide=self.guide)
+            if not spine and self.guide is not None:     # nothing allowed among its candidates
+                spine, q = self.model.walk(hidden, logits, self.tokens[-1], shape.depth, temp, self.generator)
         elif self.sampling is None:
             spine, q = logits[:shape.depth].argmax(-1).tolist(), None
         else:

@@ -285,8 +285,9 @@ def test_compiled_grammars_are_cached_and_choice_is_exact(grammars, model, tok):
     assert strict is not grammars.compile(common_pb2.Constraint(json_schema=schema, strict=False))
 
 
+@pytest.mark.parametrize("arch", ["dflash", "dflash2"])
 @pytest.mark.parametrize("sampled", [False, True])
-def test_a_dflash_chain_drafts_inside_the_grammar(grammars, model, tok, sampled):
+def test_a_dflash_chain_drafts_inside_the_grammar(grammars, model, tok, sampled, arch):
     """The draft side's chain: each position picks among the tokens the grammar allows after
     the chain so far; sampled rows of q are those masked distributions (zero on forbidden
     tokens, summing to one), which the verifier tests the tokens against."""
@@ -295,6 +296,9 @@ def test_a_dflash_chain_drafts_inside_the_grammar(grammars, model, tok, sampled)
     from target_service.engine import TargetSequence
     d = new_draft(model.cfg, num_layers=1, block_size=8, mask_token_id=2, seed=1)
     d.attach_target(model.model.embed_tokens.weight, model.lm_head.weight)
+    if arch == "dflash2":       # its selector walks the block's top-K candidates: masked by the grammar
+        from draft_service.dflash2 import new_dflash2
+        d = new_dflash2(d, selector_rank=8, selector_top_k=64, seed=2)
     params = SamplingParams(temperature=1.0, seed=4)
     seq = TargetSequence(model, PROMPT, params, max_len=64, hidden_layers=d.cfg.target_layer_ids)
     prop = DFlashProposer(d, max_len=64, sampling=params if sampled else None)
