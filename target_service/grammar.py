@@ -30,6 +30,7 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from splitspec.engine.tree import Tree
@@ -180,8 +181,11 @@ class Guide:
         return self._bool(bm)[0]
 
     def _bool(self, bm: torch.Tensor) -> torch.Tensor:
-        bits = (bm.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
-        return bits.flatten(-2)[..., :self.vocab_size].bool()
+        # numpy, not torch: a torch op this large enters an OpenMP region, and one entered from a
+        # thread other than the engine's (the server's) leaves a second OpenMP team behind that
+        # slows every later forward of the process (2.8x on 2 cores).
+        bits = np.unpackbits(bm.numpy().view(np.uint8), axis=-1, bitorder="little")
+        return torch.from_numpy(bits[..., :self.vocab_size].astype(bool))
 
     def _tree_rows(self, tree: Tree) -> torch.Tensor:
         """[1 + len(tree), vocab] bool as the grammar sees the tree: row 0 the root's allowed

@@ -86,6 +86,7 @@ class Work:
     tree: Tree | None = None
     draft_probs: torch.Tensor | None = None
     hidden: list = field(default_factory=list)   # prefill features, chunk by chunk
+    first_added: int | None = None     # verify: the first tree node the grammar's forced tokens added
     forward_ms: float = 0.0
     queue_ms: float = 0.0
 
@@ -292,19 +293,13 @@ class Scheduler:
         if session.length + len(tree) > session.max_len:
             raise ContextError(f"verifying {len(tree)} nodes would grow the sequence past the {session.max_len} "
                                f"tokens this session holds (open.max_new_tokens / max context)")
-        first_added = None
-        if session.seq.guide is not None:
-            # No step of this session is in flight: its grammar state is the committed one.
-            room = min(session.max_len - session.length, len(tree) + 16)
-            tree, draft_probs, added = rewrite_tree(session.seq.guide, tree, draft_probs, room)
-            first_added = len(tree) - added if added else None
         loop = asyncio.get_running_loop()
         work = Work("verify", loop, time.perf_counter(), future=loop.create_future(), tree=tree,
                     draft_probs=draft_probs)
         self._submit(session, work)
         step = await work.future
-        if first_added is not None:
-            step.forced = sum(1 for node in step.out.result.accepted if node >= first_added)
+        if work.first_added is not None:
+            step.forced = sum(1 for node in step.out.result.accepted if node >= work.first_added)
         return step
 
     def _submit(self, session: Session, work: Work) -> None:
@@ -392,6 +387,12 @@ class Scheduler:
                 elif w.kind == "decode":
                     steps.append(Decode(session.seq))
                 else:
+                    if session.seq.guide is not None and w.first_added is None:
+                        # On the engine thread, like every torch op: the grammar prunes and extends
+                        # the tree (grammar.rewrite_tree) once, against the committed state.
+                        room = min(session.max_len - session.length, len(w.tree) + 16)
+                        w.tree, w.draft_probs, added = rewrite_tree(session.seq.guide, w.tree, w.draft_probs, room)
+                        w.first_added = len(w.tree) - added
                     steps.append(Verify(session.seq, w.tree, w.draft_probs))
         if self.verify_threads:
             # With one session the draft waits while the target verifies: all threads then.
