@@ -99,10 +99,15 @@ def tensor_from_pb(msg: common_pb2.Tensor, *, field: str = "tensor",
                         f"{_NAMES[msg.dtype]} needs {count * elem}")
     if count == 0:
         return torch.empty(dims, dtype=dtype)
-    if _LITTLE:
-        t = torch.frombuffer(data, dtype=dtype).view(dims)
-        return t.clone() if writable else t
     np_dtype = {torch.float32: "<f4", torch.float16: "<f2", torch.bfloat16: "<i2"}[dtype]
+    if _LITTLE:
+        if not writable:
+            return torch.frombuffer(data, dtype=dtype).view(dims)
+        # A numpy copy: a torch copy this large (a verify's draft probabilities) would enter an
+        # OpenMP region on the server's thread and leave a second OpenMP team there, which slows
+        # every later forward of the engine thread.
+        t = torch.from_numpy(np.frombuffer(data, dtype=np_dtype).reshape(dims).copy())
+        return t.view(torch.bfloat16) if dtype == torch.bfloat16 else t
     t = torch.from_numpy(np.frombuffer(data, dtype=np_dtype).reshape(dims).astype(np_dtype.replace("<", "=")))
     return t.view(torch.bfloat16) if dtype == torch.bfloat16 else t
 
