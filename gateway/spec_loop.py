@@ -160,10 +160,12 @@ class SpeculativeLoop:
             ran = Choice(choice.method, drafted, choice.tokens, choice.ms)
             branched = not is_chain(tree.parents)
             tried = tree_trials(list(tree.parents), list(tree.token_ids), committed) if branched else None
-            # Tokens the target's grammar forced (jump-forward) are not the drafter's acceptance.
-            self.policy.observe(ran, verified.num_accepted - verified.num_forced, match, tried=tried)
-            record_step(stats, choice.method, drafted, verified.num_accepted, len(committed),
-                        depth=max(depths(tree.parents), default=0))
+            # Tokens the target's grammar forced (jump-forward, a branch it added) are not the
+            # drafter's: its acceptance counts its own nodes, at most its tree's depth.
+            depth = max(depths(tree.parents), default=0)
+            own = max(0, min(verified.num_accepted - verified.num_forced, depth))
+            self.policy.observe(ran, own, match, tried=tried)
+            record_step(stats, choice.method, drafted, own, len(committed), depth=depth)
             self._committed(committed, verified.hidden)
             length = verified.length
             generated += len(committed)

