@@ -54,8 +54,10 @@ import argparse
 import json
 import re
 import shlex
+import signal
 import statistics
 import sys
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -999,6 +1001,9 @@ def write_results(results: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    if threading.current_thread() is threading.main_thread():
+        # SIGTERM ends the run like Ctrl-C: the services the bench started are stopped, not orphaned.
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     results = StructuredBench(args, argv).run()
     out = Path(args.out)
     write_results(results, out / "results.json")
