@@ -68,15 +68,15 @@ def test_smoke_end_to_end(tmp_path):
     assert set(cells) == {(t, n) for t in (0.0, 1.0) for n in ("none", "dflash (DFlash)")}
     for (t, name), c in cells.items():
         for f in ("tau", "tokens_per_s", "speedup_vs_none", "validity", "valid", "completed", "truncated",
-                  "finish_reasons", "tokens_mean", "ttft_ms_p50", "beyond_draft_share", "equal_to_none"):
+                  "finish_reasons", "tokens_mean", "ttft_ms_p50", "forced_share", "equal_to_none"):
             assert f in c, f
         assert c["requests"] == 2 and c["errors"] == 0 and c["tokens_per_s"] > 0
         assert c["completed"] >= 1 and c["valid"] == c["completed"] and c["validity"] == 1.0, c
         assert sum(c["finish_reasons"].values()) == 2
         if name == "none":
-            assert c["tau"] is None
+            assert c["tau"] is None and c["forced_share"] is None
         else:
-            assert c["tau"] >= 1
+            assert c["tau"] >= 1 and 0 <= c["forced_share"] < 1 and c["forced_unknown"] == 0
         if t == 0:
             assert c["equal_to_none"] == [2, 2]        # greedy speculation under the grammar = target-only
     for q in r["requests"]:

@@ -34,9 +34,12 @@ are greedy unless --draft-sampling sample. Every prompt runs through every metho
 tokens ÷ verify steps, pooled over the repeats), tok/s (output tokens ÷ wall time over the cell's
 requests, the median over the repeats), validity (outputs that parse and validate against their
 schema / regex / choice ÷ completed answers; a `length` finish is an unfinished answer, counted
-apart), finish reasons, and "beyond draft": tokens a step accepted beyond what the gateway had
-drafted, a lower bound of the grammar's forced (jump-forward) tokens: the gateway's Complete
-does not carry the target's num_forced.
+apart), finish reasons, and "forced": the share of committed tokens the grammar forced (jump-forward
+nodes the target added and accepted). The gateway's Complete does not carry the target's
+num_forced, but each SpeculativeStep's `accepted` counts the drafter's own nodes only
+(num_accepted - num_forced) and the gateway streams one chunk per step, so a verify step's forced
+tokens are its chunk's tokens - 1 (the bonus) - accepted. A step whose drafter accepted more than
+its tree's depth is capped there, and an answer's last chunk stops at eos, so this is a lower bound.
 
 Grammar cost (target-only, one stream): each constrained none request is followed by the same
 request unconstrained (same prompt, seed and max_new_tokens, eos honoured: "free"), and by the
@@ -44,7 +47,7 @@ same request unconstrained with exactly the constrained answer's length (ignore_
 = its token count: "matched", the same amount of decoding at the same positions). Compared:
 decode ms per token ((t_last − t_first) ÷ (n − 1), summed over the requests), tok/s and TTFT.
 
-    splitspec bench-structured                                # defaults, ~15 min on 2 cores
+    splitspec bench-structured                                # defaults, ~8 min on 2 cores
     splitspec bench-structured --smoke                        # 2 prompts, 1 repeat, dflash only
     splitspec bench-structured --methods none,dflash --temperatures 0 --shapes flat,tool
 """
@@ -352,7 +355,7 @@ class Outcome:
     sample: Sample | None
     text: str = ""
     finish_reason: str = ""
-    beyond_draft: int = 0     # tokens steps accepted beyond the gateway's draft: >= the grammar's forced ones
+    forced: int | None = None  # committed tokens the grammar forced (a lower bound; None: steps and chunks differ)
     error: str | None = None  # the RPC error, as the service said it
 
 
@@ -383,8 +386,7 @@ class StructuredRunner(GatewayRunner):
         finally:
             self._next = (None, False)
         c = self.stub.complete
-        beyond = sum(max(0, s.accepted - s.k) for s in c.stats.steps if s.method != "none")
-        return Outcome(sample, "".join(self.stub.text), c.finish_reason, beyond)
+        return Outcome(sample, "".join(self.stub.text), c.finish_reason, forced_tokens(c.stats.steps, sample))
 
 
 # ------------------------------------------------------------------------------ the bench
@@ -575,7 +577,7 @@ class StructuredBench(Bench):
                   "decode_s": round(s.step_times[-1] - s.ttft_s, 6) if len(s.step_times) > 1 else 0.0,
                   "itl_ms": round(s.itl_s * 1e3, 3) if s.itl_s is not None else None,
                   "committed": s.committed, "verify_steps": s.verify_steps, "draft_tokens": s.draft_tokens,
-                  "beyond_draft": out.beyond_draft, "steps_by_method": dict(s.steps_by_method),
+                  "forced": out.forced, "steps_by_method": dict(s.steps_by_method),
                   "method_ran": s.method_ran, "draft_fallbacks": s.draft_fallbacks,
                   "finish_reason": out.finish_reason, "valid": valid, "invalid_reason": error,
                   "text": out.text if run.variant == "constrained" else None, "_ids": list(s.tokens)})
@@ -727,7 +729,6 @@ def summarize_cells(rows: list[dict], runs: list[str], temps: list[float], top_p
                 continue
             ok = [r for r in mine if "tokens" in r]
             rates = dict(zip(sorted({r["repeat"] for r in ok}), _per_repeat(ok, _rate)))
-            committed = sum(r["committed"] for r in ok)
             cell = {"name": name, "method": mine[0]["method"], "draft": mine[0]["draft"], "temperature": t,
                     "top_p": top_p if t > 0 else None, **validity(mine),
                     "finish_reasons": dict(Counter(r["finish_reason"] for r in ok)),
@@ -738,8 +739,8 @@ def summarize_cells(rows: list[dict], runs: list[str], temps: list[float], top_p
                                                 if v and base_rate.get(k)]),
                     "ttft_ms_p50": percentile([r["ttft_ms"] for r in ok], 50),
                     "itl_ms_p50": percentile([r["itl_ms"] for r in ok if r["itl_ms"] is not None], 50),
-                    "beyond_draft_share": (sum(r["beyond_draft"] for r in ok) / committed
-                                           if committed and mine[0]["method"] != "none" else None),
+                    "forced_share": _forced_share(ok) if mine[0]["method"] != "none" else None,
+                    "forced_unknown": sum(1 for r in ok if r["forced"] is None),
                     "steps_by_method": dict(sum((Counter(r["steps_by_method"]) for r in ok), Counter())),
                     "method_mismatches": sum(1 for r in ok if r["method_ran"] and r["method_ran"] != r["method"]),
                     "draft_fallbacks": sum(r["draft_fallbacks"] for r in ok)}
@@ -768,6 +769,22 @@ def summarize_shapes(rows: list[dict], runs: list[str], temps: list[float], shap
                             "tau": _tau(ok) if mine[0]["method"] != "none" else None,
                             "tokens_per_s": _median(_per_repeat(ok, _rate)) if ok else None})
     return out
+
+
+def forced_tokens(steps, sample: Sample) -> int | None:
+    """Tokens the grammar forced in one answer: per verify step, its chunk's tokens - 1 (the bonus)
+    - the drafter's own accepted nodes. None when the steps and the chunks after the first do
+    not pair up one to one."""
+    sizes = sample.step_sizes
+    if len(steps) != len(sizes):
+        return None
+    return sum(max(0, n - 1 - s.accepted) for s, n in zip(steps, sizes) if s.method != "none")
+
+
+def _forced_share(rows: list[dict]) -> float | None:
+    rows = [r for r in rows if r["forced"] is not None]
+    committed = sum(r["committed"] for r in rows)
+    return sum(r["forced"] for r in rows) / committed if committed else None
 
 
 def _decode_ms_per_token(rows: list[dict]) -> float | None:
@@ -882,7 +899,7 @@ CELL_COLUMNS = [
     ("tokens mean", lambda c: fmt(c["tokens_mean"], "{:.1f}")),
     ("TTFT p50 ms", lambda c: fmt(c["ttft_ms_p50"], "{:.0f}")),
     ("ITL p50 ms", lambda c: fmt(c["itl_ms_p50"])),
-    ("beyond draft", lambda c: fmt(c["beyond_draft_share"], "{:.1%}")),
+    ("forced", lambda c: fmt(c["forced_share"], "{:.1%}")),
     ("steps dflash/ngram/none", lambda c: mix_cell(c["steps_by_method"]) if c["method"] == "auto" else "–"),
     ("= none", lambda c: "–" if c["equal_to_none"] is None else "/".join(map(str, c["equal_to_none"]))),
 ]
@@ -982,10 +999,9 @@ def markdown(r: dict) -> str:
               "additionalProperties, enum, const, minimum/maximum, min/maxLength, maxItems, items; regex full "
               "match; choice equality) ÷ completed answers; cut = answers that reached max_new_tokens (finish "
               "length: unfinished, not counted in validity); steps dflash/ngram/none = auto's choices, share of "
-              "its steps; beyond draft = tokens steps accepted beyond the gateway's draft ÷ committed tokens, a "
-              "lower bound of the share the grammar forced (num_forced is not in the gateway's Complete; a draft "
-              "that fills the verify width leaves the target no room to add forced tokens beyond it, and forced "
-              "tokens merged into a drafted branch do not show, so 0 does not mean none were forced); = none: "
+              "its steps; forced = tokens the grammar forced (jump-forward) ÷ committed tokens: per verify step, its "
+              "chunk's tokens − 1 − the drafter's own accepted nodes (SpeculativeStep.accepted); a lower bound "
+              "(the last chunk stops at eos); = none: "
               "greedy outputs equal to none's, token for token, under the same grammar.", ""]
     return "\n".join(lines)
 
