@@ -17,6 +17,14 @@ so `rows` is what drafting measures and `sessions` what decoding would get.) Tha
 by everyone, and it is why, under heavy load, wide verifies price themselves out and the policy
 drafts less or not at all; with one session it reduces to "how much does one more token of
 width cost".
+
+A drafted step also breaks the session's Decode stream: the target-only tokens after it come
+from a fresh Decode, whose first token waits for a forward boundary (with other sessions on the
+target, the forward already running does not wait for it) and a round trip. That gap
+(`rejoin_ms`, the measured first-token gap of a Decode beyond its forward) is charged to every
+drafted step. With one session it is a round trip, ~1 ms; with a busy target it is most of a
+forward, and it is what made `auto` lose to target-only at 8-16 short requests: each n-gram step
+cost the session the verify's wait, the verify, and then a missed forward to get back in.
 """
 from __future__ import annotations
 
@@ -76,6 +84,7 @@ class Costs:
     draft_ms: dict[str, float] = field(default_factory=dict)   # per drafter: what getting a proposal costs
     verify_row_ms: float = 0.0      # v
     sessions: float = 1.0           # sessions sharing the target: the rows of an all-decode forward
+    rejoin_ms: float = 0.0          # what a drafted step costs the Decode stream it breaks (module doc)
 
     def forward_ms(self, width: int, verify: bool = True) -> float:
         if not verify:
@@ -85,7 +94,7 @@ class Costs:
     def step_ms(self, method: str, k: int) -> float:
         if k == 0:
             return self.forward_ms(1, verify=False) + self.decode_overhead_ms
-        return self.draft_ms.get(method, 0.0) + self.forward_ms(k + 1) + self.verify_overhead_ms
+        return self.draft_ms.get(method, 0.0) + self.forward_ms(k + 1) + self.verify_overhead_ms + self.rejoin_ms
 
 
 @dataclass(frozen=True)

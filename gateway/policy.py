@@ -33,6 +33,7 @@ NGRAM_WATCH = 0.25           # share of recent decisions choosing n-gram above w
 DRAFT_WORTH = 0.05           # share of decisions DFlash wins on its merits below which requests skip its session
 WORTH_AFTER = 64             # ... once that share rests on this many decisions of the bucket
 REOPEN_EVERY = 8             # while skipped, every this-many-th request of the bucket opens one to re-measure
+MAX_REOPEN_GAP = 64          # ... growing to this while the re-measured sessions keep finding DFlash not worth it
 RANKS = 4                    # sibling ranks whose acceptance is kept apart (later ones share the last)
 SIBLING_PRIOR = 0.4          # before anything is measured: each further sibling is this much less likely
 
@@ -160,6 +161,7 @@ class Measurements:
         self.dflash_worth: dict[str, DecayedMean] = {}
         self.worth_seen: dict[str, int] = {}
         self.skipped: dict[str, int] = {}
+        self.reopen_gap: dict[str, int] = {}     # bucket -> skipped requests between two re-measuring ones
 
     # -- what the services reported ---------------------------------------------------------
     def target_step(self, forward_ms: float, batch_size: int, batch_tokens: int, verify: bool = False) -> None:
@@ -191,7 +193,8 @@ class Measurements:
                 "verify_row_ms": round(c.verify_row_ms, 2),
                 "rows": round(c.rows, 1), "sessions": round(c.sessions, 1),
                 "verify_overhead_ms": round(c.verify_overhead_ms, 2),
-                "decode_overhead_ms": round(c.decode_overhead_ms, 2),
+                "decode_overhead_ms": round(c.decode_overhead_ms, 2), "rejoin_ms": round(c.rejoin_ms, 2),
+                "draft_open_ms": round(self.draft_open.get(0.0), 2),
                 "draft_ms": {m: round(v, 2) for m, v in c.draft_ms.items()},
                 "accept": {"/".join(map(str, k)): [round(r, 2) for r in a.rates()[:8]] for k, a in self.accept.items()}}
 
@@ -206,7 +209,7 @@ class Measurements:
                      verify_overhead_ms=self.verify_overhead.get(0.0),
                      decode_overhead_ms=(first + stream * (decode_run - 1)) / decode_run,
                      draft_ms={m: e.get(0.0) for m, e in self.draft_ms.items()}, verify_row_ms=v,
-                     sessions=max(1.0, self.sessions))
+                     sessions=max(1.0, self.sessions), rejoin_ms=first)
 
 
 @dataclass
@@ -298,9 +301,17 @@ class AutoPolicy:
         worth = m.worth_seen.get(b, 0) < WORTH_AFTER or m.dflash_worth[b].get() >= DRAFT_WORTH
         if worth and (remaining is None or self.session_pays(remaining)):
             m.skipped[b] = 0
+            m.reopen_gap[b] = REOPEN_EVERY
             return True
+        # Each re-measuring session costs an Open and features on the wire; while they keep
+        # confirming the skip, they come less and less often (8, 16, 32, 64 requests).
         m.skipped[b] = m.skipped.get(b, 0) + 1
-        return m.skipped[b] % REOPEN_EVERY == 0
+        gap = m.reopen_gap.setdefault(b, REOPEN_EVERY)
+        if m.skipped[b] < gap:
+            return False
+        m.skipped[b] = 0
+        m.reopen_gap[b] = min(2 * gap, MAX_REOPEN_GAP)
+        return True
 
     def session_pays(self, remaining: int) -> bool:
         """Whether a DFlash session should save more than it costs over `remaining` tokens, at
@@ -372,8 +383,11 @@ class AutoPolicy:
         and a match found one token too late is a free draft lost)."""
         if self._watching():
             return 1
-        n = min(self.run, MAX_DECODE_RUN, remaining)
-        self.run = min(self.run * 2, MAX_DECODE_RUN)
+        # Two at least: the next step is decided at a run's second-to-last token, so a run that
+        # goes on is extended without a gap; a one-token run ends before anything can be
+        # decided, and the session sits out a forward while the gateway decides.
+        n = min(max(self.run, 2), MAX_DECODE_RUN, remaining)
+        self.run = min(max(self.run, 2) * 2, MAX_DECODE_RUN)
         return n
 
     def decides_early(self) -> bool:

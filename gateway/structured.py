@@ -117,6 +117,23 @@ def from_request(body: dict, *, chat: bool) -> Structured:
     return out
 
 
+def _check_named(spec: dict, keys: tuple[str, ...], where: str, param: str) -> None:
+    """A response_format's json_schema and a tool's function follow the same rules for what they
+    share (no unknown keys; name, description, strict); their schema is the caller's."""
+    extra = sorted(set(spec) - set(keys))
+    if extra:
+        raise StructuredError(f"{where} has unknown key(s) {', '.join(extra)}; expected {', '.join(keys)}", param)
+    name = spec.get("name")
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        raise StructuredError(f"{where}.name must be 1-64 characters of a-z, A-Z, 0-9, _ and -, got {name!r}"[:300],
+                              param)
+    if spec.get("description") is not None and not isinstance(spec["description"], str):
+        raise StructuredError(f"{where}.description must be a string", param)
+    strict = spec.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise StructuredError(f"{where}.strict must be a boolean, got {strict!r}"[:300], param)
+
+
 def response_format(fmt) -> common_pb2.Constraint | None:
     """OpenAI's response_format: text (None), json_object, or json_schema."""
     if fmt is None:
@@ -142,20 +159,8 @@ def response_format(fmt) -> common_pb2.Constraint | None:
     if not isinstance(spec, dict):
         raise StructuredError("response_format.json_schema must be an object: {name, description?, schema, "
                               "strict?}", "response_format")
-    extra = sorted(set(spec) - {"name", "description", "schema", "strict"})
-    if extra:
-        raise StructuredError(f"response_format.json_schema has unknown key(s) {', '.join(extra)}; expected "
-                              f"name, description, schema, strict", "response_format")
-    name = spec.get("name")
-    if not isinstance(name, str) or not NAME.fullmatch(name):
-        raise StructuredError(f"response_format.json_schema.name must be 1-64 characters of a-z, A-Z, 0-9, _ "
-                              f"and -, got {name!r}"[:300], "response_format")
-    if spec.get("description") is not None and not isinstance(spec["description"], str):
-        raise StructuredError("response_format.json_schema.description must be a string", "response_format")
+    _check_named(spec, ("name", "description", "schema", "strict"), "response_format.json_schema", "response_format")
     strict = spec.get("strict")
-    if strict is not None and not isinstance(strict, bool):
-        raise StructuredError(f"response_format.json_schema.strict must be a boolean, got {strict!r}"[:300],
-                              "response_format")
     schema = spec.get("schema")
     schema = {} if schema is None else schema
     text = json_schema_text(schema, "response_format.json_schema.schema", "response_format")
@@ -415,22 +420,11 @@ def _functions(tools) -> list[dict]:
         if extra:
             raise StructuredError(f"{where} has unknown key(s) {', '.join(extra)}", "tools")
         fn = tool["function"]
-        extra = sorted(set(fn) - {"name", "description", "parameters", "strict"})
-        if extra:
-            raise StructuredError(f"{where}.function has unknown key(s) {', '.join(extra)}; expected name, "
-                                  f"description, parameters, strict", "tools")
-        name = fn.get("name")
-        if not isinstance(name, str) or not NAME.fullmatch(name):
-            raise StructuredError(f"{where}.function.name must be 1-64 characters of a-z, A-Z, 0-9, _ and -, "
-                                  f"got {name!r}"[:300], "tools")
+        _check_named(fn, ("name", "description", "parameters", "strict"), f"{where}.function", "tools")
+        name, strict = fn["name"], fn.get("strict")
         if name in seen:
             raise StructuredError(f"{where}.function.name {name!r} is defined twice", "tools")
         seen.add(name)
-        if fn.get("description") is not None and not isinstance(fn["description"], str):
-            raise StructuredError(f"{where}.function.description must be a string", "tools")
-        strict = fn.get("strict")
-        if strict is not None and not isinstance(strict, bool):
-            raise StructuredError(f"{where}.function.strict must be a boolean", "tools")
         params = fn.get("parameters")
         entry = {"name": name}
         if fn.get("description") is not None:

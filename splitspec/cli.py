@@ -13,6 +13,7 @@
     splitspec preflight MODEL ...             per-rank memory of a target for a layout and a device (target_service.preflight)
     splitspec bench-drafts --draft A --draft B  draft checkpoints side by side through the services (splitspec.bench.drafts)
     splitspec bench-trees                       chain vs tree drafts, verify cost by node count (splitspec.bench.trees)
+    splitspec bench-auto                        `auto` against target-only cell by cell, and the per-step prices (splitspec.bench.auto)
 """
 from __future__ import annotations
 
@@ -128,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("bench-structured", add_help=False, help="structured outputs (JSON schemas, regex, choice, tool "
                                                             "calls) per method and temperature: tau, tok/s, validity, "
                                                             "the grammar's cost (see its --help)")
+    sub.add_parser("bench-auto", add_help=False, help="auto against target-only in every cell (T x streams x new "
+                                                      "tokens x prompt length) and the per-step prices and "
+                                                      "break-even tau of each drafter (see its --help)")
     return p
 
 
@@ -306,6 +310,9 @@ def main(argv=None) -> None:
     if argv and argv[0] == "bench-structured":
         from splitspec.bench.structured import cli_main as bench_structured_main
         sys.exit(bench_structured_main(argv[1:]))
+    if argv and argv[0] == "bench-auto":
+        from splitspec.bench.auto import cli_main as bench_auto_main
+        sys.exit(bench_auto_main(argv[1:]))
     args = build_parser().parse_args(argv)
     from splitspec.ops import certs, scaleout
     sys.exit({"up": cmd_up, "generate": cmd_generate, "health": cmd_health,

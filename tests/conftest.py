@@ -169,6 +169,16 @@ def model(target_dir):
     return load_model(target_dir)
 
 
+@pytest.fixture(scope="session")
+def tokenizer_json(tmp_path_factory) -> bytes:
+    """The tiny byte-level tokenizer's tokenizer.json, for fake targets to describe themselves with."""
+    from service_helpers import VOCAB
+    from tiny_models import save_tiny_tokenizer
+    path = save_tiny_tokenizer(tmp_path_factory.mktemp("tok"), VOCAB)
+    path = path / "tokenizer.json" if path.is_dir() else path
+    return path.read_bytes()
+
+
 @pytest.fixture(scope="module")
 def stub(services):
     """A Generation stub on the gateway of the module's `services` (the gateway comes last)."""

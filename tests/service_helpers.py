@@ -18,7 +18,7 @@ from pathlib import Path
 import grpc
 
 from splitspec.ops.launch import ServiceProcess, start_service
-from splitspec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, target_pb2_grpc
+from splitspec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, target_pb2, target_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
 STARTUP_TIMEOUT_S = 180.0
@@ -84,6 +84,18 @@ def running_stack(target_dir: Path, log_dir: Path, draft_dir: Path | None, *gate
             running_draft(target_dir, log_dir, *service_args, draft_dir=draft_dir) as draft, \
             running_gateway(target, log_dir, "--draft", draft.address, *gateway_args) as gw:
         yield target, draft, gw
+
+
+def bench_smoke(main, out: Path, command: str) -> tuple[dict, str]:
+    """Run a bench's `main` with --smoke into `out` and return its results.json and results.md,
+    checked for what every bench report records: the command line (in the Markdown too), the
+    machine's cores and the smoke flag."""
+    assert main(["--smoke", "--out", str(out)]) == 0
+    r = json.loads((out / "results.json").read_text())
+    md = (out / "results.md").read_text()
+    assert r["meta"]["command"].startswith(f"{command} --smoke") and r["meta"]["command"] in md
+    assert r["meta"]["machine"]["cores"] and r["run"]["smoke"]
+    return r, md
 
 
 def gateway_stub(address: str) -> tuple[grpc.Channel, gateway_pb2_grpc.GenerationStub]:
@@ -171,6 +183,46 @@ def garbage_error(address: str, method: str, streaming: bool) -> grpc.RpcError:
         except grpc.RpcError as err:
             return err
     raise AssertionError(f"{method} accepted garbage bytes")
+
+
+class FakeTargetServicer(target_pb2_grpc.TargetServicer):
+    """A target without a model for in-process gateway tests: it records every TargetOpen in
+    `opens`, describes itself with the tiny tokenizer and `template`, and speaks the Session
+    protocol. A subclass's `open` says what a session answers: its TargetOpened and an async
+    `token(i)` for each token decoded (i: its place in that Decode; it may abort the call)."""
+
+    max_context = 256
+
+    def __init__(self, tokenizer_json: bytes, template: str, opens: list):
+        self.tokenizer_json, self.template, self.opens = tokenizer_json, template, opens
+
+    async def GetInfo(self, request, context):
+        return target_pb2.TargetInfo(model_id="fake", vocab_size=VOCAB, max_context=self.max_context,
+                                     eos_token_ids=[0], tokenizer_json=self.tokenizer_json, max_num_batched_tokens=64,
+                                     tokenizer_config_json=json.dumps({"chat_template": self.template}))
+
+    async def open(self, request: target_pb2.TargetOpen, context):
+        raise NotImplementedError
+
+    async def Session(self, request_iterator, context):
+        length, token = 0, None
+        async for req in request_iterator:
+            kind = req.WhichOneof("kind")
+            if kind == "open":
+                self.opens.append(req.open)
+                opened, token = await self.open(req.open, context)
+                length = opened.length
+                yield target_pb2.TargetResponse(opened=opened)
+            elif kind == "decode":
+                for i in range(req.decode.n):
+                    token_id = await token(i)
+                    length += 1
+                    yield target_pb2.TargetResponse(token=target_pb2.TargetToken(token_id=token_id, length=length))
+            elif kind == "close":
+                yield target_pb2.TargetResponse(closed=target_pb2.TargetClosed())
+                return
+            else:
+                await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"the fake target has no {kind}")
 
 
 async def asgi_post(app, path: str, body) -> tuple[int, bytes]:

@@ -5,9 +5,8 @@ none, the targets' own counters agree with Usage, and greedy outputs do not depe
 A benchmark, not a test of speed: no timing thresholds here."""
 from __future__ import annotations
 
-import json
-
 import pytest
+from service_helpers import bench_smoke
 
 from splitspec.bench.configs import Sample
 from splitspec.bench.prefix import WORKLOADS, Result, main, set_ideal
@@ -35,12 +34,7 @@ def test_ideal_counts_blocks_sent_before_up_to_the_last_prompt_token():
 @pytest.mark.skipif(model_dir(None, DEFAULT_TARGET) is None or model_dir(None, DEFAULT_DRAFT) is None,
                     reason="the bundled models are missing")
 def test_smoke_end_to_end(tmp_path):
-    out = tmp_path / "out"
-    assert main(["--smoke", "--out", str(out)]) == 0
-    r = json.loads((out / "results.json").read_text())
-    md = (out / "results.md").read_text()
-    assert r["meta"]["command"].startswith("splitspec bench-prefix --smoke") and r["meta"]["command"] in md
-    assert r["meta"]["machine"]["cores"] and r["run"]["smoke"]
+    r, md = bench_smoke(main, tmp_path / "out", "splitspec bench-prefix")
     assert r["run"]["sizes"]["groups"] == 2 and r["run"]["sizes"]["system_tokens"] == 128
     cells = {(c["workload"], c["method"], c["variant"]): c for c in r["cells"]}
     assert set(cells) == {(w, m, v) for w in WORKLOADS for m in ("none", "dflash") for v in ("on", "off")}

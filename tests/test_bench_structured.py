@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from service_helpers import bench_smoke
 
 from splitspec.bench.structured import (CHOICES, FLAT, IDENTIFIER, NESTED, VERSION, check_output, main, make_job,
                                         schema_errors, signature)
@@ -56,12 +57,7 @@ def test_tool_schema_from_the_def_line():
 @pytest.mark.skipif(model_dir(None, DEFAULT_TARGET) is None or model_dir(None, DFLASH) is None,
                     reason="the bundled models are missing")
 def test_smoke_end_to_end(tmp_path):
-    out = tmp_path / "out"
-    assert main(["--smoke", "--out", str(out)]) == 0
-    r = json.loads((out / "results.json").read_text())
-    md = (out / "results.md").read_text()
-    assert r["meta"]["command"].startswith("splitspec bench-structured --smoke") and r["meta"]["command"] in md
-    assert r["meta"]["machine"]["cores"] and r["run"]["smoke"]
+    r, md = bench_smoke(main, tmp_path / "out", "splitspec bench-structured")
     assert r["run"]["num_prompts"] == 2 and r["run"]["repeats"] == 1 and r["run"]["shapes"] == ["flat", "choice"]
     assert [q for q in r["requests"] if q["rpc_error"]] == []
     cells = {(c["temperature"], c["name"]): c for c in r["cells"]}

@@ -15,8 +15,8 @@ import types
 
 import grpc
 import pytest
+from service_helpers import VOCAB, FakeTargetServicer
 from service_helpers import asgi_post as post
-from tiny_models import save_tiny_tokenizer
 
 from gateway.config import GatewayConfig
 from gateway.http_api import create_app, usage
@@ -26,54 +26,29 @@ from splitspec.client import build_request
 from splitspec.security import ApiKeys
 from splitspec.v1 import gateway_pb2, gateway_pb2_grpc, target_pb2, target_pb2_grpc
 
-VOCAB = 512
 TOKEN = 100          # what the fake target emits: never its eos (0)
 PROMPT = [5, 6, 7, 8, 9, 10, 11]
 TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}<|assistant|>"
 
 
-@pytest.fixture(scope="module")
-def tokenizer_json(tmp_path_factory) -> bytes:
-    path = save_tiny_tokenizer(tmp_path_factory.mktemp("tok"), VOCAB)
-    path = path / "tokenizer.json" if path.is_dir() else path
-    return path.read_bytes()
-
-
-class FakeTarget(target_pb2_grpc.TargetServicer):
-    """Records every TargetOpen; answers cached_tokens = len(prompt) - 1 (all but the last
-    token, as a warm prefix cache would); `fail_after` (shared between replicas: a one-element
-    list) makes the first session that decodes that many tokens die with UNAVAILABLE."""
+class FakeTarget(FakeTargetServicer):
+    """Answers cached_tokens = len(prompt) - 1 (all but the last token, as a warm prefix cache
+    would); `fail_after` (shared between replicas: a one-element list) makes the first session
+    that decodes that many tokens die with UNAVAILABLE."""
 
     def __init__(self, tokenizer_json: bytes, opens: list, fail_after: list):
-        self.tokenizer_json, self.opens, self.fail_after = tokenizer_json, opens, fail_after
+        super().__init__(tokenizer_json, TEMPLATE, opens)
+        self.fail_after = fail_after
 
-    async def GetInfo(self, request, context):
-        return target_pb2.TargetInfo(model_id="fake", vocab_size=VOCAB, max_context=256, eos_token_ids=[0],
-                                     tokenizer_json=self.tokenizer_json, max_num_batched_tokens=64,
-                                     tokenizer_config_json=json.dumps({"chat_template": TEMPLATE}))
-
-    async def Session(self, request_iterator, context):
-        length = 0
-        async for req in request_iterator:
-            kind = req.WhichOneof("kind")
-            if kind == "open":
-                self.opens.append(req.open)
-                length = len(req.open.prompt_token_ids)
-                yield target_pb2.TargetResponse(opened=target_pb2.TargetOpened(
-                    session_id=req.open.session_id, first_token_id=TOKEN, length=length,
-                    cached_tokens=length - 1))
-            elif kind == "decode":
-                for i in range(req.decode.n):
-                    if self.fail_after[0] is not None and i == self.fail_after[0]:
-                        self.fail_after[0] = None
-                        await context.abort(grpc.StatusCode.UNAVAILABLE, "the replica went away")
-                    length += 1
-                    yield target_pb2.TargetResponse(token=target_pb2.TargetToken(token_id=TOKEN, length=length))
-            elif kind == "close":
-                yield target_pb2.TargetResponse(closed=target_pb2.TargetClosed())
-                return
-            else:
-                await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"the fake target has no {kind}")
+    async def open(self, request, context):
+        async def token(i):
+            if self.fail_after[0] is not None and i == self.fail_after[0]:
+                self.fail_after[0] = None
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "the replica went away")
+            return TOKEN
+        length = len(request.prompt_token_ids)
+        return target_pb2.TargetOpened(session_id=request.session_id, first_token_id=TOKEN, length=length,
+                                       cached_tokens=length - 1), token
 
 
 @contextlib.asynccontextmanager

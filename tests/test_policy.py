@@ -128,7 +128,7 @@ def test_auto_policy_probes_a_drafter_it_stopped_choosing():
 
 
 def test_requests_skip_a_dflash_session_where_dflash_stopped_winning_and_reopen_to_remeasure():
-    from gateway.policy import REOPEN_EVERY, WORTH_AFTER, sampling_bucket
+    from gateway.policy import MAX_REOPEN_GAP, REOPEN_EVERY, WORTH_AFTER, sampling_bucket
     m = measured(8.0)
     sampled, greedy = sampling_bucket(1.0, "greedy"), sampling_bucket(0.0, "greedy")
     assert sampled != greedy == "greedy"
@@ -136,8 +136,12 @@ def test_requests_skip_a_dflash_session_where_dflash_stopped_winning_and_reopen_
     assert first.wants_draft()                                    # nothing measured: try it
     while m.worth_seen.get(sampled, 0) < 2 * WORTH_AFTER:          # DFlash's drafts never accepted
         first.observe(first.choose(Offer(dflash=7), 1000), 0)
-    opens = [AutoPolicy(m, max_k=7, bucket=sampled).wants_draft() for _ in range(3 * REOPEN_EVERY)]
-    assert opens.count(True) == 3 and opens[REOPEN_EVERY - 1]     # one in REOPEN_EVERY re-measures
+    # One in REOPEN_EVERY re-measures, then one in 2, 4, 8 x REOPEN_EVERY (at most MAX_REOPEN_GAP)
+    # while those keep confirming the skip: each costs an Open and features on the wire.
+    opens = [AutoPolicy(m, max_k=7, bucket=sampled).wants_draft() for _ in range(200)]
+    gaps = [REOPEN_EVERY * 2 ** i for i in range(4)]
+    at = [sum(gaps[:i + 1]) - 1 for i in range(4)]
+    assert [i for i, o in enumerate(opens) if o][:5] == [*at, at[-1] + MAX_REOPEN_GAP]
     assert AutoPolicy(m, max_k=7, bucket=greedy).wants_draft()     # other buckets are not judged by it
     assert FixedPolicy("dflash").wants_draft()                     # an explicit method always drafts
     # the sampled bucket's acceptance estimate is its own: greedy requests still start optimistic
@@ -145,12 +149,14 @@ def test_requests_skip_a_dflash_session_where_dflash_stopped_winning_and_reopen_
 
 
 def test_auto_policy_decode_runs_grow_while_decoding_and_reset_after_a_draft():
+    # Two tokens at least: a run is extended (or ended) at its second-to-last token, and a
+    # one-token run would end before anything could be decided, its session sitting out a forward.
     policy = AutoPolicy(Measurements(), max_k=7)
-    assert [policy.decode_run(1000) for _ in range(8)] == [1, 2, 4, 8, 16, 32, 64, 64]
-    assert policy.decode_run(3) == 3
+    assert [policy.decode_run(1000) for _ in range(7)] == [2, 4, 8, 16, 32, 64, 64]
+    assert policy.decode_run(3) == 3 and policy.decode_run(1) == 1
     from gateway.cost_model import Choice
     policy.observe(Choice("dflash", 3, 0, 0), 1)
-    assert policy.decode_run(100) == 1
+    assert policy.decode_run(100) == 2
 
 
 def test_fixed_policy_runs_its_method_and_never_overshoots():
@@ -251,7 +257,7 @@ def test_decode_runs_stay_one_token_while_ngram_drafts_keep_paying():
     assert [policy.decode_run(100) for _ in range(3)] == [1, 1, 1]
     for _ in range(20):
         policy.choose(Offer(), 100)
-    assert [policy.decode_run(100) for _ in range(3)] == [1, 2, 4]
+    assert [policy.decode_run(100) for _ in range(3)] == [2, 4, 8]
 
 
 def test_a_drafter_that_keeps_losing_is_probed_less_often():

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import grpc
 import pytest
+from service_helpers import FakeTargetServicer
 from service_helpers import asgi_post as post
-from tiny_models import save_tiny_tokenizer
 
 from gateway import inproc
 from gateway import structured as S
@@ -33,7 +33,6 @@ from splitspec.security import ApiKeys
 from splitspec.v1 import common_pb2, target_pb2, target_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
-VOCAB = 512
 PROMPT = [5, 6, 7, 8, 9, 10, 11]
 TEMPLATE = ("{% if tools %}<|tools|>{% for t in tools %}{{ t.function.name }}:{{ t.function.parameters | tojson }}"
             "\n{% endfor %}{% endif %}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
@@ -460,53 +459,30 @@ def test_good_constraints_have_no_problem():
 
 # --- through the gateway: fake targets that record TargetOpen ----------------------------------
 
-@pytest.fixture(scope="module")
-def tokenizer_json(tmp_path_factory) -> bytes:
-    path = save_tiny_tokenizer(tmp_path_factory.mktemp("tok"), VOCAB)
-    path = path / "tokenizer.json" if path.is_dir() else path
-    return path.read_bytes()
+class FakeTarget(FakeTargetServicer):
+    """Answers `script.text` then eos (0); with `script.refuse` set it refuses a constrained open
+    as the real target refuses a spec that does not compile."""
 
-
-class FakeTarget(target_pb2_grpc.TargetServicer):
-    """Records every TargetOpen; answers `script.text` then eos (0); with `script.refuse` set it
-    refuses a constrained open as the real target refuses a spec that does not compile."""
+    max_context = 4096
 
     def __init__(self, tokenizer_json: bytes, opens: list, script):
         from tokenizers import Tokenizer
-        self.tokenizer_json, self.opens, self.script = tokenizer_json, opens, script
+        super().__init__(tokenizer_json, TEMPLATE, opens)
+        self.script = script
         self.tok = Tokenizer.from_str(tokenizer_json.decode())
 
-    async def GetInfo(self, request, context):
-        return target_pb2.TargetInfo(model_id="fake", vocab_size=VOCAB, max_context=4096, eos_token_ids=[0],
-                                     tokenizer_json=self.tokenizer_json, max_num_batched_tokens=64,
-                                     tokenizer_config_json=json.dumps({"chat_template": TEMPLATE}))
+    async def open(self, request, context):
+        c = request.sampling.constraint
+        if self.script.refuse and request.sampling.HasField("constraint"):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"sampling.constraint.{c.WhichOneof('kind')}: {self.script.refuse}")
+        answer = self.tok.encode(self.script.text, add_special_tokens=False).ids + [0]
+        rest = iter(answer[1:])
 
-    async def Session(self, request_iterator, context):
-        answer, at, length = [], 0, 0
-        async for req in request_iterator:
-            kind = req.WhichOneof("kind")
-            if kind == "open":
-                self.opens.append(req.open)
-                c = req.open.sampling.constraint
-                if self.script.refuse and req.open.sampling.HasField("constraint"):
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                        f"sampling.constraint.{c.WhichOneof('kind')}: {self.script.refuse}")
-                answer = self.tok.encode(self.script.text, add_special_tokens=False).ids + [0]
-                length = len(req.open.prompt_token_ids) + 1
-                at = 1
-                yield target_pb2.TargetResponse(opened=target_pb2.TargetOpened(
-                    session_id=req.open.session_id, first_token_id=answer[0], length=length))
-            elif kind == "decode":
-                for _ in range(req.decode.n):
-                    token = answer[at] if at < len(answer) else 0
-                    at += 1
-                    length += 1
-                    yield target_pb2.TargetResponse(token=target_pb2.TargetToken(token_id=token, length=length))
-            elif kind == "close":
-                yield target_pb2.TargetResponse(closed=target_pb2.TargetClosed())
-                return
-            else:
-                await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"the fake target has no {kind}")
+        async def token(i):
+            return next(rest, 0)       # eos again once the answer is out
+        return target_pb2.TargetOpened(session_id=request.session_id, first_token_id=answer[0],
+                                       length=len(request.prompt_token_ids) + 1), token
 
 
 @contextlib.asynccontextmanager

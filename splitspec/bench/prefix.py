@@ -55,6 +55,7 @@ from types import SimpleNamespace
 
 from splitspec.engine.prefix_cache import block_keys
 
+from . import services
 from .configs import GatewayRunner, Sample
 from .prompts import default_prompts, digest
 from .report import fmt, machine_line, metadata, method_mix, mix_cell, percentile, table, write_json
@@ -110,12 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
            "to this over a long run (the largest default workload needs about 1 GB at once)")
     a("--prefix-cache-hidden-mb", type=int, default=None,
       help="the cache-on targets' --prefix-cache-hidden-mb (default: the target's own default)")
-    a("--device", default="cpu")
-    a("--target-torch-threads", type=int, default=0)
-    a("--target-verify-torch-threads", type=int, default=1)
-    a("--draft-torch-threads", type=int, default=1)
-    a("--timeout-s", type=float, default=900.0, help="deadline per request")
-    a("--startup-timeout-s", type=float, default=600.0)
+    services.add_flags(a, request_timeout_s=900.0)
     a("--out", default="bench-out/prefix", help="folder for results.json, results.md and the service logs")
     p.set_defaults(tree="1:2")      # Bench.resolve_width reads it; chains only here
     return p
@@ -243,49 +239,31 @@ class PrefixBench(Bench):
                               Variant("on x2 round_robin", True, 2, "round_robin")]
 
     def start_services(self) -> None:
-        from splitspec.ops.launch import free_port, start_service
+        from splitspec.ops.launch import free_port
         a = self.args
         logs = Path(a.out) / "logs"
-        common = ["--model-path", str(self.target_path), "--device", a.device, "--log-level", "warning",
-                  "--torch-threads", str(a.target_torch_threads), "--verify-torch-threads",
-                  str(a.target_verify_torch_threads), "--kv-block-size", str(a.kv_block_size),
-                  "--kv-cache-budget-mb", str(a.kv_cache_budget_mb)]
+        common = ["--kv-block-size", str(a.kv_block_size), "--kv-cache-budget-mb", str(a.kv_cache_budget_mb)]
         hidden = [] if a.prefix_cache_hidden_mb is None else ["--prefix-cache-hidden-mb", str(a.prefix_cache_hidden_mb)]
         targets = {}
         for name, extra in (("on", hidden), ("off", ["--disable-radix-cache"]), ("on2", hidden)):
             if name == "on2" and a.replicas < 2:
                 continue
             port = free_port()
-            proc = start_service("target", [*common, *extra, "--metrics-port", str(port)], log_dir=logs / f"target-{name}")
-            self.procs.append(proc)
+            proc = services.start_target(self, logs / f"target-{name}", [*common, *extra, "--metrics-port", str(port)])
             targets[name] = (proc, f"http://127.0.0.1:{port}/metrics")
-        if self.draft_path is not None:
-            dargs = ["--method", "dflash", "--model-path", str(self.draft_path)]
-        else:
-            dargs = ["--method", "ngram", "--speculative-num-draft-tokens", str(self.width)]
-        draft = start_service("draft", [*dargs, "--target-model-path", str(self.target_path), "--device", a.device,
-                                        "--log-level", "warning", "--torch-threads", str(a.draft_torch_threads)],
-                              log_dir=logs / "draft")
-        self.procs.append(draft)
+        draft = services.start_draft(self, self.draft_path, logs / "draft")
         log(f"starting targets {', '.join(f'{n} {p.address}' for n, (p, _) in targets.items())} and draft "
             f"{draft.address} (logs: {logs})")
-        for proc in [*(p for p, _ in targets.values()), draft]:
-            proc.wait_healthy(a.startup_timeout_s)
+        services.wait_healthy(self, [*(p for p, _ in targets.values()), draft])
         gateways = []
         for v in self.variants:
             names = ["on", "on2"] if v.replicas == 2 else ["on" if v.cache else "off"]
-            gargs = ["--target", ",".join(targets[n][0].address for n in names), "--draft", draft.address,
-                     "--max-new-tokens-cap", str(max(2048, a.max_new_tokens)),
-                     "--speculative-num-draft-tokens", str(self.width),
-                     "--speculative-num-steps", str(self.width - 1), "--log-level", "warning"]
-            if v.routing:
-                gargs += ["--routing-policy", v.routing]
-            gw = start_service("gateway", gargs, log_dir=logs / f"gateway-{v.name.replace(' ', '-')}")
-            self.procs.append(gw)
+            gw = services.start_gateway(self, ",".join(targets[n][0].address for n in names), draft.address,
+                                        logs / f"gateway-{v.name.replace(' ', '-')}",
+                                        ["--routing-policy", v.routing] if v.routing else [])
             gateways.append(gw)
             v.gateway, v.metrics = gw.address, [targets[n][1] for n in names]
-        for gw in gateways:
-            gw.wait_healthy(a.startup_timeout_s)
+        services.wait_healthy(self, gateways)
         self.target_address = targets["on"][0].address
         self.services = (f"targets {', '.join(f'{n} {p.address}' for n, (p, _) in targets.items())}, draft "
                          f"{draft.address}, gateways " + ", ".join(f"{v.name} {v.gateway}" for v in self.variants))

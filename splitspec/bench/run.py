@@ -21,6 +21,7 @@ from datetime import datetime, timezone
 from itertools import chain, cycle, islice
 from pathlib import Path
 
+from . import services
 from .configs import (CONFIGS, DRAFT_SAMPLING_CONFIGS, GatewayRunner, HFRunner, InprocRunner, busy_share, mean_batch,
                       process_cpu_s, service_counters)
 from .prompts import default_prompts, digest, load_jsonl
@@ -163,7 +164,6 @@ class Bench:
         self.configs = configs
 
     def start_services(self) -> None:
-        from splitspec.ops.launch import start_service
         a = self.args
         log_dir = Path(a.out) / "logs"
         if a.gateway:
@@ -173,30 +173,12 @@ class Bench:
         if a.target:
             target_address, draft_address = a.target, a.draft
         else:
-            target = start_service("target", ["--model-path", str(self.target_path), "--device", a.device,
-                                              "--log-level", "warning", "--torch-threads",
-                                              str(a.target_torch_threads), "--verify-torch-threads",
-                                              str(a.target_verify_torch_threads)], log_dir=log_dir)
-            self.procs.append(target)
-            if self.draft_path is not None:
-                dargs = ["--method", "dflash", "--model-path", str(self.draft_path)]
-            else:
-                dargs = ["--method", "ngram", "--speculative-num-draft-tokens", str(self.width)]
-            draft = start_service("draft", [*dargs, "--target-model-path", str(self.target_path), "--device",
-                                            a.device, "--log-level", "warning", "--torch-threads",
-                                            str(a.draft_torch_threads)], log_dir=log_dir)
-            self.procs.append(draft)
+            target = services.start_target(self, log_dir)
+            draft = services.start_draft(self, self.draft_path, log_dir)
             log(f"starting target {target.address} and draft {draft.address} (logs: {log_dir})")
-            target.wait_healthy(a.startup_timeout_s)
-            draft.wait_healthy(a.startup_timeout_s)
+            services.wait_healthy(self, [target, draft])
             target_address, draft_address = target.address, draft.address
-        gargs = ["--target", target_address, "--max-new-tokens-cap", str(max(2048, a.max_new_tokens)),
-                 "--speculative-num-draft-tokens", str(self.width),
-                 "--speculative-num-steps", str(self.width - 1), "--log-level", "warning"]
-        if draft_address:
-            gargs += ["--draft", draft_address]
-        gateway = start_service("gateway", gargs, log_dir=log_dir)
-        self.procs.append(gateway)
+        gateway = services.start_gateway(self, target_address, draft_address, log_dir)
         gateway.wait_healthy(a.startup_timeout_s)
         self.gateway, self.target_address, self.draft_address = gateway.address, target_address, draft_address
         self.services = ("target, draft and gateway started by the bench" if not a.target else

@@ -71,6 +71,7 @@ import grpc
 
 from splitspec.v1 import common_pb2
 
+from . import services
 from .configs import GatewayRunner, Sample
 from .prompts import default_prompts, digest
 from .report import fmt, machine_line, metadata, mix_cell, percentile, table
@@ -116,12 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
            "after one that ended with eos had ~6 ms more TTFT than one after a length finish (0: back to back)")
     a("--num-draft-tokens", type=int, default=None, help="verify width (default: the first draft's block size)")
     a("--seed", type=int, default=0, help="request of prompt i in repeat r uses seed + 1000 r + i at T > 0")
-    a("--device", default="cpu")
-    a("--target-torch-threads", type=int, default=0)
-    a("--target-verify-torch-threads", type=int, default=1)
-    a("--draft-torch-threads", type=int, default=1)
-    a("--timeout-s", type=float, default=600.0, help="deadline per request")
-    a("--startup-timeout-s", type=float, default=600.0)
+    services.add_flags(a, request_timeout_s=600.0)
     a("--out", default="bench-out/structured", help="folder for results.json, results.md and the service logs")
     p.set_defaults(tree="1:2", gateway=None, target=None, draft=None)     # read by Bench's helpers
     return p
@@ -449,38 +445,17 @@ class StructuredBench(Bench):
         self.target_address = None
 
     def start_services(self) -> None:
-        from splitspec.ops.launch import start_service
         a = self.args
         logs = Path(a.out) / "logs"
-        target = start_service("target", ["--model-path", str(self.target_path), "--device", a.device,
-                                          "--log-level", "warning", "--torch-threads", str(a.target_torch_threads),
-                                          "--verify-torch-threads", str(a.target_verify_torch_threads)],
-                               log_dir=logs / "target")
-        self.procs.append(target)
-        drafts = []
-        for label, path in self.drafts or [("ngram", None)]:
-            dargs = (["--method", "dflash", "--model-path", str(path)] if path is not None else
-                     ["--method", "ngram", "--speculative-num-draft-tokens", str(self.width)])
-            proc = start_service("draft", [*dargs, "--target-model-path", str(self.target_path), "--device",
-                                           a.device, "--log-level", "warning", "--torch-threads",
-                                           str(a.draft_torch_threads)], log_dir=logs / f"draft-{label}")
-            self.procs.append(proc)
-            drafts.append((label, proc))
+        target = services.start_target(self, logs / "target")
+        drafts = [(label, services.start_draft(self, path, logs / f"draft-{label}"))
+                  for label, path in self.drafts or [("ngram", None)]]
         log(f"starting target {target.address} and draft(s) {', '.join(f'{l} {p.address}' for l, p in drafts)} "
             f"(logs: {logs})")
-        for proc in [target, *(p for _, p in drafts)]:
-            proc.wait_healthy(a.startup_timeout_s)
-        self.gateways = {}
-        for label, proc in drafts:
-            gw = start_service("gateway", ["--target", target.address, "--draft", proc.address,
-                                           "--max-new-tokens-cap", str(max(2048, a.max_new_tokens)),
-                                           "--speculative-num-draft-tokens", str(self.width),
-                                           "--speculative-num-steps", str(self.width - 1), "--log-level", "warning"],
-                               log_dir=logs / f"gateway-{label}")
-            self.procs.append(gw)
-            self.gateways[label] = gw
-        for gw in self.gateways.values():
-            gw.wait_healthy(a.startup_timeout_s)
+        services.wait_healthy(self, [target, *(p for _, p in drafts)])
+        self.gateways = {label: services.start_gateway(self, target.address, proc.address, logs / f"gateway-{label}")
+                         for label, proc in drafts}
+        services.wait_healthy(self, self.gateways.values())
         self.target_address = target.address
         self.services = (f"target {target.address}; " + "; ".join(
             f"draft {label} {p.address} behind gateway {self.gateways[label].address}" for label, p in drafts))
