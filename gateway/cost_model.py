@@ -7,22 +7,26 @@ A step's cost is modelled on what the services report about their batched forwar
     target forward_ms  ≈  a  +  b · rows  +  c · tokens  +  v · verify rows
 
 (a: fixed per forward; b: per session row, mostly reading that row's KV context; c: per query
-token; v: what a verify row costs beyond its tokens: tree mask, acceptance, rollback). The
-gateway does not choose the batch alone: every running session makes the same kind of choice,
-so a verify of width w is priced as if all `rows` sessions of the forwards it joins now sent
-width w (a + rows · (b + c · w + v)), and a decode step as if every session on the target
-decoded: streamed Decode steps put all of them in every forward, a + sessions · (b + c).
-(Sessions that draft travel draft → gateway → target and meet the target in smaller groups,
-so `rows` is what drafting measures and `sessions` what decoding would get.) That is what the forward will cost when the policy is applied
-by everyone, and it is why, under heavy load, wide verifies price themselves out and the policy
-drafts less or not at all; with one session it reduces to "how much does one more token of
+token; v: what a verify row costs beyond its tokens: its own attention group, tree mask,
+acceptance, rollback; the target reports how many rows of each forward verified, so v is a lone
+verify's price among decoders, not a share of the batch). A decode step is priced as if every
+session on the target decoded (streamed Decode steps put all of them in every forward):
+a + sessions · (b + c). A verify of width w is priced at what it costs everyone: its own forward
+(a + sessions · (b + c) + c · (w - 1) + v) plus the time its extra width adds to the forward
+of each of the other sessions, (sessions - 1) · (c · (w - 1) + v): in all
+a + sessions · (b + c · w + v), the same as if every session sent width w (`rows`, the sessions
+met in recent forwards, stands in where it is larger). Charging the others' time is what keeps
+one session's 8-token n-gram verify out of a forward of fifteen decoders where its τ does not
+cover what it slows them by; with one session it reduces to "how much does one more token of
 width cost".
 
 A drafted step also breaks the session's Decode stream: the target-only tokens after it come
 from a fresh Decode, whose first token waits for a forward boundary (with other sessions on the
 target, the forward already running does not wait for it) and a round trip. That gap
-(`rejoin_ms`, the measured first-token gap of a Decode beyond its forward) is charged to every
-drafted step. With one session it is a round trip, ~1 ms; with a busy target it is most of a
+(`rejoin_ms`, the measured first-token gap of a Decode beyond its forward, less what a decode
+step is charged for its share of it) is charged to every drafted step; while runs are one token
+long (n-gram watching on an idle target) every decode step pays the whole gap and a drafted
+step nothing more. With one session it is a round trip, ~1 ms; with a busy target it is most of a
 forward, and it is what made `auto` lose to target-only at 8-16 short requests: each n-gram step
 cost the session the verify's wait, the verify, and then a missed forward to get back in.
 """
@@ -78,23 +82,25 @@ class Costs:
     fixed_ms: float                 # a
     row_ms: float                   # b
     token_ms: float                 # c
-    rows: float                     # sessions' rows in a target forward now (>= 1)
+    rows: float                     # sessions' rows in recent target forwards (>= 1)
     verify_overhead_ms: float       # a Verify round trip beyond its forward: wire, (de)serialisation, queue
     decode_overhead_ms: float       # the same for one streamed Decode token (small: the stream never waits)
     draft_ms: dict[str, float] = field(default_factory=dict)   # per drafter: what getting a proposal costs
     verify_row_ms: float = 0.0      # v
     sessions: float = 1.0           # sessions sharing the target: the rows of an all-decode forward
     rejoin_ms: float = 0.0          # what a drafted step costs the Decode stream it breaks (module doc)
+    remaining: int = 0              # tokens the request still needs (0: unbounded): no rejoin after its last step
 
     def forward_ms(self, width: int, verify: bool = True) -> float:
         if not verify:
             return self.fixed_ms + max(self.sessions, 1.0) * (self.row_ms + self.token_ms * width)
-        return self.fixed_ms + self.rows * (self.row_ms + self.token_ms * width + self.verify_row_ms)
+        return self.fixed_ms + max(self.rows, self.sessions) * (self.row_ms + self.token_ms * width + self.verify_row_ms)
 
     def step_ms(self, method: str, k: int) -> float:
         if k == 0:
             return self.forward_ms(1, verify=False) + self.decode_overhead_ms
-        return self.draft_ms.get(method, 0.0) + self.forward_ms(k + 1) + self.verify_overhead_ms + self.rejoin_ms
+        rejoin = self.rejoin_ms if not self.remaining or k + 1 < self.remaining else 0.0
+        return self.draft_ms.get(method, 0.0) + self.forward_ms(k + 1) + self.verify_overhead_ms + rejoin
 
 
 @dataclass(frozen=True)

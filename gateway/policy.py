@@ -16,7 +16,8 @@
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -34,6 +35,7 @@ DRAFT_WORTH = 0.05           # share of decisions DFlash wins on its merits belo
 WORTH_AFTER = 64             # ... once that share rests on this many decisions of the bucket
 REOPEN_EVERY = 8             # while skipped, every this-many-th request of the bucket opens one to re-measure
 MAX_REOPEN_GAP = 64          # ... growing to this while the re-measured sessions keep finding DFlash not worth it
+EXPLORE_S = 10.0             # while DFlash's prices are unmeasured, one request at a time (at most this long) opens a session
 RANKS = 4                    # sibling ranks whose acceptance is kept apart (later ones share the last)
 SIBLING_PRIOR = 0.4          # before anything is measured: each further sibling is this much less likely
 
@@ -108,9 +110,10 @@ class ForwardModel:
     """forward_ms ≈ a + b·rows + c·tokens + v·verify_rows, least squares over exponentially
     decayed sufficient statistics, with a light ridge so that directions the data does not
     separate (one session: rows is always 1) stay finite. Coefficients are kept >= 0: a negative
-    per-token cost would make wider verifies look free. The target reports rows and tokens, not
-    how many rows verified; the reporting session's own kind stands for all of them (the same
-    symmetric reading as the cost model's)."""
+    per-token cost would make wider verifies look free. The target reports how many of a
+    forward's rows verified (`batch_verify_rows`); a target that does not (0 on a verify) has
+    the reporting session's own kind stand for all of them, which overstates v's share of rows
+    and understates a lone verify's price among decoders by the batch size."""
 
     def __init__(self, decay: float = 0.99, ridge: float = 1e-2):
         self.decay, self.ridge = decay, ridge
@@ -119,10 +122,12 @@ class ForwardModel:
         self.n = 0.0
         self._coef: np.ndarray | None = None
 
-    def add(self, rows: int, tokens: int, ms: float, verify: bool = False) -> None:
+    def add(self, rows: int, tokens: int, ms: float, verify: bool = False, verify_rows: int = 0) -> None:
         if rows <= 0 or tokens <= 0 or ms <= 0:
             return
-        x = np.array([1.0, float(rows), float(tokens), float(rows) if verify else 0.0])
+        if verify and verify_rows <= 0:
+            verify_rows = rows          # not reported: the symmetric reading (class doc)
+        x = np.array([1.0, float(rows), float(tokens), float(min(verify_rows, rows))])
         self.xtx = self.decay * self.xtx + np.outer(x, x)
         self.xty = self.decay * self.xty + x * ms
         self.n = self.decay * self.n + 1.0
@@ -162,10 +167,12 @@ class Measurements:
         self.worth_seen: dict[str, int] = {}
         self.skipped: dict[str, int] = {}
         self.reopen_gap: dict[str, int] = {}     # bucket -> skipped requests between two re-measuring ones
+        self.exploring_until = 0.0               # monotonic time before which no other request opens DFlash to explore
 
     # -- what the services reported ---------------------------------------------------------
-    def target_step(self, forward_ms: float, batch_size: int, batch_tokens: int, verify: bool = False) -> None:
-        self.forward.add(batch_size, batch_tokens, forward_ms, verify)
+    def target_step(self, forward_ms: float, batch_size: int, batch_tokens: int, verify: bool = False,
+                    verify_rows: int = 0) -> None:
+        self.forward.add(batch_size, batch_tokens, forward_ms, verify, verify_rows)
         if batch_size > 0:
             self.rows.add(batch_size)
 
@@ -205,11 +212,13 @@ class Measurements:
         first, stream = self.decode_first.get(0.0), self.decode_stream.get(0.0)
         coef = self.forward.coef()
         a, b, c, v = coef if coef is not None else (1.0, 1.0, 0.1, 0.0)   # unmeasured: drafting looks cheap, so it is tried
+        decode_overhead = (first + stream * (decode_run - 1)) / decode_run
+        # A drafted step makes the next Decode a fresh one: the first-token gap beyond what a
+        # decode step is already charged (nothing when runs are one token long anyway).
         return Costs(fixed_ms=a, row_ms=b, token_ms=c, rows=max(1.0, self.rows.get(1.0)),
-                     verify_overhead_ms=self.verify_overhead.get(0.0),
-                     decode_overhead_ms=(first + stream * (decode_run - 1)) / decode_run,
+                     verify_overhead_ms=self.verify_overhead.get(0.0), decode_overhead_ms=decode_overhead,
                      draft_ms={m: e.get(0.0) for m, e in self.draft_ms.items()}, verify_row_ms=v,
-                     sessions=max(1.0, self.sessions), rejoin_ms=first)
+                     sessions=max(1.0, self.sessions), rejoin_ms=max(0.0, first - decode_overhead))
 
 
 @dataclass
@@ -295,9 +304,19 @@ class AutoPolicy:
         `remaining` tokens (`session_pays`) and where DFlash has been winning at least WORTH of
         the decisions of this bucket lately (sampled requests with greedy drafts rarely do);
         otherwise only every REOPEN_EVERY-th request of the bucket opens one, to keep the
-        estimates current. Without a session a request sends no features and verifies no
-        DFlash probe: it runs target-only and n-gram steps, which cost nothing to offer."""
+        estimates current. Before any Open and Propose were measured, one request at a time
+        opens a session to measure them. Without a session a request sends no features and
+        verifies no DFlash probe: it runs target-only and n-gram steps, which cost nothing to
+        offer."""
         m, b = self.m, self.bucket
+        if m.draft_open.value is None or "dflash" not in m.draft_ms:
+            # Nothing measured yet: one request finds the prices (an Open, a Propose) for all;
+            # a burst on a fresh gateway would otherwise open a session for every request.
+            now = time.monotonic()
+            if now < m.exploring_until:
+                return False
+            m.exploring_until = now + EXPLORE_S
+            return True
         worth = m.worth_seen.get(b, 0) < WORTH_AFTER or m.dflash_worth[b].get() >= DRAFT_WORTH
         if worth and (remaining is None or self.session_pays(remaining)):
             m.skipped[b] = 0
@@ -330,7 +349,7 @@ class AutoPolicy:
         accept = {"dflash": self._rates("dflash", 0, "dflash" in offer.shapes),
                   "ngram": self._rates("ngram", offer.ngram_match, "ngram" in offer.shapes) if offer.ngram else []}
         shapes = offer.shapes
-        costs = self.m.costs(1 if self._watching() else MAX_DECODE_RUN)
+        costs = replace(self.m.costs(1 if self._watching() else MAX_DECODE_RUN), remaining=remaining)
         self.decisions += 1
         m = self.m
         m.decisions += 1

@@ -153,7 +153,8 @@ class SpeculativeLoop:
             stats.model_ms += verified.forward_ms
             stats.queue_ms += verified.queue_ms
             stats.hidden_state_bytes += len(verified.hidden.data)
-            self.m.target_step(verified.forward_ms, verified.batch_size, verified.batch_tokens, verify=True)
+            self.m.target_step(verified.forward_ms, verified.batch_size, verified.batch_tokens, verify=True,
+                               verify_rows=verified.batch_verify_rows)
             self.m.verify_round_trip(ms, verified.forward_ms)
             drafted = len(tree.token_ids)
             committed = list(verified.committed_token_ids)
@@ -247,7 +248,7 @@ class SpeculativeLoop:
             stats.verify_ms += ms
             stats.model_ms += tok.forward_ms
             stats.queue_ms += tok.queue_ms
-            self.m.target_step(tok.forward_ms, tok.batch_size, tok.batch_tokens)
+            self.m.target_step(tok.forward_ms, tok.batch_size, tok.batch_tokens, verify_rows=tok.batch_verify_rows)
             self.m.decode_gap(ms, tok.forward_ms, first)
             first = False
             self.policy.observe(Choice("none", 0, 1.0, 0.0), 0)

@@ -71,6 +71,7 @@ class Step:
     length: int = 0        # the session's committed length right after this step
     cached_tokens: int = 0  # prefill: prompt tokens whose K/V came from the prefix cache
     forced: int = 0         # verify: accepted tokens the grammar forced (nodes the target added)
+    verify_rows: int = 0    # rows of that forward that verified a draft tree
 
 
 @dataclass
@@ -395,8 +396,12 @@ class Scheduler:
                         w.first_added = len(w.tree) - added
                     steps.append(Verify(session.seq, w.tree, w.draft_probs))
         if self.verify_threads:
-            # With one session the draft waits while the target verifies: all threads then.
-            shared = len(self.running) > 1 and any(isinstance(step, Verify) for step in steps)
+            # With one session the draft waits while the target verifies: all threads then. The
+            # draft computes for the other sessions only where they draft with it (they ship it
+            # features): a forward gives it threads only when such sessions are at least half of
+            # those running, since every row of the forward pays for them. One n-gram verify or
+            # one DFlash session among fifteen decoders once halved the whole batch's threads.
+            shared = self._draft_busy(steps)
             want = self.verify_threads if shared else self.threads
             if torch.get_num_threads() != want:
                 torch.set_num_threads(want)
@@ -405,6 +410,7 @@ class Scheduler:
         end = time.perf_counter()
         forward_ms = (end - start) * 1e3
         tokens = sum(n for _, n in picked)
+        verify_rows = sum(isinstance(step, Verify) for step in steps)
         done = Deliveries()
         with self.lock:
             self.forwards += 1
@@ -420,10 +426,15 @@ class Scheduler:
                                    prefill=work.kind == "prefill")
                 if session.work is not work:
                     continue        # its waiter left while the step ran (a Decode stream stopped early)
-                self._deliver(done, session, out, start, end, forward_ms, len(picked), tokens)
+                self._deliver(done, session, out, start, end, forward_ms, len(picked), tokens, verify_rows)
         done.flush()
         if self.on_forward is not None:
             self.on_forward(step_kind(w.kind for w in works), len(picked), tokens, forward_ms)
+
+    def _draft_busy(self, steps) -> bool:
+        drafting = {id(s.seq) for s in self.running if s.ships_hidden}
+        return (len(drafting) > 1 and 2 * len(drafting) >= len(self.running)
+                and any(isinstance(step, Verify) and id(step.seq) in drafting for step in steps))
 
     def _reuse_prefixes(self, pending: list[Session]) -> list[Session]:
         """Before a forward: every prefill waiting to run takes the cached blocks that continue
@@ -447,14 +458,15 @@ class Scheduler:
         return out
 
     def _deliver(self, done: Deliveries, session: Session, out, start: float, end: float, forward_ms: float,
-                 rows: int, tokens: int) -> None:
+                 rows: int, tokens: int, verify_rows: int = 0) -> None:
         w = session.work
         if not session.ships_hidden and not isinstance(out, Exception) and out.hidden is not None:
             out = StepOutput(out.committed, None, out.result, out.logprobs, out.logits)     # computed for the cache only
         w.queue_ms += (start - w.ready_at) * 1e3
         w.forward_ms += forward_ms
         if w.kind == "decode":
-            item = out if isinstance(out, Exception) else Step(out, forward_ms, w.queue_ms, rows, tokens, session.length)
+            item = out if isinstance(out, Exception) else Step(out, forward_ms, w.queue_ms, rows, tokens, session.length,
+                                                               verify_rows=verify_rows)
             done.put(w.loop, w.queue, item)
             w.remaining -= 1
             w.ready_at, w.queue_ms = end, 0.0
@@ -480,4 +492,5 @@ class Scheduler:
                                                 cached_tokens=cached))
             return
         session.work = None
-        done.resolve(w.loop, w.future, Step(out, w.forward_ms, w.queue_ms, rows, tokens, session.length))
+        done.resolve(w.loop, w.future, Step(out, w.forward_ms, w.queue_ms, rows, tokens, session.length,
+                                            verify_rows=verify_rows))

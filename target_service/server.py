@@ -255,6 +255,7 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
             tok.token_id, tok.length = step.out.committed[0], step.length
             tok.forward_ms, tok.queue_ms = step.forward_ms, step.queue_ms
             tok.batch_size, tok.batch_tokens = step.batch_size, step.batch_tokens
+            tok.batch_verify_rows = step.verify_rows
             if msg.return_hidden and step.out.hidden is not None:
                 tensor_to_pb(step.out.hidden, session.wire_dtype, out=tok.hidden)
             if step.out.logprobs:
@@ -275,6 +276,7 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
         verified.committed_token_ids.extend(step.out.committed)
         verified.forward_ms, verified.queue_ms = step.forward_ms, step.queue_ms
         verified.batch_size, verified.batch_tokens = step.batch_size, step.batch_tokens
+        verified.batch_verify_rows = step.verify_rows
         if step.out.hidden is not None:
             tensor_to_pb(step.out.hidden, session.wire_dtype, out=verified.hidden)
         if step.out.logprobs:

@@ -249,3 +249,69 @@ async def asgi_post(app, path: str, body) -> tuple[int, bytes]:
     await asyncio.wait_for(app(scope, receive, send), 20)
     status = next(m["status"] for m in sent if m["type"] == "http.response.start")
     return status, b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+
+
+@contextlib.contextmanager
+def inproc_gateway(target: str, draft: str, *, measurements=None, method: str = "auto", num_draft_tokens: int = 4,
+                   on_backends=None):
+    """A gateway in this process (its own event loop thread) over running target and draft
+    services: yields its address. `measurements` replaces the gateway's measured prices (a test
+    sets the prices auto decides on); `on_backends(backends)` may wrap the backends before it
+    serves (count what it opens)."""
+    import threading
+    import types
+
+    from gateway.config import GatewayConfig, SpeculativeConfig
+    from gateway.server import Backends, GenerationServicer, add_servicer
+    from splitspec import logs
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    async def start():
+        cfg = GatewayConfig(targets=(target,), draft=draft, target_wait_s=30, draft_timeout_ms=60000,
+                            speculative=SpeculativeConfig(method=method, num_steps=num_draft_tokens - 1,
+                                                          num_draft_tokens=num_draft_tokens))
+        backends = Backends(cfg)
+        await backends.connect(logs.get_logger())
+        if measurements is not None:
+            backends.measurements = measurements
+        if on_backends is not None:
+            on_backends(backends)
+        server = grpc.aio.server()
+        add_servicer(GenerationServicer(backends, types.SimpleNamespace(serving=True)), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        return server, backends, f"127.0.0.1:{port}"
+
+    server, backends, address = asyncio.run_coroutine_threadsafe(start(), loop).result(60)
+    try:
+        yield address
+    finally:
+        async def stop():
+            await server.stop(None)
+            await backends.close()
+        asyncio.run_coroutine_threadsafe(stop(), loop).result(60)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+
+
+def fixed_prices(*, decode_ms: float = 4.0, verify_ms: float = 4.0, width: int = 8, propose_ms: float = 1.0,
+                 draft_open_ms: float = 1.0, accept: dict | None = None):
+    """Gateway measurements whose prices stay put: a decode forward `decode_ms`, a verify of
+    `width` tokens `verify_ms`, a Propose and an Open as given (a GPU's prices by default, where
+    drafting pays); accept: acceptance key -> rate, fed as 50 observed 7-token chains."""
+    from gateway.cost_model import Costs
+    from gateway.policy import Measurements
+    m = Measurements()
+    token_ms = (verify_ms - decode_ms) / (width - 1)
+    m.costs = lambda decode_run=64: Costs(  # noqa: E731 - the prices, fixed for the test
+        fixed_ms=decode_ms - token_ms, row_ms=0.0, token_ms=token_ms, rows=1.0, verify_overhead_ms=0.0,
+        decode_overhead_ms=0.0, draft_ms={"dflash": propose_ms, "ngram": 0.0})
+    for key, rate in (accept or {}).items():
+        for _ in range(50):
+            m.acceptance(key).update(7, round(7 * rate))
+    m.opened_draft(draft_open_ms)
+    m.proposal("dflash", propose_ms)
+    return m

@@ -7,19 +7,12 @@ The gateway runs in process (so the test can set the prices it has measured) aga
 target and DFlash draft."""
 from __future__ import annotations
 
-import asyncio
-import types
-
 import grpc
 import pytest
 
 from draft_service.dflash import new_draft, save_draft
-from gateway.config import GatewayConfig, SpeculativeConfig
-from gateway.cost_model import Costs
 from gateway.policy import REOPEN_EVERY, AutoPolicy, Measurements
-from gateway.server import Backends, GenerationServicer, add_servicer
-from service_helpers import collect, running_draft, running_target
-from splitspec import logs
+from service_helpers import collect, fixed_prices, inproc_gateway, running_draft, running_target
 from splitspec.client import build_request
 from splitspec.v1 import gateway_pb2_grpc
 from target_service.engine import generate
@@ -30,18 +23,11 @@ PROMPTS = [[5, 9, 3, 12, 7, 5, 9, 3], [4, 4, 8, 15, 6, 8], [3, 11, 13, 17, 3, 11
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 
-def priced(*, draft_open_ms: float, verify_ms: float = 4.0, decode_ms: float = 4.0, accept: float = 0.8) -> Measurements:
+def priced(*, draft_open_ms: float, verify_ms: float = 4.0, decode_ms: float = 4.0, accept: float = 0.8):
     """Measurements as if the gateway had seen these prices: a decode forward `decode_ms`, a
     verify's extra width costing (verify_ms - decode_ms) / 7 per token, a DFlash Open."""
-    m = Measurements()
-    token_ms = (verify_ms - decode_ms) / 7
-    m.costs = lambda decode_run=64: Costs(  # noqa: E731 - the prices, fixed for the test
-        fixed_ms=decode_ms - token_ms, row_ms=0.0, token_ms=token_ms, rows=1.0, verify_overhead_ms=0.0,
-        decode_overhead_ms=0.0, draft_ms={"dflash": 1.0, "ngram": 0.0})
-    for _ in range(50):
-        m.acceptance(("dflash", "greedy")).update(7, round(7 * accept))
-    m.opened_draft(draft_open_ms)
-    return m
+    return fixed_prices(decode_ms=decode_ms, verify_ms=verify_ms, draft_open_ms=draft_open_ms,
+                        accept={("dflash", "greedy"): accept})
 
 
 def test_a_session_pays_when_its_savings_over_the_request_beat_the_open():
@@ -74,37 +60,21 @@ def services(target_dir, model, tmp_path_factory):
 
 def run_requests(services, measurements: Measurements | None) -> tuple[list, int]:
     """Greedy auto requests through an in-process gateway; (results, draft sessions opened)."""
-    async def main():
-        cfg = GatewayConfig(targets=(services[0],), draft=services[1], target_wait_s=30, draft_timeout_ms=60000,
-                            speculative=SpeculativeConfig(method="auto", num_steps=3, num_draft_tokens=4))
-        backends = Backends(cfg)
-        await backends.connect(logs.get_logger())
-        if measurements is not None:
-            backends.measurements = measurements
-        opened = [0]
+    opened = [0]
+
+    def count_opens(backends):
         session = backends.draft.session
 
         def counting(*a, **kw):
             opened[0] += 1
             return session(*a, **kw)
         backends.draft.session = counting
-        servicer = GenerationServicer(backends, types.SimpleNamespace(serving=True))
-        gw = grpc.aio.server()
-        add_servicer(servicer, gw)
-        address = f"127.0.0.1:{gw.add_insecure_port('127.0.0.1:0')}"
-        await gw.start()
-        try:
-            def send():
-                with grpc.insecure_channel(address) as ch:
-                    stub = gateway_pb2_grpc.GenerationStub(ch)
-                    return [collect(stub.Generate(build_request(p, max_new_tokens=N_NEW, ignore_eos=True,
-                                                                method="auto"), timeout=120)) for p in PROMPTS]
-            results = await asyncio.get_running_loop().run_in_executor(None, send)
-        finally:
-            await gw.stop(None)
-            await backends.close()
-        return results, opened[0]
-    return asyncio.run(main())
+    with inproc_gateway(*services, measurements=measurements, on_backends=count_opens) as address:
+        with grpc.insecure_channel(address) as ch:
+            stub = gateway_pb2_grpc.GenerationStub(ch)
+            results = [collect(stub.Generate(build_request(p, max_new_tokens=N_NEW, ignore_eos=True, method="auto"),
+                                             timeout=120)) for p in PROMPTS]
+    return results, opened[0]
 
 
 def test_a_request_whose_session_cannot_pay_opens_none_and_sends_no_features(services, model):

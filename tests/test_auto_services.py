@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from draft_service.dflash import new_draft, save_draft
-from service_helpers import collect, repeating_prompts, running_stack, target_info
+from service_helpers import (collect, fixed_prices, gateway_stub, inproc_gateway, repeating_prompts, running_stack,
+                             target_info)
 from splitspec.client import build_request
 from splitspec.engine.sample import SamplingParams, probs_from_logits
 from splitspec.v1 import gateway_pb2
@@ -43,13 +44,23 @@ def test_auto_is_the_default_with_a_draft(stub):
     assert stub.GetModelInfo(gateway_pb2.GetModelInfoRequest(), timeout=10).speculative_method == "auto"
 
 
-def test_auto_greedy_equals_target_only_using_both_drafters_and_several_k(stub, model):
+def test_auto_greedy_equals_target_only_using_both_drafters_and_several_k(stub, services, model):
     refs = [generate(model, p, N_NEW) for p in prompts()]
 
-    def run(p):
-        return collect(stub.Generate(build_request(p, max_new_tokens=N_NEW, ignore_eos=True), timeout=300))
-    with ThreadPoolExecutor(4) as pool:
-        results = list(pool.map(run, prompts()))
+    def send(stub):
+        def run(p):
+            return collect(stub.Generate(build_request(p, max_new_tokens=N_NEW, ignore_eos=True), timeout=300))
+        with ThreadPoolExecutor(4) as pool:
+            return list(pool.map(run, prompts()))
+    # The gateway as deployed, at the prices it measures (on this CPU it drafts little) ...
+    results = send(stub)
+    # ... and in process at prices under which any draft pays (see the distribution test), so
+    # that both drafters and several k run.
+    target, draft, _ = services
+    prices = fixed_prices(decode_ms=12.0, verify_ms=4.0, propose_ms=0.0, draft_open_ms=0.0)
+    with inproc_gateway(target.address, draft.address, measurements=prices, num_draft_tokens=8) as address:
+        results += send(gateway_stub(address)[1])
+    refs = refs + refs
     used = collections.Counter()
     ks = collections.Counter()
     for (ids, _, complete), ref in zip(results, refs):
@@ -84,34 +95,38 @@ def exact_joint(model, prompt, params, n):
 
 
 @pytest.mark.parametrize("draft_sampling", ["greedy", "sample"])
-def test_auto_sampling_follows_the_target_distribution(stub, model, draft_sampling):
+def test_auto_sampling_follows_the_target_distribution(services, model, draft_sampling):
     prompt = [7, 8, 9, 7, 8, 9, 7, 8]          # repeats: the n-gram index offers drafts too
     n, samples = 4, 720
     params = SamplingParams(temperature=1.0, top_k=3)
     joint = exact_joint(model, prompt, params, n)
+    # The chi-square says something about speculation only if most requests verify drafts.
+    # Which step auto picks depends on the prices it measured and the acceptance it learns, and
+    # a random draft at T=1 is rarely accepted, so measured prices would (rightly) stop it
+    # drafting. The gateway here runs in process with prices under which any draft pays (a
+    # verify cheaper than a decode, a free Propose and Open): auto then drafts wherever a
+    # drafter offers, through its own choices, cuts and acceptance updates, and the test checks
+    # that every such path keeps the target's distribution.
+    target, draft, _ = services
+    prices = fixed_prices(decode_ms=12.0, verify_ms=4.0, propose_ms=0.0, draft_open_ms=0.0)
+    with inproc_gateway(target.address, draft.address, measurements=prices, num_draft_tokens=8) as address:
+        _, stub = gateway_stub(address)
 
-    def run(seed):
-        req = build_request(prompt, max_new_tokens=n, ignore_eos=True, temperature=1.0, top_k=3, seed=seed)
-        req.speculative.method = "auto"
-        req.speculative.draft_sampling = draft_sampling
-        ids, _, complete = collect(stub.Generate(req, timeout=120))
-        return tuple(ids), complete.stats
-    with ThreadPoolExecutor(8) as pool:
-        results = list(pool.map(run, range(samples)))
+        def run(seed):
+            req = build_request(prompt, max_new_tokens=n, ignore_eos=True, temperature=1.0, top_k=3, seed=seed)
+            req.speculative.method = "auto"
+            req.speculative.draft_sampling = draft_sampling
+            ids, _, complete = collect(stub.Generate(req, timeout=120))
+            return tuple(ids), complete.stats
+        with ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(run, range(samples)))
     counts = collections.Counter(ids for ids, _ in results)
     assert set(counts) <= set(joint)
     drafted = sum(1 for _, st in results if any(s.k for s in st.steps))
-    print(f"{draft_sampling}: {drafted} of {samples} requests verified drafts; "
-          f"methods {collections.Counter(s.method for _, st in results for s in st.steps)}")
-    # The chi-square says something about speculation only if a good share of the requests
-    # verified drafts: a few would barely move the joint even if their tokens were wrong.
-    # Which step auto picks depends on measured costs, so the share of requests that draft
-    # depends on the machine's load: 20-26% under moderate load, 12-48 of 720 when other jobs
-    # shared the 2 cores; and a 4-token request rarely repays a DFlash session's Open, so auto
-    # opens one only to re-measure (gateway/policy.py session_pays). The floor is what the
-    # gateway's probing alone guarantees (~1%): the test can still fail on a drafted request's
-    # wrong tokens, but its power falls with load.
-    assert drafted >= samples // 100, drafted
+    methods = collections.Counter(s.method for _, st in results for s in st.steps)
+    print(f"{draft_sampling}: {drafted} of {samples} requests verified drafts; methods {methods}")
+    assert drafted >= samples // 2, drafted
+    assert methods["dflash"] and methods["ngram"], methods
     assert chi_square_pvalue(counts, joint, samples) > 1e-3
 
 

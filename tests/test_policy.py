@@ -61,7 +61,17 @@ def test_decode_is_priced_with_every_session_on_the_target():
     # would hold all sixteen: none 1/(10 + 16*5) = 0.0111, not 1/(10 + 4*5) = 0.0333.
     c = costs(rows=4, sessions=16)
     assert c.step_ms("none", 0) == pytest.approx(90.0)
-    assert c.step_ms("dflash", 2) == pytest.approx(5 + 10 + 4 * (2 + 3 * 3))
+    # A verify of width 3 (k = 2) is charged its own forward, 10 + 16*5 + 3*2 = 96, plus the
+    # 3*2 ms its extra width adds to each of the 15 other sessions' forward: 5 + 96 + 90 = 191,
+    # what sixteen sessions verifying width 3 would cost each (5 + 10 + 16 * (2 + 3*3)).
+    assert c.step_ms("dflash", 2) == pytest.approx(5 + 96 + 15 * 3 * 2) == pytest.approx(5 + 10 + 16 * (2 + 3 * 3))
+    # The sessions met in recent forwards count where they are more (a burst the servicer has
+    # not counted yet).
+    assert costs(rows=20, sessions=16).step_ms("dflash", 2) == pytest.approx(5 + 10 + 20 * 11)
+    # The Decode stream a drafted step breaks is paid by the step (rejoin_ms), not by decoding.
+    r = costs(rows=1, rejoin_ms=7.0)
+    assert r.step_ms("dflash", 2) - costs(rows=1).step_ms("dflash", 2) == pytest.approx(7.0)
+    assert r.step_ms("none", 0) == costs(rows=1).step_ms("none", 0)
 
 
 def test_free_ngram_match_beats_a_paid_dflash_proposal_and_ties_go_to_the_cheaper():
@@ -134,6 +144,8 @@ def test_requests_skip_a_dflash_session_where_dflash_stopped_winning_and_reopen_
     assert sampled != greedy == "greedy"
     first = AutoPolicy(m, max_k=7, bucket=sampled)
     assert first.wants_draft()                                    # nothing measured: try it
+    assert not AutoPolicy(m, max_k=7, bucket=greedy).wants_draft()  # one explorer at a time
+    m.opened_draft(5.0)                                           # its Open measured (the Propose was)
     while m.worth_seen.get(sampled, 0) < 2 * WORTH_AFTER:          # DFlash's drafts never accepted
         first.observe(first.choose(Offer(dflash=7), 1000), 0)
     # One in REOPEN_EVERY re-measures, then one in 2, 4, 8 x REOPEN_EVERY (at most MAX_REOPEN_GAP)
@@ -293,3 +305,24 @@ def test_the_draft_session_is_let_go_when_dflash_stops_winning_on_its_merits():
         kept.append(policy.keeps_draft())
     assert kept[:31] == [True] * 31 and not any(kept[32:])
     assert FixedPolicy("dflash").keeps_draft()
+
+
+def test_a_burst_on_a_fresh_gateway_opens_one_draft_session_to_measure_the_prices():
+    """Nothing measured yet: the first request opens a DFlash session and finds the prices (an
+    Open, a Propose) for all; the others of the burst do not each pay an Open. Once measured,
+    each request is judged on them; an explorer whose session never reported lets another try
+    after EXPLORE_S."""
+    from gateway.policy import EXPLORE_S
+    m = Measurements()
+    burst = [AutoPolicy(m, max_k=7).wants_draft(64) for _ in range(16)]
+    assert burst == [True] + [False] * 15
+    m.exploring_until -= EXPLORE_S                                 # the explorer never reported back
+    assert AutoPolicy(m, max_k=7).wants_draft(64)
+    m.opened_draft(20.0)
+    assert not AutoPolicy(m, max_k=7).wants_draft(64)               # still no Propose measured
+    m.proposal("dflash", 5.0)
+    for _ in range(20):
+        m.target_step(4.0, 1, 1)
+        m.target_step(4.5, 1, 8, verify=True, verify_rows=1)
+    assert AutoPolicy(m, max_k=7).wants_draft(1000)                 # cheap verifies, optimistic acceptance
+    assert not AutoPolicy(m, max_k=7).wants_draft(2)                # too short to repay a 20 ms Open

@@ -16,6 +16,7 @@ from splitspec.engine.tree import Tree
 from target_service.engine import TargetSequence, generate
 from target_service.torch_verifier import TorchVerifier
 from target_service.loader import load_model
+from target_service.runner import Decode, Verify
 from target_service.scheduler import AdmissionError, ContextError, Scheduler
 
 
@@ -235,3 +236,38 @@ def test_an_extended_decode_run_stays_in_every_forward(model):
 
 async def _drain(stream):
     return [st async for st in stream]
+
+
+def test_a_forward_reports_its_verify_rows_and_gives_the_draft_threads_only_when_drafting_sessions_dominate(model):
+    """Each step reports how many rows of its forward verified (the gateway prices a lone
+    verify among decoders from it); and the target lends threads to a co-located draft
+    (--verify-torch-threads) only for forwards whose verifies come from sessions drafting with
+    it, when those are at least half of the sessions: one n-gram verify among decoders once
+    halved the whole batch's threads."""
+    async def body(sched):
+        a, _ = await sched.open("a", [9, 10, 11], SamplingParams(), max_new_tokens=40)
+        b, _ = await sched.open("b", [5, 6, 7], SamplingParams(), max_new_tokens=40, hidden_layers=[0])
+        gate = threading.Event()
+        sched.engine.post("hold", lambda: gate.wait(30))
+        stream = sched.decode(a, 2)
+        first = asyncio.ensure_future(stream.__anext__())
+        ref = generate(model, [5, 6, 7], 4)
+        verify = asyncio.ensure_future(sched.verify(b, b.length, Tree.chain(ref[1:3]), None))
+        while a.work is None or b.work is None:
+            await asyncio.sleep(0)
+        gate.set()
+        tok, verified = await first, await verify
+        async for _ in stream:
+            pass
+        steps = [Verify(b.seq, Tree.chain([1, 2]))]
+        busy = {"one drafting session": sched._draft_busy(steps)}
+        c, _ = await sched.open("c", [3, 4], SamplingParams(), max_new_tokens=8, hidden_layers=[0])
+        busy["two of three"] = sched._draft_busy(steps)
+        busy["decodes only"] = sched._draft_busy([Decode(b.seq), Decode(c.seq)])
+        busy["a plain verify"] = sched._draft_busy([Verify(a.seq, Tree.chain([1, 2]))])
+        return tok, verified, busy
+    tok, verified, busy = run(model, body)
+    assert (tok.batch_size, tok.verify_rows) == (2, 1) and (verified.batch_size, verified.verify_rows) == (2, 1)
+    assert verified.batch_tokens == 1 + 3
+    assert busy == {"one drafting session": False, "two of three": True, "decodes only": False,
+                    "a plain verify": False}

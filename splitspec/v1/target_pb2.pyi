@@ -90,7 +90,7 @@ class TargetDecode(_message.Message):
     def __init__(self, n: _Optional[int] = ..., return_hidden: _Optional[bool] = ...) -> None: ...
 
 class TargetToken(_message.Message):
-    __slots__ = ("token_id", "length", "hidden", "forward_ms", "queue_ms", "batch_size", "batch_tokens", "logprob")
+    __slots__ = ("token_id", "length", "hidden", "forward_ms", "queue_ms", "batch_size", "batch_tokens", "logprob", "batch_verify_rows")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +99,7 @@ class TargetToken(_message.Message):
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    BATCH_VERIFY_ROWS_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     length: int
     hidden: _common_pb2.Tensor
@@ -107,7 +108,8 @@ class TargetToken(_message.Message):
     batch_size: int
     batch_tokens: int
     logprob: _common_pb2.TokenLogprob
-    def __init__(self, token_id: _Optional[int] = ..., length: _Optional[int] = ..., hidden: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., forward_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ...) -> None: ...
+    batch_verify_rows: int
+    def __init__(self, token_id: _Optional[int] = ..., length: _Optional[int] = ..., hidden: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., forward_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., batch_verify_rows: _Optional[int] = ...) -> None: ...
 
 class TargetVerify(_message.Message):
     __slots__ = ("step", "base_len", "tree", "draft_probs")
@@ -122,7 +124,7 @@ class TargetVerify(_message.Message):
     def __init__(self, step: _Optional[int] = ..., base_len: _Optional[int] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., draft_probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class TargetVerified(_message.Message):
-    __slots__ = ("step", "committed_token_ids", "hidden", "length", "num_accepted", "forward_ms", "queue_ms", "batch_size", "batch_tokens", "logprobs", "num_forced")
+    __slots__ = ("step", "committed_token_ids", "hidden", "length", "num_accepted", "forward_ms", "queue_ms", "batch_size", "batch_tokens", "logprobs", "num_forced", "batch_verify_rows")
     STEP_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
@@ -134,6 +136,7 @@ class TargetVerified(_message.Message):
     BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     NUM_FORCED_FIELD_NUMBER: _ClassVar[int]
+    BATCH_VERIFY_ROWS_FIELD_NUMBER: _ClassVar[int]
     step: int
     committed_token_ids: _containers.RepeatedScalarFieldContainer[int]
     hidden: _common_pb2.Tensor
@@ -145,7 +148,8 @@ class TargetVerified(_message.Message):
     batch_tokens: int
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
     num_forced: int
-    def __init__(self, step: _Optional[int] = ..., committed_token_ids: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., length: _Optional[int] = ..., num_accepted: _Optional[int] = ..., forward_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., num_forced: _Optional[int] = ...) -> None: ...
+    batch_verify_rows: int
+    def __init__(self, step: _Optional[int] = ..., committed_token_ids: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., length: _Optional[int] = ..., num_accepted: _Optional[int] = ..., forward_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., num_forced: _Optional[int] = ..., batch_verify_rows: _Optional[int] = ...) -> None: ...
 
 class TargetClose(_message.Message):
     __slots__ = ()
