@@ -16,6 +16,7 @@
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field, replace
 
@@ -92,6 +93,39 @@ class Ema:
         return default if self.value is None else self.value
 
 
+class ByLoad:
+    """An Ema per load bucket (sessions on the target replica: 1, 2-3, 4-7, 8-15, 16+), read and
+    fed at the current load. Round trips and waits depend on it (a Verify among fifteen decoders
+    waits for the forward in flight; alone it does not), and a price measured under a burst must
+    not stand for the idle target after it: the policy stops running what looks dear, so that
+    estimate would never be measured again. An unmeasured bucket reads its nearest measured one."""
+
+    BUCKETS = 5
+
+    def __init__(self, load):
+        self.load = load                     # () -> sessions now
+        self.emas = [Ema() for _ in range(self.BUCKETS)]
+
+    def _bucket(self) -> int:
+        return min(self.BUCKETS - 1, int(math.log2(max(1.0, self.load()))))
+
+    def add(self, x: float) -> None:
+        self.emas[self._bucket()].add(x)
+
+    @property
+    def value(self) -> float | None:
+        b = self._bucket()
+        for d in range(self.BUCKETS):
+            for i in (b - d, b + d):
+                if 0 <= i < self.BUCKETS and self.emas[i].value is not None:
+                    return self.emas[i].value
+        return None
+
+    def get(self, default: float) -> float:
+        v = self.value
+        return default if v is None else v
+
+
 class DecayedMean:
     """Mean of the recent observations (weights decay^age), unbiased from the first one on."""
 
@@ -148,12 +182,13 @@ class Measurements:
     def __init__(self, max_positions: int = 16):
         self.forward = ForwardModel()
         self.rows = Ema(alpha=0.2)
-        self.verify_overhead = Ema()
-        self.decode_first = Ema()            # first token of a Decode: its request's round trip, beyond the forward
-        self.decode_stream = Ema()           # later tokens of a Decode stream
         self.sessions = 1.0                  # requests in flight per target replica (set by the servicer)
-        self.draft_ms: dict[str, Ema] = {}
-        self.draft_open = Ema()              # a DFlash session's Open round trip (its prefill of the prompt)
+        load = lambda: self.sessions         # noqa: E731 - what the by-load prices are read at
+        self.verify_overhead = ByLoad(load)  # a Verify's round trip beyond its forward: wire, the wait for a forward
+        self.decode_first = ByLoad(load)     # first token of a Decode: its request's round trip, beyond the forward
+        self.decode_stream = ByLoad(load)    # later tokens of a Decode stream
+        self.draft_ms: dict[str, ByLoad] = {}  # a Propose's round trip, queueing in a busy draft service included
+        self.draft_open = ByLoad(load)       # a DFlash session's Open round trip (its prefill of the prompt)
         self.max_positions = max_positions
         self.accept: dict[tuple, Acceptance] = {}
         # The exploration schedule is the gateway's, not a request's: short requests make few
@@ -186,7 +221,7 @@ class Measurements:
         self.draft_open.add(ms)
 
     def proposal(self, method: str, ms: float) -> None:
-        self.draft_ms.setdefault(method, Ema()).add(ms)
+        self.draft_ms.setdefault(method, ByLoad(lambda: self.sessions)).add(ms)
 
     def acceptance(self, key: tuple) -> Acceptance:
         if key not in self.accept:

@@ -326,3 +326,61 @@ def test_a_burst_on_a_fresh_gateway_opens_one_draft_session_to_measure_the_price
         m.target_step(4.5, 1, 8, verify=True, verify_rows=1)
     assert AutoPolicy(m, max_k=7).wants_draft(1000)                 # cheap verifies, optimistic acceptance
     assert not AutoPolicy(m, max_k=7).wants_draft(2)                # too short to repay a 20 ms Open
+
+
+# (sessions, drafter, acceptance, expected (method, k)) on CPU-like prices: a = 4, b = 0.5,
+# c = 0.25, v = 1 ms, a Verify's overhead 1 ms, a DFlash Propose 5 ms, n-gram free. A decode
+# step costs 4 + S·0.75 ms; a verify of k drafts 4 + S·(1.75 + 0.25·k) + 1 (+ 5 for DFlash).
+CPU_CASES = [
+    # one session, n-gram at 0.9: decode 1/4.75 = 0.211 tok/ms; k = 7: 5.695 tokens / 8.5 ms = 0.670
+    (1, "ngram", 0.9, ("ngram", 7)),
+    # sixteen sessions, same: decode 1/16 = 0.0625; k = 7: 5.695 / 61 = 0.093 (k = 3: 3.439 / 45 = 0.076)
+    (16, "ngram", 0.9, ("ngram", 7)),
+    # sixteen sessions, n-gram at 0.5: k = 1: 1.5 / 41 = 0.037 < 0.0625: drafting off
+    (16, "ngram", 0.5, ("none", 0)),
+    # one session, DFlash at 0.7: k = 7: 3.141 tokens / 13.5 ms = 0.233 > 0.211 (k = 6: 3.059 / 13.375 = 0.229)
+    (1, "dflash", 0.7, ("dflash", 7)),
+    # eight sessions, DFlash at 0.7: decode 1/10 = 0.1; k = 7: 3.141 / 38 = 0.083: drafting off
+    (8, "dflash", 0.7, ("none", 0)),
+    # one session, DFlash at 0.4: k = 1: 1.4 / 11 = 0.127; k = 7: 1.666 / 13.5 = 0.123 < 0.211: off
+    (1, "dflash", 0.4, ("none", 0)),
+]
+
+
+@pytest.mark.parametrize("sessions, drafter, accept, want", CPU_CASES)
+def test_the_cost_model_against_hand_computed_cells(sessions, drafter, accept, want):
+    c = Costs(fixed_ms=4.0, row_ms=0.5, token_ms=0.25, rows=1.0, verify_overhead_ms=1.0, decode_overhead_ms=0.0,
+              draft_ms={"dflash": 5.0, "ngram": 0.0}, verify_row_ms=1.0, sessions=float(sessions))
+    best = choose({drafter: [accept] * 8}, {drafter: 7}, c)
+    assert (best.method, best.k) == want
+
+
+def test_a_gpus_prices_keep_dflash_on_at_sixteen_streams():
+    # a = 6, b = 0.05, c = 0.01, v = 0.05 ms (a verify costs about a decode), a Propose 1.5 ms:
+    # decode 6 + 16·0.06 = 6.96 ms (0.144 tok/ms); DFlash k = 7 at 0.7: 3.141 tokens in
+    # 1.5 + 6 + 16·(0.05 + 0.08 + 0.05) + 0.5 = 10.88 ms (0.289 tok/ms).
+    c = Costs(fixed_ms=6.0, row_ms=0.05, token_ms=0.01, rows=1.0, verify_overhead_ms=0.5, decode_overhead_ms=0.0,
+              draft_ms={"dflash": 1.5}, verify_row_ms=0.05, sessions=16.0)
+    best = choose({"dflash": [0.7] * 8}, {"dflash": 7}, c)
+    assert (best.method, best.k) == ("dflash", 7)
+    assert best.ms == pytest.approx(10.88) and best.tokens == pytest.approx(3.1412, abs=1e-3)
+
+
+def test_round_trip_prices_are_kept_per_load():
+    """A Verify among fifteen decoders waits for the forward in flight; alone it does not. The
+    overhead measured under a burst stands for an idle target only until the idle target has its
+    own measure (the policy would otherwise never draft again to re-measure it)."""
+    m = Measurements()
+    m.sessions = 16
+    for _ in range(30):
+        m.verify_round_trip(40.0, 10.0)               # 30 ms of waiting under load
+    assert m.costs().verify_overhead_ms == pytest.approx(30.0)
+    m.sessions = 1
+    assert m.costs().verify_overhead_ms == pytest.approx(30.0)     # nothing measured alone yet: the nearest
+    for _ in range(30):
+        m.verify_round_trip(11.5, 10.0)
+    assert m.costs().verify_overhead_ms == pytest.approx(1.5, abs=0.1)
+    m.sessions = 20
+    assert m.costs().verify_overhead_ms == pytest.approx(30.0)     # the burst's own measure is kept
+    m.sessions = 5                                                  # 4-7: between the two, nearest first
+    assert m.costs().verify_overhead_ms in (pytest.approx(30.0), pytest.approx(1.5, abs=0.1))
