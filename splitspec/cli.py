@@ -76,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--target-torch-threads", type=int, default=0,
       help="intra-op threads of the target (0: auto, see docs/configuration.md: all the cores for one target)")
     a("--target-verify-torch-threads", type=int, default=1,
-      help="the target's threads for verify forwards while several sessions run, when the draft works on "
+      help="the target's threads for forwards that verify a model draft while drafting sessions are at least half "
+           "of those running, when the draft works on "
            "this machine too (0: as --target-torch-threads)")
     a("--draft-torch-threads", type=int, default=1,
       help="intra-op threads of the draft: one keeps it from stalling the target's threads on a shared "

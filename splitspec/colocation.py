@@ -14,9 +14,10 @@ With `--torch-threads 0` (auto) the service divides the C cores it may use with 
 and D drafts it counts (itself included):
 
 * draft: `max(1, C // (T + D))` threads when a target shares the host, else `C // D`;
-* target: `max(1, C // T)` threads; for forwards that verify drafts while several sessions run
-  (when the draft is computing for the other sessions), `--verify-torch-threads 0` (auto) leaves
-  the drafts their share: `max(1, threads - D * draft share)`.
+* target: `max(1, C // T)` threads; for forwards that verify a model draft while sessions
+  drafting with the model are at least half of those running (when the draft is computing for
+  the other sessions; `Scheduler._draft_busy`), `--verify-torch-threads 0` (auto) leaves the
+  drafts their share: `max(1, threads - D * draft share)`.
 
 On 2 cores with one target and one draft that is target 2 threads, 1 while several sessions
 verify, draft 1: the setting `splitspec up` measured best (docs/benchmarks.md, issue 15). A

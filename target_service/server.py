@@ -296,7 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
       help="intra-op CPU threads for this service's forwards (0: auto, the cores it may use divided among the "
            "targets on this host, see --core-sharing; with --core-sharing off, torch's default, one per core)")
     a("--verify-torch-threads", type=int, default=0,
-      help="intra-op threads for forwards that verify drafts while several sessions run (0: auto, --torch-threads "
+      help="intra-op threads for forwards that verify a model draft while sessions drafting with the model are at "
+           "least half of those running (0: auto, --torch-threads "
            "less the share of the draft services on this host, so a co-located draft keeps its cores while it "
            "drafts for the other sessions; as --torch-threads when none is found)")
     add_core_sharing_flag(p)
