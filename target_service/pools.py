@@ -12,6 +12,7 @@ from splitspec.engine.prefix_cache import PrefixCache
 from .state_pool import StatePool
 
 DEFAULT_ROLLBACK = "snapshot"
+PREFAULT_AHEAD_BYTES = 256 * 2**20
 
 
 def make_pool(model, *, block_size: int = 16, num_blocks: int | None = None, budget_bytes: int | None = None,
@@ -55,6 +56,9 @@ def make_pool(model, *, block_size: int = 16, num_blocks: int | None = None, bud
     if prefix_cache:
         slots = pool.states.reserve(checkpoints) if pool.states is not None else []
         pool.cache = PrefixCache(block_size, feature_budget_bytes=feature_budget_bytes, state_slots=slots)
+        # Cached blocks keep new sessions on never-touched memory until the budget is used once:
+        # map it ahead of them, off the engine thread.
+        pool.prefault_ahead(PREFAULT_AHEAD_BYTES)
     if hasattr(model, "attach_pool"):       # tensor parallel: the workers build the same blocks
         model.attach_pool(pool)
     return pool

@@ -31,6 +31,7 @@ class Track:
     cached_tokens: int = 0           # prompt tokens taken from the cache
     feat_from: int = 0               # position of the first buffered tap row
     feats: list = field(default_factory=list)     # tap rows of positions [feat_from, table.length)
+    rows_missing: bool = False       # a hit was cut short because cached blocks lacked this session's tap rows
 
     @property
     def buffered(self) -> int:
@@ -124,6 +125,7 @@ def _resumable(pool, seq, tr, found, k0: int, k: int) -> list[torch.Tensor] | No
     for j in range(max(k0, tr.need_from // bs), k):
         f = cache.features_of(found[j - k0], _tap(seq))
         if f is None:
+            tr.rows_missing = True
             return None
         rows.append(f)
     return rows
@@ -153,9 +155,8 @@ def publish(pool, seq: Sequence, tr: Track | None, old_len: int, hidden: torch.T
             cache.publish(table.blocks[j], tr.keys[j])
             # An equal block cached before (by a session without taps, say) gets this one's rows.
             held = cache.block_of[tr.keys[j]]
-            if rows is not None and j * bs >= tr.feat_from and cache.features_of(held, _tap(seq)) is None:
-                # A copy: the slice would keep the whole batch's hidden tensor alive.
-                cache.add_features(held, _tap(seq), rows[j * bs - tr.feat_from:(j + 1) * bs - tr.feat_from].clone())
+            if rows is not None and j * bs >= tr.feat_from and not cache.has_features(held, _tap(seq)):
+                cache.add_features(held, _tap(seq), rows[j * bs - tr.feat_from:(j + 1) * bs - tr.feat_from])
         tr.published = max(tr.published, full)
         slot = None
         if prefill and pool.states is not None and new_len % bs == 0 and new_len:

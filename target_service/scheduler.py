@@ -40,6 +40,9 @@ from .grammar import rewrite_tree
 from .models.dense import CausalLM
 from .runner import Decode, Prefill, Sequence, StepOutput, Verify, check_hidden_stream, run_batch
 
+# How long after a drafted hit found tap rows missing sessions without a draft keep storing them.
+STORE_TAPS_S = 600.0
+
 
 class AdmissionError(Exception):
     """The service is full (waiting queue, or a request the KV pool can never hold): RESOURCE_EXHAUSTED."""
@@ -140,10 +143,14 @@ class Scheduler:
         self.busy_ms = 0.0          # time spent in those forwards
         self.prefix_queries = 0     # prompt tokens of finished prefills (vLLM's prefix_cache_queries)
         self.prefix_hits = 0        # of them, taken from the prefix cache
-        # The taps (layers, stream) the last session with a draft asked for: sessions without one
-        # compute them too when the cache stores rows, so that a drafted request that hits their
-        # blocks later finds its features there (auto runs many requests undrafted).
+        # The taps (layers, stream) the last session with a draft asked for. Sessions without a
+        # draft compute and store them too, but only until `store_taps_until`: a drafted hit that
+        # found rows missing pushes it STORE_TAPS_S ahead. Storing costs an undrafted session
+        # ~4 % (copies, and memory the forward no longer reuses), so traffic that never hits
+        # (unique prompts) pays nothing, while a shared prefix that auto runs undrafted gets its
+        # rows from the second drafted hit on.
         self.store_taps: tuple[tuple[int, ...], str] | None = None
+        self.store_taps_until = float("-inf")
         # Called on the engine thread after each forward (kind, rows, tokens, forward_ms) when
         # --metrics-port is on; None costs nothing.
         self.on_forward = None
@@ -217,7 +224,8 @@ class Scheduler:
         cache = self.pool.cache
         if taps:
             self.store_taps = (taps, stream)
-        elif cache is not None and cache.feature_budget > 0 and self.store_taps is not None:
+        elif (cache is not None and cache.feature_budget > 0 and self.store_taps is not None
+              and time.monotonic() < self.store_taps_until):
             taps, stream = self.store_taps
         session.seq = Sequence(list(prompt), params, make_generator(params.seed, self.pool.k.device),
                                BlockTable(self.pool), max_len, taps, hidden_stream=stream,
@@ -445,6 +453,8 @@ class Scheduler:
         for s in pending:
             if s.work.kind == "prefill" and s.prefix is not None:
                 _, rows, drop = prefix.reuse(self.pool, s.seq, s.prefix)
+                if s.prefix.rows_missing:
+                    self.store_taps_until = time.monotonic() + STORE_TAPS_S
                 if drop:
                     s.work.hidden.clear()
                 if s.ships_hidden:

@@ -95,6 +95,31 @@ def test_an_equal_block_computed_twice_stays_private():
     assert pool.cache.cached_blocks == 1 and pool.free_blocks == 7
 
 
+def test_tap_rows_live_in_a_bounded_arena_and_readers_get_copies():
+    rows = lambda v, width=6: torch.full((BS, width), float(v))
+    slot_bytes = rows(0).nbytes
+    cache = PrefixCache(BS, feature_budget_bytes=3 * slot_bytes)
+    for b in range(1, 6):
+        assert cache.publish(b, bytes([b]))
+    for b in (1, 2, 3):
+        cache.add_features(b, "taps", rows(b))
+    assert cache.feature_bytes == 3 * slot_bytes and cache.arena.shape == (3, BS, 6)
+    got = cache.features_of(1, "taps")
+    got += 100                                          # a copy: the stored rows stay
+    assert torch.equal(cache.features_of(1, "taps"), rows(1))
+    assert cache.features_of(1, "other taps") is None and cache.features_of(4, "taps") is None
+    cache.add_features(4, "taps", rows(4))              # full: the least recently read rows (block 2's) go
+    assert not cache.has_features(2, "taps") and torch.equal(cache.features_of(4, "taps"), rows(4))
+    assert torch.equal(cache.features_of(3, "taps"), rows(3)) and cache.feature_bytes == 3 * slot_bytes
+    cache.release([1])
+    assert cache.evict(1) == [1]                        # block 1 goes, and its rows with it
+    assert 1 not in cache.features and cache.feature_bytes == 2 * slot_bytes
+    cache.add_features(5, "wide", rows(5, width=12))     # another draft's width: a new arena, the old rows go
+    assert cache.arena.shape == (1, BS, 12) and list(cache.features) == [5]
+    assert cache.features_of(5, "wide").shape == (BS, 12)
+    assert PrefixCache(BS, feature_budget_bytes=slot_bytes - 1).add_features(1, "taps", rows(1)) is None
+
+
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 3)), min_size=1, max_size=30))
 def test_blocks_are_never_lost_or_double_owned(ops):
@@ -322,22 +347,47 @@ def test_a_second_turn_reuses_the_first_turns_prompt_and_answer(model):
     assert cached == 40
 
 
-def test_undrafted_sessions_store_the_last_drafts_taps_without_shipping_them(model):
-    """auto runs many requests without a draft: once a drafted session has declared its taps,
-    sessions without a draft compute them too (never returning them), so that a drafted
-    request hitting their blocks gets every row it reads."""
+def test_undrafted_sessions_store_taps_once_a_drafted_hit_missed_them(model):
+    """auto runs many requests without a draft. Storing the last draft's tap rows costs those
+    requests time, so they store them (never returning them) only once a drafted request's hit
+    was cut short for lack of rows: unique traffic pays nothing, and a shared prefix run
+    undrafted gives a drafted request every row it reads from the second drafted hit on."""
     taps = dict(hidden_layers=(0, 1), hidden_last=10)
+    other = [p + 1 for p in PREFIX]
 
     async def body(sched):
         await complete(sched, "drafted", [90, 91, 92, 93, 94], 2, **taps)      # declares the taps
+        drafted_rows = sched.pool.cache.feature_bytes
         _, plain = await complete(sched, "plain", PREFIX + [60], 2)
-        _, later = await complete(sched, "later", PREFIX + [61], 2, **taps)
-        return plain, later
-    plain, later = run(model, body)
-    assert plain.out.hidden is None                          # nothing shipped to a caller without a draft
+        stored_before = sched.pool.cache.feature_bytes - drafted_rows
+        _, short = await complete(sched, "short", PREFIX + [61], 2, **taps)    # rows missing: a shorter hit
+        _, plain2 = await complete(sched, "plain2", other + [60], 2)           # now stores the rows
+        _, later = await complete(sched, "later", other + [61], 2, **taps)
+        return stored_before, plain, short, plain2, later
+    stored_before, plain, short, plain2, later = run(model, body)
+    assert plain.out.hidden is None and plain2.out.hidden is None     # nothing shipped to a caller without a draft
+    # The plain session stored no rows.
+    assert stored_before == 0
+    assert short.cached_tokens == 28 and later.cached_tokens == 36
 
     async def cold_body(sched):
-        return (await complete(sched, "x", PREFIX + [61], 2, **taps))[1]
+        return (await complete(sched, "x", other + [61], 2, **taps))[1]
     cold = run(model, cold_body, cache=False)
-    assert later.cached_tokens == 36
     assert torch.allclose(later.out.hidden[-10:], cold.out.hidden[-10:], atol=1e-5)
+
+
+def test_undrafted_sessions_stop_storing_taps_when_no_drafted_hit_needs_them(model, monkeypatch):
+    """The demand lapses STORE_TAPS_S after the last drafted hit that missed rows."""
+    import target_service.scheduler as scheduler_mod
+    taps = dict(hidden_layers=(0, 1), hidden_last=10)
+    monkeypatch.setattr(scheduler_mod, "STORE_TAPS_S", 0.0)
+
+    async def body(sched):
+        await complete(sched, "drafted", [90, 91, 92, 93, 94], 2, **taps)
+        await complete(sched, "plain", PREFIX + [60], 2)
+        await complete(sched, "short", PREFIX + [61], 2, **taps)     # missed rows, but the demand lapses at once
+        before = sched.pool.cache.feature_bytes
+        await complete(sched, "plain2", [p + 1 for p in PREFIX] + [60], 2)
+        return before, sched.pool.cache.feature_bytes
+    before, after = run(model, body)
+    assert after == before

@@ -1,0 +1,67 @@
+"""The KV pool's touch-ahead (splitspec/engine/prefault.py): pages get mapped ahead of the
+blocks handed out, without changing a byte of what is already there."""
+import ctypes
+import mmap
+
+import pytest
+import torch
+
+from splitspec.engine.kv_pool import KVPool
+from splitspec.engine.prefault import populate
+
+PAGE = mmap.PAGESIZE
+
+
+def resident(t: torch.Tensor, layer: int, start: int, stop: int) -> list[bool]:
+    """mincore over rows [start, stop) of layer `layer` of a [layers, rows, ...] tensor."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    row = t.stride(1) * t.element_size()
+    lo = t.data_ptr() + layer * t.stride(0) * t.element_size() + start * row
+    hi = lo + (stop - start) * row
+    lo -= lo % PAGE
+    hi += -hi % PAGE
+    vec = (ctypes.c_ubyte * ((hi - lo) // PAGE))()
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    assert libc.mincore(ctypes.c_void_p(lo), hi - lo, vec) == 0, ctypes.get_errno()
+    return [bool(v & 1) for v in vec]
+
+
+def pool(blocks=2048):
+    # 2 layers x 16 slots x 8 heads x 64 x 4 bytes: one block is 32 KiB, 8 pages, per layer; 64 MiB
+    # a layer, above glibc's largest mmap threshold, so the tensors are always fresh mappings.
+    return KVPool(num_layers=2, num_kv_heads=8, head_dim=64, num_blocks=blocks, block_size=16)
+
+
+def test_populate_maps_pages_and_keeps_their_contents():
+    p = pool()
+    if not populate(p.k, 0, 0):
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux < 5.14)")
+    # Rows of block 40 on: nothing wrote there yet.
+    assert not any(resident(p.k, 1, 40 * 16, 48 * 16))
+    p.k[:, 40 * 16:41 * 16] = 7.0          # block 40 touched by a "forward" first
+    assert populate(p.k, 40 * 16, 48 * 16)
+    assert all(resident(p.k, 0, 40 * 16, 48 * 16)) and all(resident(p.k, 1, 40 * 16, 48 * 16))
+    assert torch.all(p.k[:, 40 * 16:41 * 16] == 7.0)
+    # Only what was asked: block 60 stays untouched.
+    assert not any(resident(p.k, 0, 60 * 16, 61 * 16))
+
+
+def test_the_pool_maps_blocks_ahead_of_the_highest_one_handed_out():
+    p = pool()
+    if not populate(p.k, 0, 0):
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux < 5.14)")
+    p.prefault_ahead(8 * p.bytes_per_block)
+    assert p.prefault.wait(30) and p.prefault.done >= 9
+    assert all(resident(p.v, 1, 16, 9 * 16))
+    assert not any(resident(p.v, 1, 64 * 16, 65 * 16))
+    got = p.allocate(40)                   # blocks 1..40: the thread moves on to 48
+    assert max(got) == 40
+    assert p.prefault.wait(30) and p.prefault.done >= 49
+    assert all(resident(p.k, 0, 40 * 16, 49 * 16)) and all(resident(p.v, 1, 40 * 16, 49 * 16))
+    assert not any(resident(p.k, 0, 120 * 16, 121 * 16))
+
+
+def test_a_prefix_cache_pool_maps_ahead_and_a_plain_one_does_not(model):
+    from target_service.pools import make_pool
+    assert make_pool(model, num_blocks=32, prefix_cache=True).prefault is not None
+    assert make_pool(model, num_blocks=32, prefix_cache=False).prefault is None
