@@ -313,7 +313,8 @@ def build_parser() -> argparse.ArgumentParser:
       help="prompt tokens per forward, all prompts together, while other sessions are decoding, so "
            "prompts do not stall them (with no one decoding, prompts take the whole --max-num-batched-tokens)")
     a("--kv-cache-budget-mb", type=int, default=4096,
-      help="size of the paged KV pool for all sessions (blocks are touched only when used)")
+      help="size of the paged KV pool for all sessions (on CPU, pages are mapped only as blocks are used; "
+           "with the prefix cache on, 256 MiB ahead of use by a background thread)")
     a("--kv-block-size", type=int, default=16, help="tokens per KV block")
     a("--disable-radix-cache", action="store_true",
       help="turn the prefix cache off: every prompt is computed in full (by default full KV blocks of committed "

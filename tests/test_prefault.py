@@ -65,3 +65,16 @@ def test_a_prefix_cache_pool_maps_ahead_and_a_plain_one_does_not(model):
     from target_service.pools import make_pool
     assert make_pool(model, num_blocks=32, prefix_cache=True).prefault is not None
     assert make_pool(model, num_blocks=32, prefix_cache=False).prefault is None
+
+
+def test_a_pool_nobody_holds_any_more_is_freed():
+    import gc
+    import weakref
+    p = pool()
+    p.prefault_ahead(8 * p.bytes_per_block)
+    p.allocate(20)
+    p.prefault.wait(30)
+    k = weakref.ref(p.k)
+    del p
+    gc.collect()
+    assert k() is None

@@ -54,42 +54,46 @@ def populate(t: torch.Tensor, start: int, stop: int) -> bool:
 
 
 class Prefaulter:
-    """Keeps the pages of blocks [1, high + ahead) of `tensors` mapped; `need(high)` is told the
-    highest block handed out so far (cheap: under the pool's lock, it only wakes the thread)."""
+    """Keeps the pages of blocks [1, high + ahead) of `tensors` mapped, where `need(high)` is told
+    the highest block handed out so far. A worker thread runs only while there is mapping to do
+    (it is started again when less than half the margin is left), so a pool nobody uses any more
+    is not kept alive by it."""
 
     def __init__(self, tensors: list[torch.Tensor], *, block_size: int, num_blocks: int, ahead: int,
                  chunk: int = 256):
         self.tensors, self.block_size, self.num_blocks = tensors, block_size, num_blocks
         self.ahead, self.chunk = max(1, ahead), max(1, chunk)
         self.done = 1           # blocks [0, done) are mapped (block 0 is zeroed at start)
-        self.want = min(num_blocks, 1 + self.ahead)
+        self.want = 1
         self.failed = False
-        self._cv = threading.Condition()
-        self._thread = threading.Thread(target=self._run, name="kv-prefault", daemon=True)
-        self._thread.start()
+        self._lock = threading.Lock()
+        self._worker: threading.Thread | None = None
+        self.need(0)
 
     def need(self, high: int) -> None:
-        want = min(self.num_blocks, high + 1 + self.ahead)
-        if want > self.want:
-            with self._cv:
-                self.want = want
-                self._cv.notify()
+        if self.failed or high + 1 + self.ahead // 2 < self.want:
+            return
+        with self._lock:
+            self.want = max(self.want, min(self.num_blocks, high + 1 + self.ahead))
+            if self._worker is None and self.done < self.want:
+                self._worker = threading.Thread(target=self._run, name="kv-prefault", daemon=True)
+                self._worker.start()
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Until everything asked for so far is mapped (tests); False on timeout."""
-        with self._cv:
-            return self._cv.wait_for(lambda: self.done >= self.want or self.failed, timeout)
+        """Until what was asked for so far is mapped (tests); False on timeout or failure."""
+        worker = self._worker
+        if worker is not None:
+            worker.join(timeout)
+        return self.done >= self.want and not self.failed
 
     def _run(self) -> None:
         while True:
-            with self._cv:
-                self._cv.wait_for(lambda: self.done < self.want)
+            with self._lock:
+                if self.failed or self.done >= self.want:
+                    self._worker = None
+                    return
                 start, stop = self.done, min(self.want, self.done + self.chunk)
             ok = all(populate(t, start * self.block_size, stop * self.block_size) for t in self.tensors)
-            with self._cv:
-                if not ok:
-                    self.failed = True
-                    self._cv.notify_all()
-                    return
-                self.done = stop
-                self._cv.notify_all()
+            with self._lock:
+                self.failed = not ok
+                self.done = stop if ok else self.done
