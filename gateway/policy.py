@@ -183,12 +183,11 @@ class Measurements:
         self.forward = ForwardModel()
         self.rows = Ema(alpha=0.2)
         self.sessions = 1.0                  # requests in flight per target replica (set by the servicer)
-        load = lambda: self.sessions         # noqa: E731 - what the by-load prices are read at
-        self.verify_overhead = ByLoad(load)  # a Verify's round trip beyond its forward: wire, the wait for a forward
-        self.decode_first = ByLoad(load)     # first token of a Decode: its request's round trip, beyond the forward
-        self.decode_stream = ByLoad(load)    # later tokens of a Decode stream
+        self.verify_overhead = ByLoad(self.load)  # a Verify's round trip beyond its forward: wire, the wait for a forward
+        self.decode_first = ByLoad(self.load)     # first token of a Decode: its request's round trip, beyond the forward
+        self.decode_stream = ByLoad(self.load)    # later tokens of a Decode stream
         self.draft_ms: dict[str, ByLoad] = {}  # a Propose's round trip, queueing in a busy draft service included
-        self.draft_open = ByLoad(load)       # a DFlash session's Open round trip (its prefill of the prompt)
+        self.draft_open = ByLoad(self.load)       # a DFlash session's Open round trip (its prefill of the prompt)
         self.max_positions = max_positions
         self.accept: dict[tuple, Acceptance] = {}
         # The exploration schedule is the gateway's, not a request's: short requests make few
@@ -203,6 +202,10 @@ class Measurements:
         self.skipped: dict[str, int] = {}
         self.reopen_gap: dict[str, int] = {}     # bucket -> skipped requests between two re-measuring ones
         self.exploring_until = 0.0               # monotonic time before which no other request opens DFlash to explore
+
+    def load(self) -> float:
+        """What the by-load prices are read at: requests in flight per target replica."""
+        return self.sessions
 
     # -- what the services reported ---------------------------------------------------------
     def target_step(self, forward_ms: float, batch_size: int, batch_tokens: int, verify: bool = False,
@@ -221,7 +224,7 @@ class Measurements:
         self.draft_open.add(ms)
 
     def proposal(self, method: str, ms: float) -> None:
-        self.draft_ms.setdefault(method, ByLoad(lambda: self.sessions)).add(ms)
+        self.draft_ms.setdefault(method, ByLoad(self.load)).add(ms)
 
     def acceptance(self, key: tuple) -> Acceptance:
         if key not in self.accept:

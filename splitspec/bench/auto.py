@@ -53,7 +53,7 @@ from splitspec.v1 import gateway_pb2_grpc
 
 from .prompts import default_prompts, digest
 from .report import fmt, machine_line, metadata, table, write_json
-from .run import _csv, log
+from .run import csv_items, log
 
 TOP_P = 0.95
 SHORT_MAX = 255
@@ -102,7 +102,10 @@ class Services:
 
     def stop(self) -> None:
         for p in reversed(self.procs):
-            p.stop() if hasattr(p, "stop") else _terminate(p)
+            if hasattr(p, "stop"):
+                p.stop()
+            else:
+                _terminate(p)
         self.procs.clear()
 
 
@@ -341,13 +344,13 @@ def run_cell(stub, cell: Cell, prompts: list[list[int]], n_requests: int, repeat
 
 
 def grid(args) -> list[Cell]:
-    return [Cell(float(t), int(s), int(n), k) for t in _csv(args.temperatures) for k in _csv(args.prompt_kinds)
-            for n in _csv(args.max_new_tokens) for s in _csv(args.streams)]
+    return [Cell(float(t), int(s), int(n), k) for t in csv_items(args.temperatures) for k in csv_items(args.prompt_kinds)
+            for n in csv_items(args.max_new_tokens) for s in csv_items(args.streams)]
 
 
 def min_requests(spec: str) -> dict[int, int]:
     out = {}
-    for part in _csv(spec):
+    for part in csv_items(spec):
         new, _, n = part.partition(":")
         out[int(new)] = int(n)
     return out
@@ -384,7 +387,7 @@ def forward_prices(target: str, stub, prompts: list[list[int]], load: int, vocab
 def run_prices(stub, svc: Services, prompts: list[list[int]], args, vocab: int | None, depth: int) -> list[dict]:
     """depth: the deepest branch the draft makes (its block size - 1): trees are that deep at most."""
     rows = []
-    for load in [int(x) for x in _csv(args.price_streams)]:
+    for load in [int(x) for x in csv_items(args.price_streams)]:
         n = max(load, 4)
         got: dict[str, list[dict]] = {c[0]: [] for c in PRICE_CONFIGS}
         for rep in range(args.price_repeats):
@@ -500,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
     started, t_start = datetime.now(timezone.utc).isoformat(timespec="seconds"), time.perf_counter()
     model = model_dir(args.model_path, DEFAULT_TARGET)
     tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
-    launches = ["running"] if args.gateway else _csv(args.launch)
+    launches = ["running"] if args.gateway else csv_items(args.launch)
     if set(launches) - {"up", "hand", "running"}:
         raise SystemExit("--launch: up, hand or up,hand")
     needed = min_requests(args.min_requests)
@@ -517,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
             prompt_info = {k: f"{len(v)} ({digest(v)})" for k, v in prompts.items()}
             send(stub, request(prompts["short"][0], "auto", 8, 0.0, 0), args.timeout_s)     # warm-up
             run = {"services": how, "description": svc.description, "gateway": svc.gateway, "cells": []}
-            if i == 0 and _csv(args.price_streams):
+            if i == 0 and csv_items(args.price_streams):
                 run["prices"] = run_prices(stub, svc, prompts["short"], args, info.vocab_size,
                                            max(1, info.num_draft_tokens - 1))
             for cell in grid(args):

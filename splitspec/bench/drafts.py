@@ -34,7 +34,7 @@ from pathlib import Path
 from .configs import GatewayRunner
 from .prompts import digest
 from .report import fmt, machine_line, metadata, percentile, table, write_json
-from .run import Bench, _csv, log
+from .run import Bench, csv_items, log
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -101,8 +101,8 @@ class DraftBench(Bench):
                 d["label"] = f"{Path(d['path']).parent.name}/{d['label']}"
         # One width for all, so every draft is verified alike and one ceiling per setting applies.
         self.width = a.num_draft_tokens or min(d["block_size"] for d in self.drafts)
-        temps = [float(t) for t in _csv(a.temperatures)]
-        modes = _csv(a.draft_sampling)
+        temps = [float(t) for t in csv_items(a.temperatures)]
+        modes = csv_items(a.draft_sampling)
         if not temps or set(modes) - {"greedy", "sample"} or not modes:
             raise SystemExit("--temperatures: values >= 0; --draft-sampling: greedy and/or sample")
         self.temperatures = temps
@@ -114,7 +114,7 @@ class DraftBench(Bench):
         with at least the longest length in tokens; `self.by_length` maps L to each prompt's last
         L tokens."""
         a = self.args
-        self.lengths = [int(x) for x in _csv(a.prompt_lengths)] if a.prompt_lengths else []
+        self.lengths = [int(x) for x in csv_items(a.prompt_lengths)] if a.prompt_lengths else []
         if not self.lengths:
             super().prepare_prompts()
             self.by_length = {None: self.prompt_ids}

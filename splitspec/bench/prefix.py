@@ -59,7 +59,7 @@ from . import services
 from .configs import GatewayRunner, Sample
 from .prompts import default_prompts, digest
 from .report import fmt, machine_line, metadata, method_mix, mix_cell, percentile, table, write_json
-from .run import Bench, _csv, log
+from .run import Bench, csv_items, log
 
 WORKLOADS = ("shared", "multiturn", "probe", "unique")
 METHODS = ("none", "dflash", "auto", "ngram")
@@ -221,8 +221,8 @@ class PrefixBench(Bench):
                            else model_dir(a.draft_model_path, DEFAULT_DRAFT))
         if self.draft_path is not None and not (self.draft_path / "config.json").is_file():
             raise SystemExit(f"--draft-model-path {self.draft_path}: no config.json there")
-        self.workloads = _csv(a.workloads)
-        self.methods = _csv(a.methods)
+        self.workloads = csv_items(a.workloads)
+        self.methods = csv_items(a.methods)
         bad = set(self.workloads) - set(WORKLOADS) or set(self.methods) - set(METHODS)
         if bad or not self.workloads or not self.methods:
             raise SystemExit(f"--workloads from {', '.join(WORKLOADS)}; --methods from {', '.join(METHODS)}")

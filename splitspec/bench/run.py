@@ -95,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _csv(s: str) -> list[str]:
+def csv_items(s: str) -> list[str]:
+    """A comma-separated flag's items, blanks dropped."""
     return [x.strip() for x in s.split(",") if x.strip()]
 
 
@@ -128,19 +129,19 @@ class Bench:
         if self.target_path is None and not (a.gateway or a.target):
             raise SystemExit(f"no target model: {DEFAULT_TARGET} is missing; pass --target-model-path "
                              f"(or --gateway/--target for running services)")
-        wanted = _csv(a.configs)
+        wanted = csv_items(a.configs)
         bad = [c for c in wanted if c not in CONFIGS]
         if bad:
             raise SystemExit(f"--configs: unknown {bad}; choose from {DEFAULT_CONFIGS}")
         if "target" not in wanted:
             wanted.insert(0, "target")
-        self.temperatures = [float(t) for t in _csv(a.temperatures)]
+        self.temperatures = [float(t) for t in csv_items(a.temperatures)]
         if not self.temperatures or any(t < 0 for t in self.temperatures):
             raise SystemExit("--temperatures: give one or more values >= 0")
-        self.draft_modes = _csv(a.draft_sampling)
+        self.draft_modes = csv_items(a.draft_sampling)
         if not self.draft_modes or set(self.draft_modes) - {"greedy", "sample"}:
             raise SystemExit("--draft-sampling: greedy and/or sample")
-        self.levels = [int(x) for x in _csv(a.concurrency)]
+        self.levels = [int(x) for x in csv_items(a.concurrency)]
         if a.mixed_run and (a.mixed_config not in CONFIGS or CONFIGS[a.mixed_config].kind != "grpc"):
             raise SystemExit(f"--mixed-config: choose from {', '.join(GRPC)}")
         if a.mixed_run and (a.mixed_streams < 1 or a.mixed_prompt_tokens < 1):
@@ -385,10 +386,10 @@ class Bench:
         reports the median tok/s of its repeats, and × target the median of the repeats' paired
         ratios."""
         a = self.args
-        keys = [k for k in _csv(a.sweep_configs) if k in self.configs and CONFIGS[k].kind == "grpc"]
+        keys = [k for k in csv_items(a.sweep_configs) if k in self.configs and CONFIGS[k].kind == "grpc"]
         if not self.levels or not keys:
             return []
-        temps = [float(t) for t in _csv(a.sweep_temperatures)] if a.sweep_temperatures else self.temperatures[:1]
+        temps = [float(t) for t in csv_items(a.sweep_temperatures)] if a.sweep_temperatures else self.temperatures[:1]
         out = []
         for level, temperature in ((lv, t) for t in temps for lv in self.levels):
             reps = {key: [] for key in keys}

@@ -75,7 +75,7 @@ from . import services
 from .configs import GatewayRunner, Sample
 from .prompts import default_prompts, digest
 from .report import fmt, machine_line, metadata, mix_cell, percentile, table
-from .run import Bench, _csv, log
+from .run import Bench, csv_items, log
 
 SHAPES = ("flat", "nested", "strings", "tool", "identifier", "version", "choice")
 METHODS = ("none", "ngram", "dflash", "auto")
@@ -419,9 +419,9 @@ class StructuredBench(Bench):
         self.target_path = model_dir(a.target_model_path, DEFAULT_TARGET)
         if self.target_path is None or not (self.target_path / "config.json").is_file():
             raise SystemExit(f"no target model at {self.target_path or DEFAULT_TARGET} (--target-model-path)")
-        self.methods = _csv(a.methods)
-        self.shapes = _csv(a.shapes)
-        self.temperatures = [float(t) for t in _csv(a.temperatures)]
+        self.methods = csv_items(a.methods)
+        self.shapes = csv_items(a.shapes)
+        self.temperatures = [float(t) for t in csv_items(a.temperatures)]
         if set(self.methods) - set(METHODS) or set(self.shapes) - set(SHAPES) or not self.shapes:
             raise SystemExit(f"--methods from {', '.join(METHODS)}; --shapes from {', '.join(SHAPES)}")
         if not self.temperatures or any(t < 0 for t in self.temperatures):
@@ -430,7 +430,7 @@ class StructuredBench(Bench):
             self.methods.remove("none")
         self.methods.insert(0, "none")
         self.drafts = []
-        for d in _csv(a.drafts):
+        for d in csv_items(a.drafts):
             path = Path(d) if Path(d).is_absolute() else (model_dir(None, d) or Path(d))
             if not (path / "config.json").is_file():
                 raise SystemExit(f"--drafts: no config.json in {path}")
