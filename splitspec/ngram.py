@@ -89,7 +89,10 @@ def trie_tree(continuations: list[list[int]], *, budget: int, max_depth: int,
     """(token_ids, parents) of one tree merging the continuations: the first one is laid as
     the spine (what a chain would draft), then trie nodes by how many continuations pass
     through them (earlier continuations win ties), at most `topk` children a node. Nodes come
-    out parents first, the spine first, so any prefix is a tree."""
+    out parents first, the spine first, so any prefix is a tree. Best first is the best node
+    set when no node has more than `topk` candidate children (a child never counts more than
+    its parent); where `topk` binds, a heavier child can hide a deeper branch, and an exact
+    choice (a knapsack over the trie) would cost more than the step it saves."""
     trie: dict[tuple[int, ...], list[int]] = {}          # path -> [count, first continuation using it]
     for rank, cont in enumerate(continuations):
         for d in range(1, min(len(cont), max_depth) + 1):
