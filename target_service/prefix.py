@@ -91,15 +91,12 @@ def reuse(pool, seq: Sequence, tr: Track | None) -> tuple[int, list[torch.Tensor
     with pool.lock:
         found = cache.longest(tr.keys, k0, hit_limit(pool, seq))
         k = k0 + len(found)
-        rows = None
-        while k > k0:
-            rows = _resumable(pool, seq, tr, found, k0, k)
-            if rows is not None:
-                break
+        while k > k0 and not _resumable(pool, seq, tr, found, k0, k):
             k -= 1
         if k == k0:
             return 0, [], False
         blocks = found[:k - k0]
+        rows = [cache.features_of(found[j - k0], _tap(seq)) for j in _row_blocks(seq, tr, bs, k0, k)]
         cache.share(blocks)
         slot = cache.checkpoint(tr.keys[k - 1]) if pool.states is not None else None
     table.adopt(blocks)
@@ -113,22 +110,23 @@ def reuse(pool, seq: Sequence, tr: Track | None) -> tuple[int, list[torch.Tensor
     return (k - k0) * bs, rows, tr.needs_rows and tr.need_from // bs > k0
 
 
-def _resumable(pool, seq, tr, found, k0: int, k: int) -> list[torch.Tensor] | None:
-    """Tap rows to return with a hit ending after block k (empty: none needed), or None when
-    the session could not go on exactly from there."""
-    cache, bs = pool.cache, pool.block_size
-    if pool.states is not None and cache.checkpoint(tr.keys[k - 1]) is None:
-        return None
+def _row_blocks(seq, tr, bs: int, k0: int, k: int) -> range:
+    """The blocks of a hit over [k0, k) whose tap rows the Open must return."""
     if not tr.needs_rows or not seq.hidden_layers:
-        return []
-    rows = []
-    for j in range(max(k0, tr.need_from // bs), k):
-        f = cache.features_of(found[j - k0], _tap(seq))
-        if f is None:
-            tr.rows_missing = True
-            return None
-        rows.append(f)
-    return rows
+        return range(0)
+    return range(max(k0, tr.need_from // bs), k)
+
+
+def _resumable(pool, seq, tr, found, k0: int, k: int) -> bool:
+    """Whether the session could go on exactly after a hit ending with block k: a state
+    checkpoint there (recurrent targets) and every tap row the Open returns stored."""
+    cache = pool.cache
+    if pool.states is not None and cache.checkpoint(tr.keys[k - 1]) is None:
+        return False
+    if all(cache.has_features(found[j - k0], _tap(seq)) for j in _row_blocks(seq, tr, pool.block_size, k0, k)):
+        return True
+    tr.rows_missing = True
+    return False
 
 
 def publish(pool, seq: Sequence, tr: Track | None, old_len: int, hidden: torch.Tensor | None,

@@ -15,6 +15,7 @@ Linux >= 5.14 only; anywhere else it turns itself off and the engine faults page
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 import threading
 
@@ -24,6 +25,7 @@ MADV_POPULATE_WRITE = 23
 PAGE = mmap.PAGESIZE
 
 
+@functools.cache
 def _madvise():
     try:
         libc = ctypes.CDLL(None, use_errno=True)
