@@ -11,7 +11,9 @@
 * `AutoPolicy` (one per request): each step, `cost_model.choose` over those numbers, bounded by
   what the request allows; a run of target-only steps grows while the target stays the better
   choice, and a long run is interrupted by one speculative probe so the acceptance estimates
-  and overheads stay current.
+  and overheads stay current. A DFlash probe runs in the shadow where it can (`Offer.shadow`):
+  the draft proposes while the target decodes, and the proposal is scored against the tokens
+  the target then commits, so measuring DFlash costs the request no verify and no stream break.
 * `FixedPolicy`: what an explicit method (dflash, ngram, none) runs: always the same step.
 """
 from __future__ import annotations
@@ -36,6 +38,7 @@ DRAFT_WORTH = 0.05           # share of decisions DFlash wins on its merits belo
 WORTH_AFTER = 64             # ... once that share rests on this many decisions of the bucket
 REOPEN_EVERY = 8             # while skipped, every this-many-th request of the bucket opens one to re-measure
 MAX_REOPEN_GAP = 64          # ... growing to this while the re-measured sessions keep finding DFlash not worth it
+SHADOW_FIRST = 3.0           # DFlash acceptance trials (decayed) a bucket needs before DFlash is verified on its merits
 EXPLORE_S = 10.0             # while DFlash's prices are unmeasured, one request at a time (at most this long) opens a session
 RANKS = 4                    # sibling ranks whose acceptance is kept apart (later ones share the last)
 SIBLING_PRIOR = 0.4          # before anything is measured: each further sibling is this much less likely
@@ -268,6 +271,7 @@ class Offer:
     ngram: int = 0
     ngram_match: int = 0          # length of the matched suffix behind the n-gram offer
     shapes: dict = field(default_factory=dict)
+    shadow: bool = False          # DFlash can be probed in the shadow now (a session, no shadow probe in flight)
 
 
 def sampling_bucket(temperature: float, draft_sampling: str) -> str:
@@ -279,9 +283,15 @@ def sampling_bucket(temperature: float, draft_sampling: str) -> str:
 class FixedPolicy:
     """An explicit method: always that drafter at the request's full width (or always decode)."""
 
+    opens_in_background = False     # an explicit dflash waits for its session: every step drafts
+    can_shadow = False
+
     def __init__(self, method: str):
         self.method = method
         self.drafter_gone = False
+
+    def take_shadow(self) -> bool:
+        return False
 
     def wants_draft(self, remaining: int | None = None) -> bool:
         return True
@@ -307,12 +317,13 @@ class FixedPolicy:
         # Target-only for good: one Decode for the rest of the request; else one token, then draft again.
         return remaining if self.drafter_gone else 1
 
-    def observe(self, choice: Choice, accepted: int, ngram_match: int = 0, tried=None) -> None:
+    def observe(self, choice: Choice, accepted: int, ngram_match: int = 0, tried=None, shadow: bool = False) -> None:
         pass
 
 
 class AutoPolicy:
     """method = "auto" for one request (module doc)."""
+
 
     def __init__(self, measurements: Measurements, *, max_k: int, bucket: str = "greedy"):
         self.m = measurements
@@ -324,6 +335,15 @@ class AutoPolicy:
         self.probing = False                    # the last choice was a probe, not the best step
         self.last_natural: dict[str, int] = {}  # drafter -> decision number it last won on its merits
         self.ngram_chosen = Ema(0.0, alpha=0.2)  # how often an n-gram draft was worth a step lately
+        self.shadow_wanted = False              # a DFlash probe is due, to run in the shadow
+        # A session opened only to (re-)measure DFlash opens while the target decodes: the
+        # draft's prefill (on a long prompt, many decode steps) is then off the request's
+        # critical path. One opened because DFlash pays is waited for: it drafts from step one.
+        self.opens_in_background = False
+        # A shadow probe counts the target's own tokens matching the draft's, which is what a
+        # verify accepts (in distribution) for greedy drafts only: a sampled draft is accepted
+        # with min(1, p/q), more often than its token is sampled again.
+        self.can_shadow = not bucket.endswith("/sample")
 
     def _acceptance(self, key: tuple) -> Acceptance:
         if key not in self.local:
@@ -354,6 +374,7 @@ class AutoPolicy:
             if now < m.exploring_until:
                 return False
             m.exploring_until = now + EXPLORE_S
+            self.opens_in_background = True
             return True
         worth = m.worth_seen.get(b, 0) < WORTH_AFTER or m.dflash_worth[b].get() >= DRAFT_WORTH
         if worth and (remaining is None or self.session_pays(remaining)):
@@ -368,6 +389,7 @@ class AutoPolicy:
             return False
         m.skipped[b] = 0
         m.reopen_gap[b] = min(2 * gap, MAX_REOPEN_GAP)
+        self.opens_in_background = True
         return True
 
     def session_pays(self, remaining: int) -> bool:
@@ -391,16 +413,27 @@ class AutoPolicy:
         self.decisions += 1
         m = self.m
         m.decisions += 1
+        unmeasured = offer.shadow and self._dflash_unmeasured()
+        if unmeasured:
+            # DFlash's acceptance rests on the prior alone: measure it in the shadow before a
+            # verify is spent on it (a fresh gateway would otherwise pay for the prior's optimism).
+            max_k["dflash"] = 0
+            self.shadow_wanted = True
         best = choose(accept, max_k, costs, shapes=shapes)
         # Exploration: an estimate that is never re-measured can stay wrong forever (one
         # unlucky first step would rule a drafter out for good). A drafter that keeps losing
-        # is probed less and less often (16, 32, 64 … decisions).
+        # is probed less and less often (16, 32, 64 … decisions); DFlash in the shadow where
+        # the loop can, so the probe costs no verify.
         natural, self.probing = best.method, False
         for method, k in max_k.items():
             gap = m.probe_gap.setdefault(method, PROBE_EVERY)
             if k and method != best.method and m.decisions - m.last_tried.setdefault(method, 0) >= gap:
-                best = choose(accept, {method: k}, costs, decode=False, shapes=shapes)
                 m.probe_gap[method] = min(2 * gap, MAX_PROBE_GAP)
+                if method == "dflash" and offer.shadow:
+                    self.shadow_wanted = True
+                    m.last_tried[method] = m.decisions
+                    continue
+                best = choose(accept, {method: k}, costs, decode=False, shapes=shapes)
                 self.probing = True
                 break
         if natural != "none":
@@ -413,6 +446,14 @@ class AutoPolicy:
             m.last_tried[best.method] = m.decisions
         self.ngram_chosen.add(1.0 if best.method == "ngram" else 0.0)
         return best
+
+    def take_shadow(self) -> bool:
+        """Whether the loop should probe DFlash in the shadow now (asked once per due probe)."""
+        wanted, self.shadow_wanted = self.shadow_wanted, False
+        return wanted
+
+    def _dflash_unmeasured(self) -> bool:
+        return self.m.acceptance(self._key("dflash", 0)).trials[0][0] < SHADOW_FIRST
 
     def _rates(self, method: str, ngram_match: int, tree: bool):
         acc = self._acceptance(self._key(method, ngram_match))
@@ -465,11 +506,12 @@ class AutoPolicy:
         matches a run misses)."""
         return self.ngram_chosen.get(0.0) > NGRAM_WATCH and self.m.sessions < 2
 
-    def observe(self, choice: Choice, accepted: int, ngram_match: int = 0, tried=None) -> None:
-        """tried: the verify's (depth - 1, rank, accepted) per tried node, for trees."""
+    def observe(self, choice: Choice, accepted: int, ngram_match: int = 0, tried=None, shadow: bool = False) -> None:
+        """tried: the verify's (depth - 1, rank, accepted) per tried node, for trees. shadow: a
+        proposal scored against the tokens the target committed after it, not a step that ran."""
         if choice.method == "none":
             return
-        if not self.probing and accepted > 0:
+        if not self.probing and not shadow and accepted > 0:
             # Drafting pays again: decide after every token. A natural draft that was wholly
             # rejected does not cut the target-only run short (at T > 0 an occasional n-gram
             # match would otherwise restart runs from one token, a Decode round trip each).

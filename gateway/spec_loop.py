@@ -17,7 +17,10 @@ leaves the loop on the target alone, or on its own n-gram index.
 """
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
+from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Callable
 
 from splitspec.ngram import NgramIndex, trie_tree
@@ -57,6 +60,15 @@ class RemoteDraft:
         return self.session.propose(length, ids, hidden)
 
 
+@dataclass
+class Shadow:
+    """A DFlash proposal made while the target decoded, to be scored against the tokens the
+    target commits after `base` instead of verified (AutoPolicy's shadow probes)."""
+    task: asyncio.Future
+    base: int
+    realized: list[int] = field(default_factory=list)
+
+
 class SpeculativeLoop:
     """One attempt of a request on one target session; see the module doc. `steps()` yields
     lists of committed tokens; the caller owns the sessions' lifetimes."""
@@ -81,6 +93,9 @@ class SpeculativeLoop:
         self.ngram_tree = ngram_tree if ngram_tree and ngram_tree[2] > 1 else None
         self.draft: RemoteDraft | None = None
         self.early: Choice | None = None        # the next step, decided before a Decode run's last token
+        self.opening: asyncio.Future | None = None   # the draft's Open, while it runs beside the target's steps
+        self.held: list[tuple[list[int], common_pb2.Tensor | None]] = []   # committed meanwhile, owed to it once open
+        self.shadow: Shadow | None = None
 
     async def steps(self, history: list[int]) -> AsyncIterator[list[int]]:
         req, stats = self.req, self.stats
@@ -118,16 +133,20 @@ class SpeculativeLoop:
         if self.ngram is not None:
             self.ngram.extend(prefix + [b0])
         if self.open_draft is not None and generated < remaining:
-            t = time.perf_counter()
-            self.draft = await self.open_draft(opened, prefix)
-            ms = (time.perf_counter() - t) * 1e3
-            stats.draft_ms += ms
-            if self.draft is not None:
-                self.m.opened_draft(ms)
-            if self.draft is not None:
-                self.draft.owe([b0], None)
+            self.held = [([b0], None)]
+            self.opening = asyncio.ensure_future(self._open(opened, prefix))
+            if not self.policy.opens_in_background:
+                await self.opening
+        try:
+            async for toks in self._loop(generated, remaining, length):
+                yield toks
+        finally:
+            await self._settle()
 
+    async def _loop(self, generated: int, remaining: int, length: int) -> AsyncIterator[list[int]]:
+        stats = self.stats
         while generated < remaining:
+            self._adopt_draft()
             early, self.early = self.early, None
             if early is not None and (early.method == "none" or (early.method == "dflash" and self.draft is not None)):
                 choice, local, match = early, None, 0
@@ -135,8 +154,11 @@ class SpeculativeLoop:
                 choice, local, match = self._choose(remaining - generated)
             if choice.method == "none":
                 if self._lets_draft_go():
+                    await self._end_shadow()
                     await self.draft.session.close()      # frees the draft's cache; no features owed from now
                     self.draft = None
+                if self.policy.take_shadow():
+                    self._start_shadow(length)
                 async for toks in self._decode(self.policy.decode_run(remaining - generated),
                                                remaining - generated):
                     generated += len(toks)
@@ -175,7 +197,9 @@ class SpeculativeLoop:
     # -- one step -----------------------------------------------------------------------------
     def _choose(self, remaining: int) -> tuple[Choice, common_pb2.TokenTree | None, int]:
         offer, local, match = Offer(), None, 0
+        self._adopt_draft()
         if self.draft is not None:
+            offer.shadow = self.draft.method == "dflash" and self.shadow is None and self.policy.can_shadow
             if self.draft.method == "dflash":
                 offer.dflash = self.draft.width - 1
             else:
@@ -211,6 +235,9 @@ class SpeculativeLoop:
         """The tree (and its draft_probs) to verify, or (None, None) when the draft was lost."""
         if choice.method == "ngram" and self.ngram is not None:
             return self._fit(choice, local, None, remaining, match)
+        await self._end_shadow()               # one Propose at a time on the draft's stream
+        if self.draft is None:
+            return None, None
         t = time.perf_counter()
         try:
             prop = await self.draft_call(self.draft.propose(length), self.step_s)
@@ -237,7 +264,9 @@ class SpeculativeLoop:
         ended: ended, the session would sit out a batched forward while this loop decides, which
         under load costs a whole step per decision."""
         stats = self.stats
-        want_hidden = self.draft is not None and self.draft.needs_hidden
+        # Features too while the draft opens: it is owed every committed token's, from b0 on.
+        want_hidden = (self.draft is not None and self.draft.needs_hidden
+                       or self.opening is not None and bool(self.layer_ids))
         t = time.perf_counter()
         first = True
         pending, left = n, left - n             # this run's tokens still to come; the request's after it
@@ -257,8 +286,12 @@ class SpeculativeLoop:
             pending -= 1
             if pending == 1 and left > 0 and self.policy.decides_early():
                 choice, _, _ = self._choose(left)
+                if self.policy.take_shadow():
+                    self._start_shadow(tok.length)
                 if choice.method == "none" and not self._lets_draft_go():
                     more = self.policy.decode_run(left)
+                    if self.opening is not None:
+                        more = min(more, 2)     # the draft is about to be ready: decide again soon
                     await self.target.extend(more, return_hidden=want_hidden)
                     stats.decode_extensions += 1
                     pending, left = pending + more, left - more
@@ -272,3 +305,86 @@ class SpeculativeLoop:
             self.ngram.extend(ids)
         if self.draft is not None:
             self.draft.owe(ids, hidden)
+        elif self.opening is not None:
+            self.held.append((ids, hidden))
+        if self.shadow is not None:
+            self.shadow.realized.extend(ids)
+            self._score_shadow()
+
+    # -- the draft beside the target's steps --------------------------------------------------
+    async def _open(self, opened, prefix: list[int]) -> RemoteDraft | None:
+        t = time.perf_counter()
+        draft = await self.open_draft(opened, prefix)
+        ms = (time.perf_counter() - t) * 1e3
+        self.stats.draft_ms += ms
+        if draft is not None:
+            self.m.opened_draft(ms)
+        return draft
+
+    def _adopt_draft(self) -> None:
+        """Once the draft's Open has answered: the draft, owed what was committed meanwhile. A
+        refusal of the client's parameters (raised by the Open) ends the request here."""
+        if self.opening is None or not self.opening.done():
+            return
+        draft, self.opening = self.opening.result(), None
+        held, self.held = self.held, []
+        if draft is not None:
+            for ids, hidden in held:
+                draft.owe(ids, hidden)
+            self.draft = draft
+
+    def _start_shadow(self, length: int) -> None:
+        """A DFlash Propose on the committed `length`, run while the target goes on decoding."""
+        if self.draft is None or self.draft.method != "dflash" or self.shadow is not None:
+            return
+        draft, t = self.draft, time.perf_counter()
+
+        async def propose():
+            try:
+                prop = await self.draft_call(draft.propose(length), self.step_s)
+            except DraftLost:
+                if self.draft is draft:
+                    self.draft = None
+                return None
+            self.m.proposal(draft.method, (time.perf_counter() - t) * 1e3)
+            return prop
+
+        self.shadow = Shadow(asyncio.ensure_future(propose()), length)
+
+    def _score_shadow(self, final: bool = False) -> None:
+        """Score the shadow proposal once the target has committed enough tokens after its base
+        to settle every node the walk reaches (or, `final`, with what there is): the nodes a
+        verify would have tried, each accepted where the target's own token equals it."""
+        sh = self.shadow
+        if sh is None or not sh.task.done():
+            return
+        prop = sh.task.result()
+        if prop is None:
+            self.shadow = None
+            return
+        parents, ids = list(prop.tree.parents), list(prop.tree.token_ids)
+        depth = max(depths(parents), default=0)
+        tried = tree_trials(parents, ids, sh.realized[:depth + 1])
+        accepted = sum(hit for _, _, hit in tried)
+        if not final and accepted == len(sh.realized):
+            return                  # the walk is still matching: wait for the target's next token
+        self.shadow = None
+        if tried:
+            self.policy.observe(Choice("dflash", len(ids), 0.0, 0.0), accepted, tried=tried, shadow=True)
+
+    async def _end_shadow(self) -> None:
+        """Wait for the shadow Propose (the draft's stream takes one at a time) and score it."""
+        if self.shadow is None:
+            return
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.shield(self.shadow.task)
+        self._score_shadow(final=True)
+
+    async def _settle(self) -> None:
+        """On the way out: no draft call may outlive the loop (the caller closes the streams)."""
+        for task in (self.opening, self.shadow.task if self.shadow else None):
+            if task is not None and not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+        self.opening, self.shadow = None, None

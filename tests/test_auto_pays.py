@@ -91,3 +91,23 @@ def test_a_request_whose_session_cannot_pay_opens_none_and_sends_no_features(ser
     assert opened >= 1
     for p, (ids, _, _) in zip(PROMPTS, results):
         assert ids == generate(model, p, N_NEW)
+
+
+def test_a_re_measuring_session_opens_beside_the_target_and_probes_dflash_in_the_shadow(services, model):
+    # DFlash is measured as not worth a session here (its Open dearer than 24 tokens could save,
+    # and none of its drafts accepted), so requests skip it; the bucket is due a re-measuring
+    # session at once. That session opens while the target decodes, and DFlash's due probe runs
+    # in the shadow: proposals scored against the target's own tokens, none verified.
+    m = priced(draft_open_ms=1e9, accept=0.0)
+    m.reopen_gap["greedy"] = 1
+    m.last_tried["dflash"] = -10_000          # a DFlash probe is due at the first decision it can run
+    before = sum(m.acceptance(("dflash", "greedy")).trials[0])
+    results, opened = run_requests(services, m)
+    assert opened >= 1
+    for p, (ids, _, complete) in zip(PROMPTS, results):
+        assert ids == generate(model, p, N_NEW)
+        assert all(s.method != "dflash" for s in complete.stats.steps)   # no DFlash verify
+    # The shadow proposals were scored: DFlash's acceptance gained trials (decayed counts shrink
+    # by 3 % an update, so any growth is new trials), and a Propose's time was measured.
+    assert sum(m.acceptance(("dflash", "greedy")).trials[0]) > 0.97 * before + 0.5
+    assert m.draft_ms["dflash"].value != 1.0
