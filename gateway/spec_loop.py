@@ -338,14 +338,17 @@ class SpeculativeLoop:
         if self.draft is None or self.draft.method != "dflash" or self.shadow is not None:
             return
         draft, t = self.draft, time.perf_counter()
+        call = draft.propose(length)        # takes what is owed now: the Propose is on `length`
 
         async def propose():
             try:
-                prop = await self.draft_call(draft.propose(length), self.step_s)
+                prop = await self.draft_call(call, self.step_s)
             except DraftLost:
                 if self.draft is draft:
                     self.draft = None
                 return None
+            finally:
+                call.close()                # cancelled before it ran: nothing left unawaited
             self.m.proposal(draft.method, (time.perf_counter() - t) * 1e3)
             return prop
 
@@ -383,8 +386,10 @@ class SpeculativeLoop:
     async def _settle(self) -> None:
         """On the way out: no draft call may outlive the loop (the caller closes the streams)."""
         for task in (self.opening, self.shadow.task if self.shadow else None):
-            if task is not None and not task.done():
+            if task is None:
+                continue
+            if not task.done():
                 task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task              # also retrieves an error nobody read (the caller ends the request)
         self.opening, self.shadow = None, None
