@@ -384,3 +384,22 @@ def test_round_trip_prices_are_kept_per_load():
     assert m.costs().verify_overhead_ms == pytest.approx(30.0)     # the burst's own measure is kept
     m.sessions = 5                                                  # 4-7: between the two, nearest first
     assert m.costs().verify_overhead_ms in (pytest.approx(30.0), pytest.approx(1.5, abs=0.1))
+
+
+def test_forward_model_fed_only_decodes_prices_a_verify_as_a_decode_plus_a_little():
+    # Decodes alone cannot tell a forward's fixed and per-row costs from its per-token ones
+    # (every forward has as many tokens as rows). The time goes to the rows, so an unmeasured
+    # width-8 verify is priced near a decode (here 1.5x), not at the 3.3x an even split gives,
+    # which kept a fresh gateway from ever verifying an n-gram draft; verifies then teach it.
+    for rows in (1, 16):
+        fm = ForwardModel()
+        for _ in range(20):
+            fm.add(rows, rows, 5.0 * rows)
+        a, b, c, v = fm.coef()
+        decode = a + rows * (b + c)
+        assert (decode + 7 * c + v) / decode < 1.6      # one row 7 tokens wider, verifying
+        assert decode == pytest.approx(5.0 * rows, rel=0.01)
+    for _ in range(40):
+        fm.add(16, 16 + 7, 100.0, verify=True, verify_rows=1)
+    a, b, c, v = fm.coef()
+    assert a + 16 * b + 23 * c + v == pytest.approx(100.0, rel=0.05)
