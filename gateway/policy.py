@@ -333,7 +333,6 @@ class FixedPolicy:
 class AutoPolicy:
     """method = "auto" for one request (module doc)."""
 
-
     def __init__(self, measurements: Measurements, *, max_k: int, bucket: str = "greedy"):
         self.m = measurements
         self.max_k = max_k                      # the request's upper bound on drafted tokens

@@ -361,7 +361,7 @@ class SpeculativeLoop:
         sh = self.shadow
         if sh is None or not sh.task.done():
             return
-        prop = sh.task.result()
+        prop = None if sh.task.cancelled() else sh.task.result()
         if prop is None:
             self.shadow = None
             return
@@ -379,8 +379,12 @@ class SpeculativeLoop:
         """Wait for the shadow Propose (the draft's stream takes one at a time) and score it."""
         if self.shadow is None:
             return
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.shield(self.shadow.task)
+        task = self.shadow.task
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if not task.cancelled():
+                raise               # the request itself is being cancelled, not the Propose
         self._score_shadow(final=True)
 
     async def _settle(self) -> None:

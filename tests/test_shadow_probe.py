@@ -92,3 +92,30 @@ def test_dflash_is_measured_in_the_shadow_before_it_is_verified_on_its_merits():
     fresh = AutoPolicy(Measurements(), max_k=7, bucket="sampled/sample")
     assert not fresh.can_shadow
     assert fresh.choose(Offer(dflash=7), 64).method == "dflash"
+
+
+def test_waiting_for_a_shadow_propose_never_swallows_the_request_s_cancel():
+    m = Measurements()
+    loop = loop_with(AutoPolicy(m, max_k=7), m)
+
+    async def body():
+        never = asyncio.get_running_loop().create_future()          # a Propose that does not answer
+        loop.shadow = Shadow(never, base=3)
+        waiting = asyncio.ensure_future(loop._end_shadow())
+        await asyncio.sleep(0)
+        waiting.cancel()                                              # the client went away
+        try:
+            await waiting
+        except asyncio.CancelledError:
+            return "cancelled"
+        return "swallowed"
+    assert asyncio.run(body()) == "cancelled"
+
+    # A Propose cancelled on its own (the loop settling) just ends the probe, unscored.
+    async def cancelled_propose():
+        task = asyncio.get_running_loop().create_future()
+        task.cancel()
+        loop.shadow = Shadow(task, base=3)
+        await loop._end_shadow()
+        return loop.shadow
+    assert asyncio.run(cancelled_propose()) is None
