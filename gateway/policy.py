@@ -346,7 +346,8 @@ class AutoPolicy:
         self.shadow_wanted = False              # a DFlash probe is due, to run in the shadow
         # A session opened only to (re-)measure DFlash opens while the target decodes: the
         # draft's prefill (on a long prompt, many decode steps) is then off the request's
-        # critical path. One opened because DFlash pays is waited for: it drafts from step one.
+        # critical path. One opened because DFlash pays on measured acceptance is waited for:
+        # it drafts from step one.
         self.opens_in_background = False
         # A shadow probe counts the target's own tokens matching the draft's, which is what a
         # verify accepts (in distribution) for greedy drafts only: a sampled draft is accepted
@@ -388,6 +389,8 @@ class AutoPolicy:
         if worth and (remaining is None or self.session_pays(remaining)):
             m.skipped[b] = 0
             m.reopen_gap[b] = REOPEN_EVERY
+            # Paying on the prior alone (a bucket's first requests, T=1 say) is still measuring.
+            self.opens_in_background = self.can_shadow and self._dflash_unmeasured()
             return True
         # Each re-measuring session costs an Open and features on the wire; while they keep
         # confirming the skip, they come less and less often (8, 16, 32, 64 requests).

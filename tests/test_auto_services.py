@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from draft_service.dflash import new_draft, save_draft
+from gateway.policy import sampling_bucket
 from service_helpers import (collect, fixed_prices, gateway_stub, inproc_gateway, repeating_prompts, running_stack,
                              target_info)
 from splitspec.client import build_request
@@ -57,7 +58,10 @@ def test_auto_greedy_equals_target_only_using_both_drafters_and_several_k(stub, 
     # ... and in process at prices under which any draft pays (see the distribution test), so
     # that both drafters and several k run.
     target, draft, _ = services
-    prices = fixed_prices(decode_ms=12.0, verify_ms=4.0, propose_ms=0.0, draft_open_ms=0.0)
+    # DFlash's acceptance is given too: on the prior alone its sessions would open beside the
+    # target (measuring ones) and DFlash would be shadow-probed before it drafts.
+    prices = fixed_prices(decode_ms=12.0, verify_ms=4.0, propose_ms=0.0, draft_open_ms=0.0,
+                          accept={("dflash", "greedy"): 0.5})
     with inproc_gateway(target.address, draft.address, measurements=prices, num_draft_tokens=8) as address:
         results += send(gateway_stub(address)[1])
     refs = refs + refs
@@ -108,7 +112,10 @@ def test_auto_sampling_follows_the_target_distribution(services, model, draft_sa
     # drafter offers, through its own choices, cuts and acceptance updates, and the test checks
     # that every such path keeps the target's distribution.
     target, draft, _ = services
-    prices = fixed_prices(decode_ms=12.0, verify_ms=4.0, propose_ms=0.0, draft_open_ms=0.0)
+    # DFlash's acceptance is given too: on the prior alone its session would open beside the
+    # target (a measuring one), too late for these 4-token requests to draft with it.
+    prices = fixed_prices(decode_ms=12.0, verify_ms=4.0, propose_ms=0.0, draft_open_ms=0.0,
+                          accept={("dflash", sampling_bucket(1.0, draft_sampling)): 0.5})
     with inproc_gateway(target.address, draft.address, measurements=prices, num_draft_tokens=8) as address:
         _, stub = gateway_stub(address)
 
