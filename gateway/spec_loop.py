@@ -63,10 +63,9 @@ class RemoteDraft:
 @dataclass
 class Shadow:
     """A DFlash proposal made while the target decoded, to be scored against the tokens the
-    target commits after `base` instead of verified (AutoPolicy's shadow probes)."""
+    target commits after it was asked for, instead of verified (AutoPolicy's shadow probes)."""
     task: asyncio.Future
-    base: int
-    realized: list[int] = field(default_factory=list)
+    realized: list[int] = field(default_factory=list)     # committed since the Propose was sent
 
 
 class SpeculativeLoop:
@@ -352,7 +351,7 @@ class SpeculativeLoop:
             self.m.proposal(draft.method, (time.perf_counter() - t) * 1e3)
             return prop
 
-        self.shadow = Shadow(asyncio.ensure_future(propose()), length)
+        self.shadow = Shadow(asyncio.ensure_future(propose()))
 
     def _score_shadow(self, final: bool = False) -> None:
         """Score the shadow proposal once the target has committed enough tokens after its base

@@ -38,7 +38,7 @@ def test_a_shadow_chain_is_scored_once_the_target_misses_it():
     m = Measurements()
     policy = AutoPolicy(m, max_k=7)
     loop = loop_with(policy, m)
-    loop.shadow = Shadow(proposal([5, 6, 7], [-1, 0, 1]), base=10)
+    loop.shadow = Shadow(proposal([5, 6, 7], [-1, 0, 1]))
     acc = m.acceptance(("dflash", "greedy"))
     loop._committed([5], None)
     loop._committed([6], None)
@@ -54,7 +54,7 @@ def test_a_shadow_tree_counts_the_siblings_a_verify_would_have_tried():
     policy = AutoPolicy(m, max_k=7)
     loop = loop_with(policy, m)
     # root children 5 (rank 0) and 8 (rank 1); 5 -> 6.
-    loop.shadow = Shadow(proposal([5, 8, 6], [-1, -1, 0]), base=3)
+    loop.shadow = Shadow(proposal([5, 8, 6], [-1, -1, 0]))
     loop._committed([8, 2], None)
     acc = m.acceptance(("dflash", "greedy"))
     assert loop.shadow is None
@@ -70,7 +70,7 @@ def test_at_the_end_a_shadow_is_scored_with_the_tokens_there_are():
     loop = loop_with(policy, m)
 
     async def body():
-        loop.shadow = Shadow(proposal([5, 6, 7], [-1, 0, 1]), base=10)
+        loop.shadow = Shadow(proposal([5, 6, 7], [-1, 0, 1]))
         loop._committed([5], None)
         await loop._end_shadow()
     asyncio.run(body())
@@ -100,7 +100,7 @@ def test_waiting_for_a_shadow_propose_never_swallows_the_request_s_cancel():
 
     async def body():
         never = asyncio.get_running_loop().create_future()          # a Propose that does not answer
-        loop.shadow = Shadow(never, base=3)
+        loop.shadow = Shadow(never)
         waiting = asyncio.ensure_future(loop._end_shadow())
         await asyncio.sleep(0)
         waiting.cancel()                                              # the client went away
@@ -115,7 +115,7 @@ def test_waiting_for_a_shadow_propose_never_swallows_the_request_s_cancel():
     async def cancelled_propose():
         task = asyncio.get_running_loop().create_future()
         task.cancel()
-        loop.shadow = Shadow(task, base=3)
+        loop.shadow = Shadow(task)
         await loop._end_shadow()
         return loop.shadow
     assert asyncio.run(cancelled_propose()) is None
