@@ -403,3 +403,34 @@ def test_forward_model_fed_only_decodes_prices_a_verify_as_a_decode_plus_a_littl
         fm.add(16, 16 + 7, 100.0, verify=True, verify_rows=1)
     a, b, c, v = fm.coef()
     assert a + 16 * b + 23 * c + v == pytest.approx(100.0, rel=0.05)
+
+
+def test_watching_ends_when_ngram_drafts_win_only_against_watchings_own_one_token_runs():
+    # A one-token run pays a round trip the target sits out (3 ms here against a 4 ms decode),
+    # so against it a weak n-gram draft wins; against a run it loses. Watching must follow the
+    # run's prices, or the weak draft keeps the watching that made it win going (T=1).
+    m = Measurements()
+    for _ in range(20):
+        m.target_step(4.0, 1, 1)
+        m.target_step(5.0, 1, 3, verify=True)
+        m.target_step(7.0, 1, 8, verify=True)
+        m.decode_gap(7.0, 4.0, first=True)
+        m.decode_gap(4.2, 4.0, first=False)
+        m.verify_round_trip(6.0, 5.0)
+    policy = AutoPolicy(m, max_k=7)
+    offer = Offer(ngram=2, ngram_match=2)
+    for _ in range(6):                              # accepted: n-gram pays, and is watched for
+        c = policy.choose(offer, 1000)
+        assert c.method == "ngram"
+        policy.observe(c, 2, ngram_match=2)
+    assert policy.decode_run(1000) == 1
+    for i in range(60):                              # now mostly rejected
+        c = policy.choose(offer, 1000)
+        policy.observe(c, 1 if c.method == "ngram" and i % 4 == 0 else 0, ngram_match=2)
+    acc = policy._rates("ngram", 2, False)[0]
+    assert 0.3 < acc < 0.7
+    costs_run, costs_watch = m.costs(64), m.costs(1)
+    weak = {"ngram": [acc]}
+    assert choose(weak, {"ngram": 2}, costs_watch).method == "ngram"    # wins against watching's runs
+    assert choose(weak, {"ngram": 2}, costs_run).method == "none"       # loses against a run
+    assert policy.decode_run(1000) > 1

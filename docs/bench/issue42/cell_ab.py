@@ -68,9 +68,13 @@ def main() -> None:
                 rates[m].append(tokens / wall)
                 per[m] = [len(x.tokens) / (x.end - x.start) for x in res]
                 cpu = {k: round((after[k] - before[k]) / (tokens / 1024), 3) for k in after}
-                print(f"rep {rep} {m:6s} {tokens / wall:7.1f} tok/s  cpu s/1k tokens {cpu}  "
+                ttft = statistics.median(x.ttft for x in res) * 1e3
+                tail = statistics.median((x.end - x.start - x.ttft) / max(1, len(x.tokens) - 1) for x in res) * 1e3
+                print(f"rep {rep} {m:6s} {tokens / wall:7.1f} tok/s  ttft {ttft:.1f} ms  then {tail:.2f} ms/token  cpu s/1k tokens {cpu}  "
                       f"features {sum(x.stats.hidden_state_bytes for x in res) / 1e6:.1f} MB  "
-                      f"draft sessions {sum(1 for x in res if x.stats.draft_ms > 0)}  steps {method_share(res)}  "
+                      f"draft sessions {sum(1 for x in res if x.stats.draft_ms > 0)}  "
+                      f"decode runs {sum(x.stats.decode_runs for x in res)} "
+                      f"(+{sum(x.stats.decode_extensions for x in res)} extended)  steps {method_share(res)}  "
                       f"τ ngram {drafter_tau(res, 'ngram')} dflash {drafter_tau(res, 'dflash')}", flush=True)
             base = methods[0]
             if "auto" in per and base != "auto":
