@@ -281,6 +281,7 @@ class Offer:
     ngram_match: int = 0          # length of the matched suffix behind the n-gram offer
     shapes: dict = field(default_factory=dict)
     shadow: bool = False          # DFlash can be probed in the shadow now (a session, no shadow probe in flight)
+    ngram_shadow: bool = False    # n-gram drafts not taken are scored in the shadow (one at a time)
 
 
 def sampling_bucket(temperature: float, draft_sampling: str) -> str:
@@ -294,6 +295,7 @@ class FixedPolicy:
 
     opens_in_background = False     # an explicit dflash waits for its session: every step drafts
     can_shadow = False
+    can_shadow_ngram = False
 
     def __init__(self, method: str):
         self.method = method
@@ -353,6 +355,8 @@ class AutoPolicy:
         # verify accepts (in distribution) for greedy drafts only: a sampled draft is accepted
         # with min(1, p/q), more often than its token is sampled again.
         self.can_shadow = not bucket.endswith("/sample")
+        # N-gram drafts are deterministic whatever the request's sampling, and free to make.
+        self.can_shadow_ngram = True
 
     def _acceptance(self, key: tuple) -> Acceptance:
         if key not in self.local:
@@ -432,6 +436,8 @@ class AutoPolicy:
             # verify is spent on it (a fresh gateway would otherwise pay for the prior's optimism).
             max_k["dflash"] = 0
             self.shadow_wanted = True
+        if offer.ngram and offer.ngram_shadow and self._ngram_unmeasured(offer.ngram_match):
+            max_k["ngram"] = 0          # the same for this match length's n-gram drafts
         best = choose(accept, max_k, costs, shapes=shapes)
         # Exploration: an estimate that is never re-measured can stay wrong forever (one
         # unlucky first step would rule a drafter out for good). A drafter that keeps losing
@@ -445,6 +451,9 @@ class AutoPolicy:
                 if method == "dflash" and offer.shadow:
                     self.shadow_wanted = True
                     m.last_tried[method] = m.decisions
+                    continue
+                if method == "ngram" and offer.ngram_shadow:
+                    m.last_tried[method] = m.decisions      # its shadows keep measuring it
                     continue
                 best = choose(accept, {method: k}, costs, decode=False, shapes=shapes)
                 self.probing = True
@@ -472,6 +481,9 @@ class AutoPolicy:
 
     def _dflash_unmeasured(self) -> bool:
         return self.m.acceptance(self._key("dflash", 0)).trials[0][0] < SHADOW_FIRST
+
+    def _ngram_unmeasured(self, match: int) -> bool:
+        return self.m.acceptance(self._key("ngram", match)).trials[0][0] < SHADOW_FIRST
 
     def _rates(self, method: str, ngram_match: int, tree: bool):
         acc = self._acceptance(self._key(method, ngram_match))

@@ -31,7 +31,7 @@ from .cost_model import Choice
 from .generation import Stats, Tokens
 from .policy import AutoPolicy, FixedPolicy, Measurements, Offer
 from .request import Request
-from .speculative import concat_rows, depths, is_chain, record_step, tree_trials, trim_tree
+from .speculative import concat_rows, depths, is_chain, record_step, shadow_trials, tree_trials, trim_tree
 
 
 class DraftLost(Exception):
@@ -68,6 +68,16 @@ class Shadow:
     realized: list[int] = field(default_factory=list)     # committed since the Propose was sent
 
 
+@dataclass
+class NgramShadow:
+    """An n-gram draft a step did not take, scored against the tokens the target commits after
+    it: the gateway's own index drafts for free, so its acceptance is measured at every decision
+    that offered one, with no verify spent on probes."""
+    tree: common_pb2.TokenTree
+    match: int                                             # the matched suffix length behind it
+    realized: list[int] = field(default_factory=list)
+
+
 class SpeculativeLoop:
     """One attempt of a request on one target session; see the module doc. `steps()` yields
     lists of committed tokens; the caller owns the sessions' lifetimes."""
@@ -95,6 +105,7 @@ class SpeculativeLoop:
         self.opening: asyncio.Future | None = None   # the draft's Open, while it runs beside the target's steps
         self.held: list[tuple[list[int], common_pb2.Tensor | None]] = []   # committed meanwhile, owed to it once open
         self.shadow: Shadow | None = None
+        self.ngram_shadow: NgramShadow | None = None
 
     async def steps(self, history: list[int]) -> AsyncIterator[list[int]]:
         req, stats = self.req, self.stats
@@ -192,6 +203,8 @@ class SpeculativeLoop:
             length = verified.length
             generated += len(committed)
             yield Tokens(committed, verified.logprobs)
+        if self.ngram_shadow is not None:
+            self._score_ngram_shadow(final=True)
 
     # -- one step -----------------------------------------------------------------------------
     def _choose(self, remaining: int) -> tuple[Choice, common_pb2.TokenTree | None, int]:
@@ -217,7 +230,11 @@ class SpeculativeLoop:
                     offer.shapes["ngram"] = parents
             local = common_pb2.TokenTree(token_ids=ids, parents=parents)
             offer.ngram, offer.ngram_match = len(ids), match
-        return self.policy.choose(offer, remaining), local, match
+            offer.ngram_shadow = self.policy.can_shadow_ngram
+        choice = self.policy.choose(offer, remaining)
+        if offer.ngram_shadow and offer.ngram and choice.method != "ngram" and self.ngram_shadow is None:
+            self.ngram_shadow = NgramShadow(local, match)
+        return choice, local, match
 
     def _fit(self, choice: Choice, tree: common_pb2.TokenTree, probs, remaining: int, match: int = 0):
         """The part of a proposal worth verifying: a chain's first k tokens; a tree cut to the
@@ -309,6 +326,9 @@ class SpeculativeLoop:
         if self.shadow is not None:
             self.shadow.realized.extend(ids)
             self._score_shadow()
+        if self.ngram_shadow is not None:
+            self.ngram_shadow.realized.extend(ids)
+            self._score_ngram_shadow()
 
     # -- the draft beside the target's steps --------------------------------------------------
     async def _open(self, opened, prefix: list[int]) -> RemoteDraft | None:
@@ -365,14 +385,24 @@ class SpeculativeLoop:
             self.shadow = None
             return
         parents, ids = list(prop.tree.parents), list(prop.tree.token_ids)
-        depth = max(depths(parents), default=0)
-        tried = tree_trials(parents, ids, sh.realized[:depth + 1])
-        accepted = sum(hit for _, _, hit in tried)
-        if not final and accepted == len(sh.realized):
+        tried = shadow_trials(parents, ids, sh.realized, final)
+        if tried is None:
             return                  # the walk is still matching: wait for the target's next token
         self.shadow = None
         if tried:
+            accepted = sum(hit for _, _, hit in tried)
             self.policy.observe(Choice("dflash", len(ids), 0.0, 0.0), accepted, tried=tried, shadow=True)
+
+    def _score_ngram_shadow(self, final: bool = False) -> None:
+        sh = self.ngram_shadow
+        ids = list(sh.tree.token_ids)
+        tried = shadow_trials(list(sh.tree.parents), ids, sh.realized, final)
+        if tried is None:
+            return
+        self.ngram_shadow = None
+        if tried:
+            accepted = sum(hit for _, _, hit in tried)
+            self.policy.observe(Choice("ngram", len(ids), 0.0, 0.0), accepted, sh.match, tried=tried, shadow=True)
 
     async def _end_shadow(self) -> None:
         """Wait for the shadow Propose (the draft's stream takes one at a time) and score it."""
