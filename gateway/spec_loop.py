@@ -219,22 +219,29 @@ class SpeculativeLoop:
             if self.draft.shape:
                 offer.shapes[self.draft.method] = self.draft.shape
         if self.ngram is not None:
-            if self.ngram_tree is None:
-                ids, match = self.ngram.match(self.max_width - 1)
-                parents = list(range(-1, len(ids) - 1))
-            else:
-                nodes, depth, topk = self.ngram_tree
-                conts, match = self.ngram.continuations(depth, 4 * topk)
-                ids, parents = trie_tree(conts, budget=nodes, max_depth=depth, topk=topk)
-                if not is_chain(parents):
-                    offer.shapes["ngram"] = parents
-            local = common_pb2.TokenTree(token_ids=ids, parents=parents)
-            offer.ngram, offer.ngram_match = len(ids), match
+            local, match = self._ngram_draft()
+            if not is_chain(local.parents):
+                offer.shapes["ngram"] = list(local.parents)
+            offer.ngram, offer.ngram_match = len(local.token_ids), match
             offer.ngram_shadow = self.policy.can_shadow_ngram
         choice = self.policy.choose(offer, remaining)
-        if offer.ngram_shadow and offer.ngram and choice.method != "ngram" and self.ngram_shadow is None:
+        sh = self.ngram_shadow
+        if choice.method == "ngram" and sh is not None and not sh.realized:
+            self.ngram_shadow = None        # the very draft being verified: its verify measures it
+        elif offer.ngram_shadow and offer.ngram and choice.method != "ngram" and sh is None:
             self.ngram_shadow = NgramShadow(local, match)
         return choice, local, match
+
+    def _ngram_draft(self) -> tuple[common_pb2.TokenTree, int]:
+        """The gateway's own n-gram draft on the tokens so far, and its matched suffix length."""
+        if self.ngram_tree is None:
+            ids, match = self.ngram.match(self.max_width - 1)
+            parents = list(range(-1, len(ids) - 1))
+        else:
+            nodes, depth, topk = self.ngram_tree
+            conts, match = self.ngram.continuations(depth, 4 * topk)
+            ids, parents = trie_tree(conts, budget=nodes, max_depth=depth, topk=topk)
+        return common_pb2.TokenTree(token_ids=ids, parents=parents), match
 
     def _fit(self, choice: Choice, tree: common_pb2.TokenTree, probs, remaining: int, match: int = 0):
         """The part of a proposal worth verifying: a chain's first k tokens; a tree cut to the
@@ -329,6 +336,13 @@ class SpeculativeLoop:
         if self.ngram_shadow is not None:
             self.ngram_shadow.realized.extend(ids)
             self._score_ngram_shadow()
+        if self.ngram_shadow is None and self.ngram is not None and self.policy.can_shadow_ngram:
+            # A new one as soon as the last has settled, wherever the step boundaries fall: a
+            # lookup costs ~15 us, and a fresh gateway measures every match length within its
+            # first request instead of at a handful of decisions per request.
+            local, match = self._ngram_draft()
+            if local.token_ids:
+                self.ngram_shadow = NgramShadow(local, match)
 
     # -- the draft beside the target's steps --------------------------------------------------
     async def _open(self, opened, prefix: list[int]) -> RemoteDraft | None:
