@@ -213,7 +213,9 @@ class Measurements:
         self.worth_seen: dict[str, int] = {}
         self.skipped: dict[str, int] = {}
         self.reopen_gap: dict[str, int] = {}     # bucket -> skipped requests between two re-measuring ones
+        self.drafting: dict[str, Ema] = {}       # bucket -> share of decisions that chose a draft on its merits
         self.exploring_until = 0.0               # monotonic time before which no other request opens DFlash to explore
+        self.measuring_until: dict[str, float] = {}   # the same per bucket, while its DFlash acceptance is unmeasured
 
     def load(self) -> float:
         """What the by-load prices are read at: requests in flight per target replica."""
@@ -340,12 +342,13 @@ class AutoPolicy:
         self.max_k = max_k                      # the request's upper bound on drafted tokens
         self.bucket = bucket                    # sampling_bucket of the request
         self.local: dict[tuple, Acceptance] = {}
-        self.run = 1
+        self.run = 0                            # the next run's length, doubling; 0: none decoded yet
         self.decisions = 0                      # this request's, for keeps_draft
         self.probing = False                    # the last choice was a probe, not the best step
         self.last_natural: dict[str, int] = {}  # drafter -> decision number it last won on its merits
         self.ngram_chosen = Ema(0.0, alpha=0.2)  # how often an n-gram draft was worth a step lately
         self.shadow_wanted = False              # a DFlash probe is due, to run in the shadow
+        self.drafts = False                     # wants_draft opened a DFlash session for this request
         # A session opened only to (re-)measure DFlash opens while the target decodes: the
         # draft's prefill (on a long prompt, many decode steps) is then off the request's
         # critical path. One opened because DFlash pays on measured acceptance is waited for:
@@ -387,14 +390,22 @@ class AutoPolicy:
             if now < m.exploring_until:
                 return False
             m.exploring_until = now + EXPLORE_S
-            self.opens_in_background = True
+            self.opens_in_background = self.drafts = True
             return True
         worth = m.worth_seen.get(b, 0) < WORTH_AFTER or m.dflash_worth[b].get() >= DRAFT_WORTH
         if worth and (remaining is None or self.session_pays(remaining)):
+            # Paying on the prior alone (a bucket's first requests, T=1 say) is still measuring,
+            # and one request at a time measures: a burst of sixteen would open sixteen.
+            measuring = self.can_shadow and self._dflash_unmeasured()
+            if measuring:
+                now = time.monotonic()
+                if now < m.measuring_until.get(b, 0.0):
+                    return False
+                m.measuring_until[b] = now + EXPLORE_S
             m.skipped[b] = 0
             m.reopen_gap[b] = REOPEN_EVERY
-            # Paying on the prior alone (a bucket's first requests, T=1 say) is still measuring.
-            self.opens_in_background = self.can_shadow and self._dflash_unmeasured()
+            self.opens_in_background = measuring
+            self.drafts = True
             return True
         # Each re-measuring session costs an Open and features on the wire; while they keep
         # confirming the skip, they come less and less often (8, 16, 32, 64 requests).
@@ -404,7 +415,7 @@ class AutoPolicy:
             return False
         m.skipped[b] = 0
         m.reopen_gap[b] = min(2 * gap, MAX_REOPEN_GAP)
-        self.opens_in_background = True
+        self.opens_in_background = self.drafts = True
         return True
 
     def session_pays(self, remaining: int) -> bool:
@@ -461,6 +472,8 @@ class AutoPolicy:
         if natural != "none":
             m.probe_gap[natural] = PROBE_EVERY
             self.last_natural[natural] = self.decisions
+        if max_k["dflash"] or max_k["ngram"]:
+            m.drafting.setdefault(self.bucket, Ema(1.0, alpha=0.05)).add(0.0 if natural == "none" else 1.0)
         if max_k["dflash"]:
             m.dflash_worth.setdefault(self.bucket, DecayedMean()).add(1.0 if natural == "dflash" else 0.0)
             m.worth_seen[self.bucket] = m.worth_seen.get(self.bucket, 0) + 1
@@ -514,9 +527,22 @@ class AutoPolicy:
         # Two at least: the next step is decided at a run's second-to-last token, so a run that
         # goes on is extended without a gap; a one-token run ends before anything can be
         # decided, and the session sits out a forward while the gateway decides.
-        n = min(max(self.run, 2), MAX_DECODE_RUN, remaining)
-        self.run = min(max(self.run, 2) * 2, MAX_DECODE_RUN)
+        start = 2 if self.run else self._first_run()
+        n = min(max(self.run, start), MAX_DECODE_RUN, remaining)
+        self.run = min(max(self.run, start) * 2, MAX_DECODE_RUN)
         return n
+
+    def _first_run(self) -> int:
+        """A request's first run: each decision costs a message both ways and finds a draft
+        worth a step in a share s of the bucket's decisions (at T=1 here ~2 %, at T=0 one
+        stream ~40 %), so decisions start about 1/s tokens apart: a sampled request pays one
+        or two messages where it paid five (2 + 4 + … + 32), a greedy one decides as often as
+        before. A draft taken on its merits restarts the runs at two, whatever the bucket, and
+        a request with a DFlash session starts at two (its probes need decisions)."""
+        share = self.m.drafting.get(self.bucket)
+        if self.drafts or share is None or share.value is None:
+            return 2
+        return max(2, min(MAX_DECODE_RUN, int(1.0 / max(share.value, 1.0 / MAX_DECODE_RUN))))
 
     def decides_early(self) -> bool:
         """Whether the next step may be decided one token before a Decode run ends (so a run

@@ -70,7 +70,8 @@ def main() -> None:
                 cpu = {k: round((after[k] - before[k]) / (tokens / 1024), 3) for k in after}
                 ttft = statistics.median(x.ttft for x in res) * 1e3
                 tail = statistics.median((x.end - x.start - x.ttft) / max(1, len(x.tokens) - 1) for x in res) * 1e3
-                print(f"rep {rep} {m:6s} {tokens / wall:7.1f} tok/s  ttft {ttft:.1f} ms  then {tail:.2f} ms/token  cpu s/1k tokens {cpu}  "
+                per_tok = {k: round(sum(getattr(x.stats, k) for x in res) / tokens, 2) for k in ("verify_ms", "wire_ms", "queue_ms")}
+                print(f"rep {rep} {m:6s} {tokens / wall:7.1f} tok/s  ttft {ttft:.1f} ms  then {tail:.2f} ms/token {per_tok}  cpu s/1k tokens {cpu}  "
                       f"features {sum(x.stats.hidden_state_bytes for x in res) / 1e6:.1f} MB  "
                       f"draft sessions {sum(1 for x in res if x.stats.draft_ms > 0)}  "
                       f"decode runs {sum(x.stats.decode_runs for x in res)} "
