@@ -14,6 +14,7 @@
   and overheads stay current. A DFlash probe runs in the shadow where it can (`Offer.shadow`):
   the draft proposes while the target decodes, and the proposal is scored against the tokens
   the target then commits, so measuring DFlash costs the request no verify and no stream break.
+  N-gram drafts are always measured that way (`Offer.ngram_shadow`): the index drafts for free.
 * `FixedPolicy`: what an explicit method (dflash, ngram, none) runs: always the same step.
 """
 from __future__ import annotations
@@ -534,9 +535,9 @@ class AutoPolicy:
 
     def _first_run(self) -> int:
         """A request's first run: each decision costs a message both ways and finds a draft
-        worth a step in a share s of the bucket's decisions (at T=1 here ~2 %, at T=0 one
-        stream ~40 %), so decisions start about 1/s tokens apart: a sampled request pays one
-        or two messages where it paid five (2 + 4 + … + 32), a greedy one decides as often as
+        worth a step in a share s of the bucket's decisions (rarely at T=1 here, often at T=0
+        on one stream), so decisions start about 1/s tokens apart: a sampled request pays
+        fewer messages than the five of 2 + 4 + … + 32, a greedy one decides as often as
         before. A draft taken on its merits restarts the runs at two, whatever the bucket, and
         a request with a DFlash session starts at two (its probes need decisions)."""
         share = self.m.drafting.get(self.bucket)

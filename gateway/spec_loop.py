@@ -70,9 +70,9 @@ class Shadow:
 
 @dataclass
 class NgramShadow:
-    """An n-gram draft a step did not take, scored against the tokens the target commits after
-    it: the gateway's own index drafts for free, so its acceptance is measured at every decision
-    that offered one, with no verify spent on probes."""
+    """An n-gram draft not verified, scored against the tokens the target commits after it: the
+    gateway's own index drafts for free, so one is kept in the shadow at all times (a new one
+    as soon as the last settles) and n-gram's acceptance is measured with no verify spent."""
     tree: common_pb2.TokenTree
     match: int                                             # the matched suffix length behind it
     realized: list[int] = field(default_factory=list)
