@@ -307,6 +307,12 @@ class FixedPolicy:
     def take_shadow(self) -> bool:
         return False
 
+    def finished(self) -> None:
+        pass
+
+    def ngram_unmeasured(self, match: int) -> bool:
+        return False
+
     def wants_draft(self, remaining: int | None = None) -> bool:
         return True
 
@@ -350,6 +356,7 @@ class AutoPolicy:
         self.ngram_chosen = Ema(0.0, alpha=0.2)  # how often an n-gram draft was worth a step lately
         self.shadow_wanted = False              # a DFlash probe is due, to run in the shadow
         self.drafts = False                     # wants_draft opened a DFlash session for this request
+        self.measures = False                   # ... the bucket's one measuring session
         # A session opened only to (re-)measure DFlash opens while the target decodes: the
         # draft's prefill (on a long prompt, many decode steps) is then off the request's
         # critical path. One opened because DFlash pays on measured acceptance is waited for:
@@ -393,16 +400,20 @@ class AutoPolicy:
             m.exploring_until = now + EXPLORE_S
             self.opens_in_background = self.drafts = True
             return True
-        worth = m.worth_seen.get(b, 0) < WORTH_AFTER or m.dflash_worth[b].get() >= DRAFT_WORTH
-        if worth and (remaining is None or self.session_pays(remaining)):
-            # Paying on the prior alone (a bucket's first requests, T=1 say) is still measuring,
-            # and one request at a time measures: a burst of sixteen would open sixteen.
-            measuring = self.can_shadow and self._dflash_unmeasured()
+        proven = m.worth_seen.get(b, 0) >= WORTH_AFTER
+        if (not proven or m.dflash_worth[b].get() >= DRAFT_WORTH) and (remaining is None or self.session_pays(remaining)):
+            # Paying on the prior alone, or before DFlash has won or lost WORTH_AFTER decisions of
+            # the bucket, is still measuring: `session_pays` reads the prices of the moment, which
+            # under load swing with the prefills in the batch, and a burst of 8-16 requests at
+            # the margin would each wait for a draft prefill (0.7-0.9x target-only here). One
+            # request of the bucket at a time measures, beside the target.
+            measuring = self.can_shadow and (self._dflash_unmeasured() or not proven)
             if measuring:
                 now = time.monotonic()
                 if now < m.measuring_until.get(b, 0.0):
                     return False
                 m.measuring_until[b] = now + EXPLORE_S
+                self.measures = True
             m.skipped[b] = 0
             m.reopen_gap[b] = REOPEN_EVERY
             self.opens_in_background = measuring
@@ -448,7 +459,7 @@ class AutoPolicy:
             # verify is spent on it (a fresh gateway would otherwise pay for the prior's optimism).
             max_k["dflash"] = 0
             self.shadow_wanted = True
-        if offer.ngram and offer.ngram_shadow and self._ngram_unmeasured(offer.ngram_match):
+        if offer.ngram and offer.ngram_shadow and self.ngram_unmeasured(offer.ngram_match):
             max_k["ngram"] = 0          # the same for this match length's n-gram drafts
         best = choose(accept, max_k, costs, shapes=shapes)
         # Exploration: an estimate that is never re-measured can stay wrong forever (one
@@ -488,6 +499,11 @@ class AutoPolicy:
         self.ngram_chosen.add(1.0 if wins else 0.0)
         return best
 
+    def finished(self) -> None:
+        """The request is over: the bucket's next request may measure."""
+        if self.measures:
+            self.m.measuring_until[self.bucket] = 0.0
+
     def take_shadow(self) -> bool:
         """Whether the loop should probe DFlash in the shadow now (asked once per due probe)."""
         wanted, self.shadow_wanted = self.shadow_wanted, False
@@ -496,7 +512,7 @@ class AutoPolicy:
     def _dflash_unmeasured(self) -> bool:
         return self.m.acceptance(self._key("dflash", 0)).trials[0][0] < SHADOW_FIRST
 
-    def _ngram_unmeasured(self, match: int) -> bool:
+    def ngram_unmeasured(self, match: int) -> bool:
         return self.m.acceptance(self._key("ngram", match)).trials[0][0] < SHADOW_FIRST
 
     def _rates(self, method: str, ngram_match: int, tree: bool):

@@ -332,8 +332,20 @@ def test_a_burst_on_a_fresh_gateway_opens_one_draft_session_to_measure_the_price
     assert [p.wants_draft(1000) for p in burst] == [True] + [False] * 15
     assert burst[0].opens_in_background and burst[0].decode_run(1000) == 2
     assert AutoPolicy(m, max_k=7, bucket="greedy").decode_run(1000) == 2
-    for _ in range(int(SHADOW_FIRST) + 1):                          # measured (and accepted): each request pays
+    for _ in range(int(SHADOW_FIRST) + 1):                          # acceptance measured (and high) ...
         m.acceptance(("dflash", "sampled/greedy")).update(7, 6)
+    again = [AutoPolicy(m, max_k=7, bucket="sampled/greedy") for _ in range(3)]
+    assert [p.wants_draft(1000) for p in again] == [False] * 3       # ... the measuring one is still on
+    burst[0].finished()                                              # it ended: the next one measures
+    again = [AutoPolicy(m, max_k=7, bucket="sampled/greedy") for _ in range(3)]
+    # Until DFlash has won or lost WORTH_AFTER decisions of the bucket, sessions are measuring ones:
+    # a price read under load must not make a burst wait for eight draft prefills.
+    assert [p.wants_draft(1000) for p in again] == [True, False, False] and again[0].opens_in_background
+    from gateway.policy import WORTH_AFTER, DecayedMean
+    m.dflash_worth["sampled/greedy"] = DecayedMean()
+    for _ in range(WORTH_AFTER):
+        m.dflash_worth["sampled/greedy"].add(1.0)                    # DFlash won its decisions
+    m.worth_seen["sampled/greedy"] = WORTH_AFTER
     again = [AutoPolicy(m, max_k=7, bucket="sampled/greedy") for _ in range(3)]
     assert [p.wants_draft(1000) for p in again] == [True] * 3 and not again[0].opens_in_background
 

@@ -233,3 +233,22 @@ def test_shadow_scoring_of_a_deterministic_tree_is_a_verify_in_distribution():
         se = (pooled * (1 - pooled) * (1 / t1 + 1 / t2)) ** 0.5 or 1e-9
         assert abs(p1 - p2) / se < 4.5, (key, p1, p2, t1, t2)
         assert abs(t1 / n - t2 / n) < 0.05, (key, t1, t2)        # each node is reached as often
+
+
+def test_an_ngram_shadow_at_every_token_only_while_a_match_length_is_unmeasured():
+    m = Measurements()
+    policy = AutoPolicy(m, max_k=7)
+    loop = ngram_loop(policy, m, [1, 2, 3, 1, 2, 3, 1, 2])
+    loop._committed([3], None)                     # no decision, yet a shadow: nothing is measured
+    assert loop.ngram_shadow is not None and loop.ngram_shadow.realized == []
+    for n in range(1, 5):                          # every match length measured (never accepted)
+        for _ in range(40):
+            m.acceptance(("ngram", n, "greedy")).update(3, 0)
+    for _ in range(20):                            # and a verify dearer than a decode
+        m.target_step(4.0, 1, 1)
+        m.target_step(8.0, 1, 8, verify=True)
+    loop.ngram_shadow = None
+    loop._committed([1], None)                     # a match, but a shadow per token no longer pays
+    assert loop.ngram_shadow is None
+    choice, _, _ = loop._choose(64)                # at a decision, the draft not taken is still scored
+    assert choice.method == "none" and loop.ngram_shadow is not None

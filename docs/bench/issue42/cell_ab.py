@@ -45,6 +45,9 @@ def main() -> None:
     ap.add_argument("--kind", default="short", choices=["short", "long"])
     ap.add_argument("--n", type=int, default=16, help="requests per method and repeat")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--warm", type=int, default=0,
+                    help="first send this many auto requests at one stream (as bench-auto's one-stream cell does "
+                         "before the 8-stream one), unmeasured")
     a = ap.parse_args()
     args = build_parser().parse_args([])
     tok = Tokenizer.from_file(str(model_dir(None, DEFAULT_TARGET) / "tokenizer.json"))
@@ -55,6 +58,9 @@ def main() -> None:
         prompts = [fit(p, a.new, info.max_context) for p in make_prompts(tok, info.max_context, args)[a.kind]]
         methods = a.methods.split(",")
         rates: dict[str, list[float]] = {m: [] for m in methods}
+        if a.warm:
+            run_batch(stub, [request(prompts[i % len(prompts)], "auto", a.new, a.temperature, 10 ** 6 + i,
+                                     salt=uuid.uuid4().hex) for i in range(a.warm)], 1, 600)
         for rep in range(a.repeats):
             per: dict[str, list[float]] = {}
             for m in (methods if rep % 2 == 0 else methods[::-1]):
