@@ -14,7 +14,6 @@
   and overheads stay current. A DFlash probe runs in the shadow where it can (`Offer.shadow`):
   the draft proposes while the target decodes, and the proposal is scored against the tokens
   the target then commits, so measuring DFlash costs the request no verify and no stream break.
-  N-gram drafts are always measured that way (`Offer.ngram_shadow`): the index drafts for free.
 * `FixedPolicy`: what an explicit method (dflash, ngram, none) runs: always the same step.
 """
 from __future__ import annotations
@@ -214,9 +213,7 @@ class Measurements:
         self.worth_seen: dict[str, int] = {}
         self.skipped: dict[str, int] = {}
         self.reopen_gap: dict[str, int] = {}     # bucket -> skipped requests between two re-measuring ones
-        self.drafting: dict[str, Ema] = {}       # bucket -> share of decisions that chose a draft on its merits
         self.exploring_until = 0.0               # monotonic time before which no other request opens DFlash to explore
-        self.measuring_until: dict[str, float] = {}   # the same per bucket, while its DFlash acceptance is unmeasured
 
     def load(self) -> float:
         """What the by-load prices are read at: requests in flight per target replica."""
@@ -284,7 +281,6 @@ class Offer:
     ngram_match: int = 0          # length of the matched suffix behind the n-gram offer
     shapes: dict = field(default_factory=dict)
     shadow: bool = False          # DFlash can be probed in the shadow now (a session, no shadow probe in flight)
-    ngram_shadow: bool = False    # n-gram drafts not taken are scored in the shadow (one at a time)
 
 
 def sampling_bucket(temperature: float, draft_sampling: str) -> str:
@@ -298,19 +294,12 @@ class FixedPolicy:
 
     opens_in_background = False     # an explicit dflash waits for its session: every step drafts
     can_shadow = False
-    can_shadow_ngram = False
 
     def __init__(self, method: str):
         self.method = method
         self.drafter_gone = False
 
     def take_shadow(self) -> bool:
-        return False
-
-    def finished(self) -> None:
-        pass
-
-    def ngram_unmeasured(self, match: int) -> bool:
         return False
 
     def wants_draft(self, remaining: int | None = None) -> bool:
@@ -349,14 +338,12 @@ class AutoPolicy:
         self.max_k = max_k                      # the request's upper bound on drafted tokens
         self.bucket = bucket                    # sampling_bucket of the request
         self.local: dict[tuple, Acceptance] = {}
-        self.run = 0                            # the next run's length, doubling; 0: none decoded yet
+        self.run = 1
         self.decisions = 0                      # this request's, for keeps_draft
         self.probing = False                    # the last choice was a probe, not the best step
         self.last_natural: dict[str, int] = {}  # drafter -> decision number it last won on its merits
         self.ngram_chosen = Ema(0.0, alpha=0.2)  # how often an n-gram draft was worth a step lately
         self.shadow_wanted = False              # a DFlash probe is due, to run in the shadow
-        self.drafts = False                     # wants_draft opened a DFlash session for this request
-        self.measures = False                   # ... the bucket's one measuring session
         # A session opened only to (re-)measure DFlash opens while the target decodes: the
         # draft's prefill (on a long prompt, many decode steps) is then off the request's
         # critical path. One opened because DFlash pays on measured acceptance is waited for:
@@ -366,8 +353,6 @@ class AutoPolicy:
         # verify accepts (in distribution) for greedy drafts only: a sampled draft is accepted
         # with min(1, p/q), more often than its token is sampled again.
         self.can_shadow = not bucket.endswith("/sample")
-        # N-gram drafts are deterministic whatever the request's sampling, and free to make.
-        self.can_shadow_ngram = True
 
     def _acceptance(self, key: tuple) -> Acceptance:
         if key not in self.local:
@@ -398,26 +383,14 @@ class AutoPolicy:
             if now < m.exploring_until:
                 return False
             m.exploring_until = now + EXPLORE_S
-            self.opens_in_background = self.drafts = True
+            self.opens_in_background = True
             return True
-        proven = m.worth_seen.get(b, 0) >= WORTH_AFTER
-        if (not proven or m.dflash_worth[b].get() >= DRAFT_WORTH) and (remaining is None or self.session_pays(remaining)):
-            # Paying on the prior alone, or before DFlash has won or lost WORTH_AFTER decisions of
-            # the bucket, is still measuring: `session_pays` reads the prices of the moment, which
-            # under load swing with the prefills in the batch, and a burst of 8-16 requests at
-            # the margin would each wait for a draft prefill (0.7-0.9x target-only here). One
-            # request of the bucket at a time measures, beside the target.
-            measuring = self.can_shadow and (self._dflash_unmeasured() or not proven)
-            if measuring:
-                now = time.monotonic()
-                if now < m.measuring_until.get(b, 0.0):
-                    return False
-                m.measuring_until[b] = now + EXPLORE_S
-                self.measures = True
+        worth = m.worth_seen.get(b, 0) < WORTH_AFTER or m.dflash_worth[b].get() >= DRAFT_WORTH
+        if worth and (remaining is None or self.session_pays(remaining)):
             m.skipped[b] = 0
             m.reopen_gap[b] = REOPEN_EVERY
-            self.opens_in_background = measuring
-            self.drafts = True
+            # Paying on the prior alone (a bucket's first requests, T=1 say) is still measuring.
+            self.opens_in_background = self.can_shadow and self._dflash_unmeasured()
             return True
         # Each re-measuring session costs an Open and features on the wire; while they keep
         # confirming the skip, they come less and less often (8, 16, 32, 64 requests).
@@ -427,7 +400,7 @@ class AutoPolicy:
             return False
         m.skipped[b] = 0
         m.reopen_gap[b] = min(2 * gap, MAX_REOPEN_GAP)
-        self.opens_in_background = self.drafts = True
+        self.opens_in_background = True
         return True
 
     def session_pays(self, remaining: int) -> bool:
@@ -447,9 +420,7 @@ class AutoPolicy:
         accept = {"dflash": self._rates("dflash", 0, "dflash" in offer.shapes),
                   "ngram": self._rates("ngram", offer.ngram_match, "ngram" in offer.shapes) if offer.ngram else []}
         shapes = offer.shapes
-        watching = self._watching()
-        run_costs = replace(self.m.costs(MAX_DECODE_RUN), remaining=remaining)
-        costs = replace(self.m.costs(1), remaining=remaining) if watching else run_costs
+        costs = replace(self.m.costs(1 if self._watching() else MAX_DECODE_RUN), remaining=remaining)
         self.decisions += 1
         m = self.m
         m.decisions += 1
@@ -459,8 +430,6 @@ class AutoPolicy:
             # verify is spent on it (a fresh gateway would otherwise pay for the prior's optimism).
             max_k["dflash"] = 0
             self.shadow_wanted = True
-        if offer.ngram and offer.ngram_shadow and self.ngram_unmeasured(offer.ngram_match):
-            max_k["ngram"] = 0          # the same for this match length's n-gram drafts
         best = choose(accept, max_k, costs, shapes=shapes)
         # Exploration: an estimate that is never re-measured can stay wrong forever (one
         # unlucky first step would rule a drafter out for good). A drafter that keeps losing
@@ -475,34 +444,19 @@ class AutoPolicy:
                     self.shadow_wanted = True
                     m.last_tried[method] = m.decisions
                     continue
-                if method == "ngram" and offer.ngram_shadow:
-                    m.last_tried[method] = m.decisions      # its shadows keep measuring it
-                    continue
                 best = choose(accept, {method: k}, costs, decode=False, shapes=shapes)
                 self.probing = True
                 break
         if natural != "none":
             m.probe_gap[natural] = PROBE_EVERY
             self.last_natural[natural] = self.decisions
-        if max_k["dflash"] or max_k["ngram"]:
-            m.drafting.setdefault(self.bucket, Ema(1.0, alpha=0.05)).add(0.0 if natural == "none" else 1.0)
         if max_k["dflash"]:
             m.dflash_worth.setdefault(self.bucket, DecayedMean()).add(1.0 if natural == "dflash" else 0.0)
             m.worth_seen[self.bucket] = m.worth_seen.get(self.bucket, 0) + 1
         if best.method != "none":
             m.last_tried[best.method] = m.decisions
-        # Watching is worth its one-token runs only while n-gram drafts beat the target in a
-        # run: priced against watching's own runs (each pays a round trip the target sits out),
-        # a weak draft wins, and keeps the watching that made it win going (T=1 here: n-gram
-        # steps of τ 1.5 against a break-even of 1.8, 2-6 % slower than target-only).
-        wins = natural == "ngram" and (not watching or choose(accept, max_k, run_costs, shapes=shapes).method == "ngram")
-        self.ngram_chosen.add(1.0 if wins else 0.0)
+        self.ngram_chosen.add(1.0 if best.method == "ngram" else 0.0)
         return best
-
-    def finished(self) -> None:
-        """The request is over: the bucket's next request may measure."""
-        if self.measures:
-            self.m.measuring_until[self.bucket] = 0.0
 
     def take_shadow(self) -> bool:
         """Whether the loop should probe DFlash in the shadow now (asked once per due probe)."""
@@ -511,9 +465,6 @@ class AutoPolicy:
 
     def _dflash_unmeasured(self) -> bool:
         return self.m.acceptance(self._key("dflash", 0)).trials[0][0] < SHADOW_FIRST
-
-    def ngram_unmeasured(self, match: int) -> bool:
-        return self.m.acceptance(self._key("ngram", match)).trials[0][0] < SHADOW_FIRST
 
     def _rates(self, method: str, ngram_match: int, tree: bool):
         acc = self._acceptance(self._key(method, ngram_match))
@@ -544,22 +495,9 @@ class AutoPolicy:
         # Two at least: the next step is decided at a run's second-to-last token, so a run that
         # goes on is extended without a gap; a one-token run ends before anything can be
         # decided, and the session sits out a forward while the gateway decides.
-        start = 2 if self.run else self._first_run()
-        n = min(max(self.run, start), MAX_DECODE_RUN, remaining)
-        self.run = min(max(self.run, start) * 2, MAX_DECODE_RUN)
+        n = min(max(self.run, 2), MAX_DECODE_RUN, remaining)
+        self.run = min(max(self.run, 2) * 2, MAX_DECODE_RUN)
         return n
-
-    def _first_run(self) -> int:
-        """A request's first run: each decision costs a message both ways and finds a draft
-        worth a step in a share s of the bucket's decisions (rarely at T=1 here, often at T=0
-        on one stream), so decisions start about 1/s tokens apart: a sampled request pays
-        fewer messages than the five of 2 + 4 + … + 32, a greedy one decides as often as
-        before. A draft taken on its merits restarts the runs at two, whatever the bucket, and
-        a request with a DFlash session starts at two (its probes need decisions)."""
-        share = self.m.drafting.get(self.bucket)
-        if self.drafts or share is None or share.value is None:
-            return 2
-        return max(2, min(MAX_DECODE_RUN, int(1.0 / max(share.value, 1.0 / MAX_DECODE_RUN))))
 
     def decides_early(self) -> bool:
         """Whether the next step may be decided one token before a Decode run ends (so a run

@@ -31,7 +31,7 @@ from .cost_model import Choice
 from .generation import Stats, Tokens
 from .policy import AutoPolicy, FixedPolicy, Measurements, Offer
 from .request import Request
-from .speculative import concat_rows, depths, is_chain, record_step, shadow_trials, tree_trials, trim_tree
+from .speculative import concat_rows, depths, is_chain, record_step, tree_trials, trim_tree
 
 
 class DraftLost(Exception):
@@ -68,16 +68,6 @@ class Shadow:
     realized: list[int] = field(default_factory=list)     # committed since the Propose was sent
 
 
-@dataclass
-class NgramShadow:
-    """An n-gram draft not verified, scored against the tokens the target commits after it: the
-    gateway's own index drafts for free, so one is kept in the shadow at all times (a new one
-    as soon as the last settles) and n-gram's acceptance is measured with no verify spent."""
-    tree: common_pb2.TokenTree
-    match: int                                             # the matched suffix length behind it
-    realized: list[int] = field(default_factory=list)
-
-
 class SpeculativeLoop:
     """One attempt of a request on one target session; see the module doc. `steps()` yields
     lists of committed tokens; the caller owns the sessions' lifetimes."""
@@ -105,7 +95,6 @@ class SpeculativeLoop:
         self.opening: asyncio.Future | None = None   # the draft's Open, while it runs beside the target's steps
         self.held: list[tuple[list[int], common_pb2.Tensor | None]] = []   # committed meanwhile, owed to it once open
         self.shadow: Shadow | None = None
-        self.ngram_shadow: NgramShadow | None = None
 
     async def steps(self, history: list[int]) -> AsyncIterator[list[int]]:
         req, stats = self.req, self.stats
@@ -203,8 +192,6 @@ class SpeculativeLoop:
             length = verified.length
             generated += len(committed)
             yield Tokens(committed, verified.logprobs)
-        if self.ngram_shadow is not None:
-            self._score_ngram_shadow(final=True)
 
     # -- one step -----------------------------------------------------------------------------
     def _choose(self, remaining: int) -> tuple[Choice, common_pb2.TokenTree | None, int]:
@@ -219,33 +206,18 @@ class SpeculativeLoop:
             if self.draft.shape:
                 offer.shapes[self.draft.method] = self.draft.shape
         if self.ngram is not None:
-            local, match = self._ngram_draft()
-            if not is_chain(local.parents):
-                offer.shapes["ngram"] = list(local.parents)
-            offer.ngram, offer.ngram_match = len(local.token_ids), match
-            offer.ngram_shadow = self.policy.can_shadow_ngram
-        choice = self.policy.choose(offer, remaining)
-        sh = self.ngram_shadow
-        if choice.method == "ngram" and sh is not None and not sh.realized:
-            self.ngram_shadow = None        # the very draft being verified: its verify measures it
-        elif offer.ngram_shadow and offer.ngram and choice.method != "ngram" and sh is None:
-            self.ngram_shadow = NgramShadow(local, match)
-        return choice, local, match
-
-    def _ngram_learning(self) -> bool:
-        return self.policy.can_shadow_ngram and any(
-            self.policy.ngram_unmeasured(n) for n in range(self.ngram.min_n, self.ngram.max_n + 1))
-
-    def _ngram_draft(self) -> tuple[common_pb2.TokenTree, int]:
-        """The gateway's own n-gram draft on the tokens so far, and its matched suffix length."""
-        if self.ngram_tree is None:
-            ids, match = self.ngram.match(self.max_width - 1)
-            parents = list(range(-1, len(ids) - 1))
-        else:
-            nodes, depth, topk = self.ngram_tree
-            conts, match = self.ngram.continuations(depth, 4 * topk)
-            ids, parents = trie_tree(conts, budget=nodes, max_depth=depth, topk=topk)
-        return common_pb2.TokenTree(token_ids=ids, parents=parents), match
+            if self.ngram_tree is None:
+                ids, match = self.ngram.match(self.max_width - 1)
+                parents = list(range(-1, len(ids) - 1))
+            else:
+                nodes, depth, topk = self.ngram_tree
+                conts, match = self.ngram.continuations(depth, 4 * topk)
+                ids, parents = trie_tree(conts, budget=nodes, max_depth=depth, topk=topk)
+                if not is_chain(parents):
+                    offer.shapes["ngram"] = parents
+            local = common_pb2.TokenTree(token_ids=ids, parents=parents)
+            offer.ngram, offer.ngram_match = len(ids), match
+        return self.policy.choose(offer, remaining), local, match
 
     def _fit(self, choice: Choice, tree: common_pb2.TokenTree, probs, remaining: int, match: int = 0):
         """The part of a proposal worth verifying: a chain's first k tokens; a tree cut to the
@@ -337,18 +309,6 @@ class SpeculativeLoop:
         if self.shadow is not None:
             self.shadow.realized.extend(ids)
             self._score_shadow()
-        if self.ngram_shadow is not None:
-            self.ngram_shadow.realized.extend(ids)
-            self._score_ngram_shadow()
-        if self.ngram_shadow is None and self.ngram is not None and self._ngram_learning():
-            # While some match length is measured on the prior alone: a new one as soon as the
-            # last has settled, wherever the step boundaries fall, so a fresh gateway (or
-            # bucket) measures every match length within its first request instead of at a
-            # handful of decisions per request. Not for good: a shadow per token costs the
-            # gateway ~25 us, 15 % more CPU at 16 streams, on cores the target shares.
-            local, match = self._ngram_draft()
-            if local.token_ids:
-                self.ngram_shadow = NgramShadow(local, match)
 
     # -- the draft beside the target's steps --------------------------------------------------
     async def _open(self, opened, prefix: list[int]) -> RemoteDraft | None:
@@ -405,24 +365,14 @@ class SpeculativeLoop:
             self.shadow = None
             return
         parents, ids = list(prop.tree.parents), list(prop.tree.token_ids)
-        tried = shadow_trials(parents, ids, sh.realized, final)
-        if tried is None:
+        depth = max(depths(parents), default=0)
+        tried = tree_trials(parents, ids, sh.realized[:depth + 1])
+        accepted = sum(hit for _, _, hit in tried)
+        if not final and accepted == len(sh.realized):
             return                  # the walk is still matching: wait for the target's next token
         self.shadow = None
         if tried:
-            accepted = sum(hit for _, _, hit in tried)
             self.policy.observe(Choice("dflash", len(ids), 0.0, 0.0), accepted, tried=tried, shadow=True)
-
-    def _score_ngram_shadow(self, final: bool = False) -> None:
-        sh = self.ngram_shadow
-        ids = list(sh.tree.token_ids)
-        tried = shadow_trials(list(sh.tree.parents), ids, sh.realized, final)
-        if tried is None:
-            return
-        self.ngram_shadow = None
-        if tried:
-            accepted = sum(hit for _, _, hit in tried)
-            self.policy.observe(Choice("ngram", len(ids), 0.0, 0.0), accepted, sh.match, tried=tried, shadow=True)
 
     async def _end_shadow(self) -> None:
         """Wait for the shadow Propose (the draft's stream takes one at a time) and score it."""
@@ -438,7 +388,6 @@ class SpeculativeLoop:
 
     async def _settle(self) -> None:
         """On the way out: no draft call may outlive the loop (the caller closes the streams)."""
-        self.policy.finished()
         for task in (self.opening, self.shadow.task if self.shadow else None):
             if task is None:
                 continue

@@ -64,21 +64,6 @@ def tree_trials(parents, token_ids, committed: list[int]) -> list[tuple[int, int
     return out
 
 
-def shadow_trials(parents, token_ids, realized: list[int], final: bool = False) -> list[tuple[int, int, bool]] | None:
-    """A proposal that was not verified, scored against the tokens the target committed after
-    it (`realized`): the nodes a verify would have tried (`tree_trials`), each accepted where
-    the target's own token equals it; None while the walk is still matching and the next token
-    could take it further (unless `final`: the request ended, score what there is). For a
-    deterministic draft this is a verify's acceptance in distribution: at T = 0 the target's
-    token is the verify's, at T > 0 a draft token is accepted with the target's probability of
-    it, the chance the target samples it itself."""
-    depth = max(depths(parents), default=0)
-    tried = tree_trials(parents, token_ids, realized[:depth + 1])
-    if not final and sum(hit for _, _, hit in tried) == len(realized):
-        return None
-    return tried
-
-
 def concat_rows(tensors: list[common_pb2.Tensor]) -> common_pb2.Tensor | None:
     """Row-wise concatenation of [n_i, d] tensors of one dtype, without decoding them."""
     if not tensors:

@@ -301,8 +301,7 @@ def fixed_prices(*, decode_ms: float = 4.0, verify_ms: float = 4.0, width: int =
                  draft_open_ms: float = 1.0, accept: dict | None = None):
     """Gateway measurements whose prices stay put: a decode forward `decode_ms`, a verify of
     `width` tokens `verify_ms`, a Propose and an Open as given (a GPU's prices by default, where
-    drafting pays); accept: acceptance key -> rate, fed as 50 observed 7-token chains (for
-    DFlash, with WORTH_AFTER decisions won, so sessions open and are waited for)."""
+    drafting pays); accept: acceptance key -> rate, fed as 50 observed 7-token chains."""
     from gateway.cost_model import Costs
     from gateway.policy import Measurements
     m = Measurements()
@@ -310,15 +309,9 @@ def fixed_prices(*, decode_ms: float = 4.0, verify_ms: float = 4.0, width: int =
     m.costs = lambda decode_run=64: Costs(  # noqa: E731 - the prices, fixed for the test
         fixed_ms=decode_ms - token_ms, row_ms=0.0, token_ms=token_ms, rows=1.0, verify_overhead_ms=0.0,
         decode_overhead_ms=0.0, draft_ms={"dflash": propose_ms, "ngram": 0.0})
-    from gateway.policy import WORTH_AFTER, DecayedMean
     for key, rate in (accept or {}).items():
         for _ in range(50):
             m.acceptance(key).update(7, round(7 * rate))
-        if key[0] == "dflash":      # ... and DFlash proven worth a session there (it wins decisions)
-            m.dflash_worth[key[1]] = DecayedMean()
-            for _ in range(WORTH_AFTER):
-                m.dflash_worth[key[1]].add(1.0)
-            m.worth_seen[key[1]] = WORTH_AFTER
     m.opened_draft(draft_open_ms)
     m.proposal("dflash", propose_ms)
     return m

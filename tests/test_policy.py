@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from gateway.config import SpeculativeConfig
 from gateway.cost_model import Costs, choose, expected_tokens
 from gateway.plan import plan_request
-from gateway.policy import PROBE_EVERY, SHADOW_FIRST, Acceptance, AutoPolicy, FixedPolicy, ForwardModel, Measurements, Offer
+from gateway.policy import PROBE_EVERY, Acceptance, AutoPolicy, FixedPolicy, ForwardModel, Measurements, Offer
 from gateway.request import RequestError
 from splitspec.ngram import NgramIndex
 from splitspec.v1 import common_pb2, draft_pb2, target_pb2
@@ -326,28 +326,6 @@ def test_a_burst_on_a_fresh_gateway_opens_one_draft_session_to_measure_the_price
         m.target_step(4.5, 1, 8, verify=True, verify_rows=1)
     assert AutoPolicy(m, max_k=7).wants_draft(1000)                 # cheap verifies, optimistic acceptance
     assert not AutoPolicy(m, max_k=7).wants_draft(2)                # too short to repay a 20 ms Open
-    # That session was a measuring one (the bucket's DFlash acceptance rests on the prior): one
-    # request of a bucket measures at a time, in the background; a burst does not open sixteen.
-    burst = [AutoPolicy(m, max_k=7, bucket="sampled/greedy") for _ in range(16)]
-    assert [p.wants_draft(1000) for p in burst] == [True] + [False] * 15
-    assert burst[0].opens_in_background and burst[0].decode_run(1000) == 2
-    assert AutoPolicy(m, max_k=7, bucket="greedy").decode_run(1000) == 2
-    for _ in range(int(SHADOW_FIRST) + 1):                          # acceptance measured (and high) ...
-        m.acceptance(("dflash", "sampled/greedy")).update(7, 6)
-    again = [AutoPolicy(m, max_k=7, bucket="sampled/greedy") for _ in range(3)]
-    assert [p.wants_draft(1000) for p in again] == [False] * 3       # ... the measuring one is still on
-    burst[0].finished()                                              # it ended: the next one measures
-    again = [AutoPolicy(m, max_k=7, bucket="sampled/greedy") for _ in range(3)]
-    # Until DFlash has won or lost WORTH_AFTER decisions of the bucket, sessions are measuring ones:
-    # a price read under load must not make a burst wait for eight draft prefills.
-    assert [p.wants_draft(1000) for p in again] == [True, False, False] and again[0].opens_in_background
-    from gateway.policy import WORTH_AFTER, DecayedMean
-    m.dflash_worth["sampled/greedy"] = DecayedMean()
-    for _ in range(WORTH_AFTER):
-        m.dflash_worth["sampled/greedy"].add(1.0)                    # DFlash won its decisions
-    m.worth_seen["sampled/greedy"] = WORTH_AFTER
-    again = [AutoPolicy(m, max_k=7, bucket="sampled/greedy") for _ in range(3)]
-    assert [p.wants_draft(1000) for p in again] == [True] * 3 and not again[0].opens_in_background
 
 
 # (sessions, drafter, acceptance, expected (method, k)) on CPU-like prices: a = 4, b = 0.5,
@@ -425,53 +403,3 @@ def test_forward_model_fed_only_decodes_prices_a_verify_as_a_decode_plus_a_littl
         fm.add(16, 16 + 7, 100.0, verify=True, verify_rows=1)
     a, b, c, v = fm.coef()
     assert a + 16 * b + 23 * c + v == pytest.approx(100.0, rel=0.05)
-
-
-def test_watching_ends_when_ngram_drafts_win_only_against_watchings_own_one_token_runs():
-    # A one-token run pays a round trip the target sits out (3 ms here against a 4 ms decode),
-    # so against it a weak n-gram draft wins; against a run it loses. Watching must follow the
-    # run's prices, or the weak draft keeps the watching that made it win going (T=1).
-    m = Measurements()
-    for _ in range(20):
-        m.target_step(4.0, 1, 1)
-        m.target_step(5.0, 1, 3, verify=True)
-        m.target_step(7.0, 1, 8, verify=True)
-        m.decode_gap(7.0, 4.0, first=True)
-        m.decode_gap(4.2, 4.0, first=False)
-        m.verify_round_trip(6.0, 5.0)
-    policy = AutoPolicy(m, max_k=7)
-    offer = Offer(ngram=2, ngram_match=2)
-    for _ in range(6):                              # accepted: n-gram pays, and is watched for
-        c = policy.choose(offer, 1000)
-        assert c.method == "ngram"
-        policy.observe(c, 2, ngram_match=2)
-    assert policy.decode_run(1000) == 1
-    for i in range(60):                              # now mostly rejected
-        c = policy.choose(offer, 1000)
-        policy.observe(c, 1 if c.method == "ngram" and i % 4 == 0 else 0, ngram_match=2)
-    acc = policy._rates("ngram", 2, False)[0]
-    assert 0.3 < acc < 0.7
-    costs_run, costs_watch = m.costs(64), m.costs(1)
-    weak = {"ngram": [acc]}
-    assert choose(weak, {"ngram": 2}, costs_watch).method == "ngram"    # wins against watching's runs
-    assert choose(weak, {"ngram": 2}, costs_run).method == "none"       # loses against a run
-    assert policy.decode_run(1000) > 1
-
-
-def test_a_requests_first_run_is_as_long_as_its_buckets_decisions_are_from_a_draft():
-    # Each decision costs a message both ways. Where few decisions find a draft worth a step
-    # (sampled requests here), a request starts with a long run instead of 2, 4, 8 …; where
-    # most do, it starts at two; a draft taken on its merits restarts the runs at two.
-    from gateway.cost_model import Choice
-    m = Measurements()
-    assert AutoPolicy(m, max_k=7, bucket="sampled/greedy").decode_run(1000) == 2     # nothing known yet
-    p = AutoPolicy(m, max_k=7, bucket="sampled/greedy")
-    for _ in range(200):
-        p.choose(Offer(ngram=3, ngram_match=1), 1000)       # never accepted: never worth a step
-        p.observe(Choice("ngram", 3, 0, 0), 0, ngram_match=1)
-    assert m.drafting["sampled/greedy"].get(1.0) < 1 / 32
-    fresh = AutoPolicy(m, max_k=7, bucket="sampled/greedy")
-    assert fresh.decode_run(1000) == 64
-    assert AutoPolicy(m, max_k=7).decode_run(1000) == 2                             # other buckets: their own
-    fresh.observe(Choice("ngram", 3, 0, 0), 2, ngram_match=1)                       # a natural draft paid
-    assert fresh.decode_run(1000) == 2
