@@ -354,7 +354,7 @@ class SpeculativeLoop:
         self.shadow = Shadow(asyncio.ensure_future(propose()))
 
     def _score_shadow(self, final: bool = False) -> None:
-        """Score the shadow proposal once the target has committed enough tokens after its base
+        """Score the shadow proposal once the target has committed enough tokens after its Propose
         to settle every node the walk reaches (or, `final`, with what there is): the nodes a
         verify would have tried, each accepted where the target's own token equals it."""
         sh = self.shadow
