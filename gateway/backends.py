@@ -139,20 +139,25 @@ class TargetSession(_StreamSession):
         self.opened = True
         return opened
 
-    async def decode(self, n: int, return_hidden: bool = False) -> AsyncIterator[target_pb2.TargetToken]:
-        """Stream n tokens. Stopping early leaves the stream mid-reply: only `close` (which then
-        cancels the stream) is possible afterwards."""
-        await self._send(target_pb2.TargetRequest(decode=target_pb2.TargetDecode(n=n, return_hidden=return_hidden)))
+    async def decode(self, n: int, return_hidden: bool = False,
+                     lookahead: int = 0) -> AsyncIterator[target_pb2.TargetToken]:
+        """Stream n tokens, one TargetToken per forward (several tokens in one with lookahead).
+        Stopping early leaves the stream mid-reply: only `close` (which then cancels the stream)
+        is possible afterwards."""
+        await self._send(target_pb2.TargetRequest(decode=target_pb2.TargetDecode(
+            n=n, return_hidden=return_hidden, lookahead=lookahead)))
         self._pending = n
-        while self._pending:
+        while self._pending > 0:
             tok = await self._recv("token")
-            self._pending -= 1
+            self._pending -= 1 + len(tok.more_token_ids)
             yield tok
 
-    async def extend(self, n: int, return_hidden: bool = False) -> None:
+    async def extend(self, n: int, return_hidden: bool = False, lookahead: int = 0) -> None:
         """While `decode` streams, add n tokens to its run (TargetDecode's doc): the same
-        iterator goes on yielding them."""
-        await self._send(target_pb2.TargetRequest(decode=target_pb2.TargetDecode(n=n, return_hidden=return_hidden)))
+        iterator goes on yielding them. The same lookahead as the run's: it starts a new run if
+        the last one ended meanwhile."""
+        await self._send(target_pb2.TargetRequest(decode=target_pb2.TargetDecode(
+            n=n, return_hidden=return_hidden, lookahead=lookahead)))
         self._pending += n
 
     async def verify(self, step: int, base_len: int, tree: common_pb2.TokenTree,

@@ -18,6 +18,7 @@ class SpeculativeConfig:
     eagle_topk: int = 1             # branching factor; 1 = chain
     num_draft_tokens: int = 8       # verify width: root + drafted nodes
     draft_sampling: str = "greedy"  # "greedy": target-only verification; "sample": min(1, p/q)
+    target_lookahead: bool = True   # auto: n-gram chains drafted inside the target's Decode runs where it can
 
 
 @dataclass(frozen=True)

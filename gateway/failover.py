@@ -268,7 +268,7 @@ class ResilientSource:
         plan = self.plan
         remaining = self.req.max_new_tokens - len(self.history)
         remote = plan.speculative is not None and self.policy.wants_draft(remaining) and self._want_draft()
-        if remote or plan.local_ngram:
+        if remote or plan.local_ngram or plan.lookahead:
             self.stats.method = plan.method
         elif not self.history:
             self.stats.method = "none"
@@ -279,7 +279,7 @@ class ResilientSource:
             layer_ids=plan.layer_ids if remote else [], hidden_stream=plan.hidden_stream if remote else "",
             ngram=NgramIndex(1, 4) if plan.local_ngram else None,
             max_width=max(width, plan.max_k + 1), step_timeout_s=self.cfg.draft_timeout_ms / 1e3,
-            ngram_tree=plan.ngram_tree,
+            ngram_tree=plan.ngram_tree, lookahead=plan.lookahead,
             hidden_dtype=self.b.draft_info.hidden_dtype if remote and self.b.draft_info is not None else 0,
             hidden_last=self.b.draft_info.context_window if remote and self.b.draft_info is not None else 0)
         return loop.steps(self.history)

@@ -30,6 +30,7 @@ class Plan:
     local_ngram: bool = False                          # the gateway's own n-gram index drafts
     hidden_stream: str = ""                            # the stream the draft's taps read (Attention Residuals)
     ngram_tree: tuple[int, int, int] | None = None     # the gateway's n-gram tries: (nodes, depth, topk)
+    lookahead: int = 0                                 # auto: prompt-lookup tokens the target's Decode runs may verify
 
 
 def plan_request(spec: SpeculativeConfig, raw: common_pb2.SpeculativeParams, *, has_draft: bool,
@@ -87,8 +88,12 @@ def plan_request(spec: SpeculativeConfig, raw: common_pb2.SpeculativeParams, *, 
         remote = dflash_ok
         params = common_pb2.SpeculativeParams(method="dflash", num_draft_tokens=limit,
                                               draft_sampling=spec.draft_sampling) if remote else None
+        # Chains of prompt lookup run inside the target's Decode runs where it can (no round trip,
+        # every token a chance: target_service/lookahead.py); an older target leaves them here.
+        lookahead = min(width - 1, target.max_lookahead) if spec.target_lookahead else 0
         return Plan("auto", list(draft.target_layer_ids) if remote else [], params, target.tokenizer_hash,
-                    max_k=width - 1, local_ngram=True, hidden_stream=draft.target_hidden_stream if remote else "")
+                    max_k=width - 1, local_ngram=not lookahead, lookahead=lookahead,
+                    hidden_stream=draft.target_hidden_stream if remote else "")
     if method == "ngram" and draft is None:
         # No draft service (or none reachable yet): the gateway's own prompt lookup honours it.
         return Plan("ngram", [], None, max_k=width - 1, local_ngram=True)

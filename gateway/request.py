@@ -178,4 +178,5 @@ def _speculative(msg: common_pb2.SpeculativeParams, default: SpeculativeConfig) 
         if value < low:
             raise RequestError(f"speculative.{name} must be >= {low}, got {value}")
         values[attr] = value
-    return SpeculativeConfig(method=method, draft_sampling=draft_sampling, **values)
+    return SpeculativeConfig(method=method, draft_sampling=draft_sampling, target_lookahead=default.target_lookahead,
+                             **values)

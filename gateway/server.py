@@ -362,6 +362,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--speculative-num-draft-tokens", type=int, default=8, help="verify width: root + drafted tokens")
     a("--speculative-draft-sampling", default="greedy", choices=list(DRAFT_SAMPLING),
       help="greedy drafts (target-only verification) or sampled drafts with min(1, p/q)")
+    a("--target-lookahead", default="on", choices=["on", "off"],
+      help="auto: let the target draft n-gram chains inside its Decode runs (no round trip; see "
+           "docs/speculation.md); off: the gateway drafts them from its own index between runs")
     a("--max-message-mb", type=int, default=64, help="largest gRPC message, either direction")
     a("--target-wait-s", type=float, default=600.0, help="how long to wait for a target at start-up")
     a("--draft-wait-s", type=float, default=30.0,
@@ -421,7 +424,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     spec = SpeculativeConfig(method=method,
                              num_steps=args.speculative_num_steps, eagle_topk=args.speculative_eagle_topk,
                              num_draft_tokens=args.speculative_num_draft_tokens,
-                             draft_sampling=args.speculative_draft_sampling)
+                             draft_sampling=args.speculative_draft_sampling,
+                             target_lookahead=args.target_lookahead == "on")
     return GatewayConfig(targets=tuple(args.target), draft=args.draft, tokenizer_path=args.tokenizer_path,
                          max_new_tokens_cap=args.max_new_tokens_cap,
                          # a cap below the default lowers the default with it

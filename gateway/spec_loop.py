@@ -77,12 +77,14 @@ class SpeculativeLoop:
                  open_draft: Callable[[object, list[int]], Awaitable[RemoteDraft | None]] | None,
                  layer_ids: list[int], ngram: NgramIndex | None, max_width: int, step_timeout_s: float,
                  hidden_stream: str = "", ngram_tree: tuple[int, int, int] | None = None, hidden_dtype: int = 0,
-                 hidden_last: int = 0):
+                 hidden_last: int = 0, lookahead: int = 0):
         """ngram_tree: (nodes, depth, topk) when the gateway's own n-gram index drafts tries.
         hidden_dtype: the DType the draft takes hidden states in (DraftInfo.hidden_dtype), asked
         of the target at Open so that features reach the draft as it wants them, never cast there.
         hidden_last: a windowed draft's DraftInfo.context_window (0: the whole prompt): the target's
-        Open returns only that many trailing prompt features, all such a draft ever reads."""
+        Open returns only that many trailing prompt features, all such a draft ever reads.
+        lookahead: prompt-lookup tokens the target may verify inside each Decode run (TargetDecode's
+        doc): the target then drafts the n-gram chains, and this loop's index (None) does not."""
         self.target, self.req, self.stats, self.policy = target, req, stats, policy
         self.m = measurements
         self.draft_call, self.open_draft = draft_call, open_draft
@@ -90,6 +92,7 @@ class SpeculativeLoop:
         self.hidden_stream, self.hidden_dtype, self.hidden_last = hidden_stream, hidden_dtype, hidden_last
         self.step_s = step_timeout_s
         self.ngram_tree = ngram_tree if ngram_tree and ngram_tree[2] > 1 else None
+        self.lookahead = lookahead
         self.draft: RemoteDraft | None = None
         self.early: Choice | None = None        # the next step, decided before a Decode run's last token
         self.opening: asyncio.Future | None = None   # the draft's Open, while it runs beside the target's steps
@@ -158,8 +161,9 @@ class SpeculativeLoop:
                     self.draft = None
                 if self.policy.take_shadow():
                     self._start_shadow(length)
-                async for toks in self._decode(self.policy.decode_run(remaining - generated),
-                                               remaining - generated):
+                left = remaining - generated
+                async for toks in self._decode(left if self._nothing_to_decide() else self.policy.decode_run(left),
+                                               left):
                     generated += len(toks)
                     length += len(toks)
                     yield toks
@@ -253,6 +257,12 @@ class SpeculativeLoop:
             self.draft.shape = list(prop.tree.parents)
         return self._fit(choice, prop.tree, probs, remaining)
 
+    def _nothing_to_decide(self) -> bool:
+        """No draft session (none opening either) and the n-gram chains drafted by the target
+        inside its runs: every step from here is the target's, so one Decode takes the rest of the
+        request, with no decision (and no extension on the wire) between its tokens."""
+        return bool(self.lookahead) and self.draft is None and self.opening is None and self.ngram is None
+
     def _lets_draft_go(self) -> bool:
         return self.draft is not None and self.draft.needs_hidden and not self.policy.keeps_draft()
 
@@ -270,20 +280,25 @@ class SpeculativeLoop:
         first = True
         pending, left = n, left - n             # this run's tokens still to come; the request's after it
         stats.decode_runs += 1
-        async for tok in self.target.decode(n, return_hidden=want_hidden):
+        async for tok in self.target.decode(n, return_hidden=want_hidden, lookahead=self.lookahead):
             now = time.perf_counter()
             ms = (now - t) * 1e3
             stats.verify_ms += ms
             stats.model_ms += tok.forward_ms
             stats.queue_ms += tok.queue_ms
-            self.m.target_step(tok.forward_ms, tok.batch_size, tok.batch_tokens, verify_rows=tok.batch_verify_rows)
+            self.m.target_step(tok.forward_ms, tok.batch_size, tok.batch_tokens, verify=tok.drafted > 0,
+                               verify_rows=tok.batch_verify_rows)
             self.m.decode_gap(ms, tok.forward_ms, first)
             first = False
-            self.policy.observe(Choice("none", 0, 1.0, 0.0), 0)
-            record_step(stats, "none", 0, 0, 1)
-            self._committed([tok.token_id], tok.hidden if want_hidden else None)
-            pending -= 1
-            if pending == 1 and left > 0 and self.policy.decides_early():
+            ids = [tok.token_id, *tok.more_token_ids]
+            if tok.drafted:         # the target's own prompt lookup verified a chain in this forward
+                record_step(stats, "ngram", tok.drafted, tok.accepted, len(ids), depth=tok.drafted)
+            else:
+                self.policy.observe(Choice("none", 0, 1.0, 0.0), 0)
+                record_step(stats, "none", 0, 0, 1)
+            self._committed(ids, tok.hidden if want_hidden else None)
+            pending -= len(ids)
+            if pending <= 1 and left > 0 and self.policy.decides_early():   # a lookahead forward may pass 1
                 choice, _, _ = self._choose(left)
                 if self.policy.take_shadow():
                     self._start_shadow(tok.length)
@@ -291,12 +306,12 @@ class SpeculativeLoop:
                     more = self.policy.decode_run(left)
                     if self.opening is not None:
                         more = min(more, 2)     # the draft is about to be ready: decide again soon
-                    await self.target.extend(more, return_hidden=want_hidden)
+                    await self.target.extend(more, return_hidden=want_hidden, lookahead=self.lookahead)
                     stats.decode_extensions += 1
                     pending, left = pending + more, left - more
                 else:
                     self.early = choice
-            yield Tokens([tok.token_id], [tok.logprob] if tok.HasField("logprob") else ())
+            yield Tokens(ids, [tok.logprob, *tok.more_logprobs] if tok.HasField("logprob") else ())
             t = time.perf_counter()
 
     def _committed(self, ids: list[int], hidden: common_pb2.Tensor | None) -> None:
@@ -396,3 +411,4 @@ class SpeculativeLoop:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task              # also retrieves an error nobody read (the caller ends the request)
         self.opening, self.shadow = None, None
+        self.policy.finished()

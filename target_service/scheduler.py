@@ -37,6 +37,7 @@ from splitspec.engine.tree import Tree
 
 from . import prefix
 from .grammar import rewrite_tree
+from .lookahead import Lookahead, SessionLookahead
 from .models.dense import CausalLM
 from .runner import Decode, Prefill, Sequence, StepOutput, Verify, check_hidden_stream, run_batch
 
@@ -75,6 +76,8 @@ class Step:
     cached_tokens: int = 0  # prefill: prompt tokens whose K/V came from the prefix cache
     forced: int = 0         # verify: accepted tokens the grammar forced (nodes the target added)
     verify_rows: int = 0    # rows of that forward that verified a draft tree
+    drafted: int = 0        # decode with lookahead: prompt-lookup tokens this forward verified
+    accepted: int = 0       # ... and of them, accepted
 
 
 @dataclass
@@ -87,6 +90,8 @@ class Work:
     queue: asyncio.Queue | None = None     # decode: one Step (or exception) per token
     remaining: int = 0                 # decode tokens still to produce
     total: int = 0                     # decode tokens this run yields in all (extensions included)
+    lookahead: int = 0                 # decode: most prompt-lookup tokens one forward may verify (lookahead.py)
+    drafted: tuple[int, int] | None = None   # decode: (match length, tokens) drafted in the forward in flight
     tree: Tree | None = None
     draft_probs: torch.Tensor | None = None
     hidden: list = field(default_factory=list)   # prefill features, chunk by chunk
@@ -111,6 +116,7 @@ class Session:
     # Whether the caller asked for features. A session that did not may still compute a draft's
     # taps, only to store them with the blocks it publishes (Scheduler.open).
     ships_hidden: bool = True
+    look: SessionLookahead | None = None    # its prompt-lookup index, once a Decode asks for lookahead
 
     @property
     def length(self) -> int:
@@ -154,6 +160,7 @@ class Scheduler:
         # Called on the engine thread after each forward (kind, rows, tokens, forward_ms) when
         # --metrics-port is on; None costs nothing.
         self.on_forward = None
+        self.lookahead = Lookahead()
         engine.attach(self)
 
     # --- what GetInfo reports ---------------------------------------------------------------
@@ -252,15 +259,21 @@ class Scheduler:
             raise
         return session, step
 
-    async def decode(self, session: Session, n: int) -> AsyncIterator[Step]:
-        """n target-only steps, one forward each (batched with whatever else is pending)."""
+    async def decode(self, session: Session, n: int, lookahead: int = 0) -> AsyncIterator[Step]:
+        """n target-only tokens, one forward per Step (batched with whatever else is pending). With
+        lookahead > 0 a forward may verify up to that many prompt-lookup tokens and commit several
+        (lookahead.py); the run still ends at exactly n tokens."""
         if n < 1:
             raise ValueError(f"decode.n must be >= 1, got {n}")
+        if lookahead < 0:
+            raise ValueError(f"decode.lookahead must be >= 0 (0: plain decoding), got {lookahead}")
         if session.length - 1 + n > session.max_len:
             raise ContextError(f"decode.n = {n} would grow the sequence to {session.length + n} tokens; this "
                                f"session holds at most {session.max_len} (open.max_new_tokens / max context)")
         work = Work("decode", asyncio.get_running_loop(), time.perf_counter(), queue=asyncio.Queue(),
-                    remaining=n, total=n)
+                    remaining=n, total=n, lookahead=lookahead)
+        if lookahead and session.look is None:
+            session.look = SessionLookahead(sampled=not session.seq.params.greedy)
         self._submit(session, work)
         try:
             yielded = 0
@@ -268,7 +281,7 @@ class Scheduler:
                 item = await work.queue.get()
                 if isinstance(item, BaseException):
                     raise item
-                yielded += 1
+                yielded += len(item.out.committed)
                 yield item
         finally:
             with self.lock:
@@ -403,6 +416,7 @@ class Scheduler:
                         w.tree, w.draft_probs, added = rewrite_tree(session.seq.guide, w.tree, w.draft_probs, room)
                         w.first_added = len(w.tree) - added
                     steps.append(Verify(session.seq, w.tree, w.draft_probs))
+            self._look_ahead(picked, steps)
         if self.verify_threads:
             # With one session the draft waits while the target verifies: all threads then. The
             # draft computes for the other sessions only where they draft with it (they ship it
@@ -417,8 +431,9 @@ class Scheduler:
         outputs = run_batch(self.model, self.pool, self.verifier, steps, self.attention)
         end = time.perf_counter()
         forward_ms = (end - start) * 1e3
-        tokens = sum(n for _, n in picked)
+        tokens = sum(len(step.tree) + 1 if isinstance(step, Verify) else n for step, (_, n) in zip(steps, picked))
         verify_rows = sum(isinstance(step, Verify) for step in steps)
+        self.lookahead.ran(len(picked), tokens, verify_rows, forward_ms)
         done = Deliveries()
         with self.lock:
             self.forwards += 1
@@ -438,6 +453,31 @@ class Scheduler:
         done.flush()
         if self.on_forward is not None:
             self.on_forward(step_kind(w.kind for w in works), len(picked), tokens, forward_ms)
+
+    def _look_ahead(self, picked: list[tuple[Session, int]], steps: list) -> None:
+        """Turn the decode steps of runs that allow it into verifies of their prompt-lookup
+        drafts, where that is priced to raise the batch's tokens per ms (lookahead.py), within
+        the forward's token budget."""
+        rows = len(picked)
+        tokens = sum(n for _, n in picked)
+        verify_rows = sum(isinstance(step, Verify) for step in steps)
+        produced = float(sum(not isinstance(step, Prefill) for step in steps))
+        for i, (session, _) in enumerate(picked):
+            w = session.work
+            w.drafted = None
+            if w.kind != "decode" or not w.lookahead or session.look is None or session.seq.guide is not None:
+                continue
+            k_max = min(w.lookahead, w.remaining - 1, self.max_batched_tokens - tokens)
+            if k_max <= 0:
+                continue
+            ids, match, e = self.lookahead.plan(session.look, session.seq.tokens, k_max, rows=rows, tokens=tokens,
+                                                verify_rows=verify_rows, produced=produced)
+            if ids:
+                steps[i] = Verify(session.seq, Tree.chain(ids), None)
+                w.drafted = (match, len(ids))
+                tokens += len(ids)
+                verify_rows += 1
+                produced += e
 
     def _draft_busy(self, steps) -> bool:
         drafting = {id(s.seq) for s in self.running if s.ships_hidden}
@@ -475,10 +515,16 @@ class Scheduler:
         w.queue_ms += (start - w.ready_at) * 1e3
         w.forward_ms += forward_ms
         if w.kind == "decode":
+            drafted = accepted = 0
+            if w.drafted is not None and not isinstance(out, Exception):
+                (match, drafted), accepted = w.drafted, out.result.num_accepted
+                self.lookahead.observe(session.look, match, drafted, accepted)
+            w.drafted = None
             item = out if isinstance(out, Exception) else Step(out, forward_ms, w.queue_ms, rows, tokens, session.length,
-                                                               verify_rows=verify_rows)
+                                                               verify_rows=verify_rows, drafted=drafted,
+                                                               accepted=accepted)
             done.put(w.loop, w.queue, item)
-            w.remaining -= 1
+            w.remaining -= 1 if isinstance(out, Exception) else len(out.committed)
             w.ready_at, w.queue_ms = end, 0.0
             if isinstance(out, Exception) or w.remaining == 0:
                 session.work = None

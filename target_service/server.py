@@ -115,7 +115,8 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
             forward_passes=sched.forwards, batched_steps=sched.rows, busy_ms=sched.busy_ms,
             max_num_batched_tokens=sched.max_batched_tokens,
             tensor_parallel_size=getattr(sched.model, "world", 1),
-            parallel_layout=sched.model.describe() if hasattr(sched.model, "describe") else "tp=1")
+            parallel_layout=sched.model.describe() if hasattr(sched.model, "describe") else "tp=1",
+            max_lookahead=sched.lookahead.max_draft)
 
     async def _scheduler(self, context) -> Scheduler:
         if self.state.failure is not None:
@@ -196,6 +197,7 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
             if session is not None:
                 sched.close(session)
                 log.info("session_closed", length=session.length, active_sessions=sched.active_sessions,
+                         lookahead=sched.lookahead.snapshot(),
                          seconds=round(time.monotonic() - session.opened_at, 3))
 
     async def _next(self, reading: asyncio.Future, idle: bool):
@@ -248,18 +250,25 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
         return session, resp
 
     async def _decode(self, sched: Scheduler, session, msg: target_pb2.TargetDecode, context) -> None:
-        async for step in sched.decode(session, msg.n):
-            # One message per streamed token, filled in place (no TargetToken to copy into it).
+        async for step in sched.decode(session, msg.n, msg.lookahead):
+            # One message per forward, filled in place (no TargetToken to copy into it): one token,
+            # or with lookahead all those a verified prompt-lookup draft committed.
             resp = target_pb2.TargetResponse()
             tok = resp.token
-            tok.token_id, tok.length = step.out.committed[0], step.length
+            committed = step.out.committed
+            tok.token_id, tok.length = committed[0], step.length
             tok.forward_ms, tok.queue_ms = step.forward_ms, step.queue_ms
             tok.batch_size, tok.batch_tokens = step.batch_size, step.batch_tokens
             tok.batch_verify_rows = step.verify_rows
+            if len(committed) > 1:
+                tok.more_token_ids.extend(committed[1:])
+            if step.drafted:
+                tok.drafted, tok.accepted = step.drafted, step.accepted
             if msg.return_hidden and step.out.hidden is not None:
                 tensor_to_pb(step.out.hidden, session.wire_dtype, out=tok.hidden)
             if step.out.logprobs:
                 tok.logprob.CopyFrom(logprob_to_pb(step.out.logprobs[0]))
+                tok.more_logprobs.extend(logprob_to_pb(lp) for lp in step.out.logprobs[1:])
             await context.write(resp)
 
     async def _verify(self, sched: Scheduler, session, msg: target_pb2.TargetVerify):

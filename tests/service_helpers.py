@@ -253,11 +253,12 @@ async def asgi_post(app, path: str, body) -> tuple[int, bytes]:
 
 @contextlib.contextmanager
 def inproc_gateway(target: str, draft: str, *, measurements=None, method: str = "auto", num_draft_tokens: int = 4,
-                   on_backends=None):
+                   on_backends=None, target_lookahead: bool = True):
     """A gateway in this process (its own event loop thread) over running target and draft
     services: yields its address. `measurements` replaces the gateway's measured prices (a test
     sets the prices auto decides on); `on_backends(backends)` may wrap the backends before it
-    serves (count what it opens)."""
+    serves (count what it opens). target_lookahead=False: n-gram chains from the gateway's own index
+    (the path for targets that cannot look ahead), not the target's Decode runs."""
     import threading
     import types
 
@@ -272,7 +273,8 @@ def inproc_gateway(target: str, draft: str, *, measurements=None, method: str = 
     async def start():
         cfg = GatewayConfig(targets=(target,), draft=draft, target_wait_s=30, draft_timeout_ms=60000,
                             speculative=SpeculativeConfig(method=method, num_steps=num_draft_tokens - 1,
-                                                          num_draft_tokens=num_draft_tokens))
+                                                          num_draft_tokens=num_draft_tokens,
+                                                          target_lookahead=target_lookahead))
         backends = Backends(cfg)
         await backends.connect(logs.get_logger())
         if measurements is not None:

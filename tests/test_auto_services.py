@@ -110,13 +110,16 @@ def test_auto_sampling_follows_the_target_distribution(services, model, draft_sa
     # drafting. The gateway here runs in process with prices under which any draft pays (a
     # verify cheaper than a decode, a free Propose and Open): auto then drafts wherever a
     # drafter offers, through its own choices, cuts and acceptance updates, and the test checks
-    # that every such path keeps the target's distribution.
+    # that every such path keeps the target's distribution. Its n-gram chains come from its own
+    # index here: the target's lookahead prices with its own measured forwards (and its
+    # distribution has its test in test_lookahead.py).
     target, draft, _ = services
     # DFlash's acceptance is given too: on the prior alone its session would open beside the
     # target (a measuring one), too late for these 4-token requests to draft with it.
     prices = fixed_prices(decode_ms=12.0, verify_ms=4.0, propose_ms=0.0, draft_open_ms=0.0,
                           accept={("dflash", sampling_bucket(1.0, draft_sampling)): 0.5})
-    with inproc_gateway(target.address, draft.address, measurements=prices, num_draft_tokens=8) as address:
+    with inproc_gateway(target.address, draft.address, measurements=prices, num_draft_tokens=8,
+                        target_lookahead=False) as address:
         _, stub = gateway_stub(address)
 
         def run(seed):
@@ -137,26 +140,37 @@ def test_auto_sampling_follows_the_target_distribution(services, model, draft_sa
     assert chi_square_pvalue(counts, joint, samples) > 1e-3
 
 
-def test_target_only_runs_are_extended_without_a_gap(stub, model):
-    """Where drafts do not pay (T=1 with a random draft), auto decodes in runs; the next step is
-    decided before a run's last token and the run extended on the target, so the session never
-    sits out a forward between two runs: most runs after the first few are extensions, and
-    every token still arrives once, in order."""
-    def run(seed):
-        prompt = [11 + seed, 40 + 3 * seed, 90 + seed, 7]
-        req = build_request(prompt, max_new_tokens=160, ignore_eos=True, temperature=1.0, seed=seed, method="auto")
-        ids, _, complete = collect(stub.Generate(req, timeout=300))
-        return ids, complete.stats
-    with ThreadPoolExecutor(2) as pool:
-        results = list(pool.map(run, range(4)))
-    for ids, st in results:
-        assert len(ids) == 160
-        assert sum(s.accepted + 1 for s in st.steps) == len(ids) - 1
-        assert st.steps_by_method.get("none", 0) > 100
+def test_target_only_runs_are_extended_without_a_gap(stub, services, model):
+    """Where drafts do not pay (T=1 with a random draft) and the gateway drafts n-gram chains
+    itself (a target that cannot look ahead), auto decodes in runs; the next step is decided
+    before a run's last token and the run extended on the target, so the session never sits out
+    a forward between two runs: most runs after the first few are extensions, and every token
+    still arrives once, in order. With the target looking ahead (the default), a request that
+    holds no DFlash session has nothing to decide: one Decode run takes all its tokens."""
+    def send(stub):
+        def run(seed):
+            prompt = [11 + seed, 40 + 3 * seed, 90 + seed, 7]
+            req = build_request(prompt, max_new_tokens=160, ignore_eos=True, temperature=1.0, seed=seed,
+                                method="auto")
+            ids, _, complete = collect(stub.Generate(req, timeout=300))
+            return ids, complete.stats
+        with ThreadPoolExecutor(2) as pool:
+            results = list(pool.map(run, range(4)))
+        for ids, st in results:
+            assert len(ids) == 160
+            assert sum(s.accepted + 1 for s in st.steps) == len(ids) - 1
+            assert st.steps_by_method.get("none", 0) > 100
+        return results
+    target, draft, _ = services
+    with inproc_gateway(target.address, draft.address, num_draft_tokens=8, target_lookahead=False) as address:
+        results = send(gateway_stub(address)[1])
     runs = sum(st.decode_runs for _, st in results)
     extensions = sum(st.decode_extensions for _, st in results)
-    print(f"{runs} Decode runs, {extensions} extensions")
+    print(f"gateway n-gram: {runs} Decode runs, {extensions} extensions")
     assert extensions > 0 and extensions >= runs // 2, (runs, extensions)
+    sessionless = [st for _, st in send(stub) if st.hidden_state_bytes == 0]
+    print(f"target lookahead: runs of the requests without a draft session {[st.decode_runs for st in sessionless]}")
+    assert sessionless and all(st.decode_runs == 1 and st.decode_extensions == 0 for st in sessionless)
 
 
 def test_parameters_no_drafter_can_honour_are_refused_before_any_session(stub, services):

@@ -138,7 +138,7 @@ def test_auto_policy_probes_a_drafter_it_stopped_choosing():
 
 
 def test_requests_skip_a_dflash_session_where_dflash_stopped_winning_and_reopen_to_remeasure():
-    from gateway.policy import MAX_REOPEN_GAP, REOPEN_EVERY, WORTH_AFTER, sampling_bucket
+    from gateway.policy import DRAFT_WORTH, MAX_REOPEN_GAP, REOPEN_EVERY, WORTH_AFTER, sampling_bucket
     m = measured(8.0)
     sampled, greedy = sampling_bucket(1.0, "greedy"), sampling_bucket(0.0, "greedy")
     assert sampled != greedy == "greedy"
@@ -146,7 +146,8 @@ def test_requests_skip_a_dflash_session_where_dflash_stopped_winning_and_reopen_
     assert first.wants_draft()                                    # nothing measured: try it
     assert not AutoPolicy(m, max_k=7, bucket=greedy).wants_draft()  # one explorer at a time
     m.opened_draft(5.0)                                           # its Open measured (the Propose was)
-    while m.worth_seen.get(sampled, 0) < 2 * WORTH_AFTER:          # DFlash's drafts never accepted
+    # DFlash's drafts never accepted, until its share of the bucket's decisions is below DRAFT_WORTH.
+    while m.worth_seen.get(sampled, 0) < WORTH_AFTER or m.dflash_worth[sampled].get() >= DRAFT_WORTH:
         first.observe(first.choose(Offer(dflash=7), 1000), 0)
     # One in REOPEN_EVERY re-measures, then one in 2, 4, 8 x REOPEN_EVERY (at most MAX_REOPEN_GAP)
     # while those keep confirming the skip: each costs an Open and features on the wire.
@@ -242,6 +243,29 @@ def test_plan_with_auto_takes_the_numbers_as_upper_bounds():
     assert p.speculative is None and p.local_ngram and p.max_k == 7
 
 
+def test_plan_with_auto_hands_n_gram_chains_to_a_target_that_looks_ahead():
+    looking = target_pb2.TargetInfo()
+    looking.CopyFrom(TARGET)
+    looking.max_lookahead = 15
+    msg = common_pb2.SpeculativeParams(method="auto")
+    p = plan_request(SpeculativeConfig(method="auto"), msg, has_draft=True, draft=DFLASH, target=looking)
+    assert (p.lookahead, p.local_ngram, p.max_k) == (7, False, 7)     # the chain width, not the target's most
+    looking.max_lookahead = 3
+    assert plan_request(SpeculativeConfig(method="auto"), msg, has_draft=True, draft=DFLASH, target=looking).lookahead == 3
+    # Switched off (--target-lookahead off), against an older target (0), and for trees: the gateway's index.
+    off = plan_request(SpeculativeConfig(method="auto", target_lookahead=False), msg, has_draft=True, draft=DFLASH,
+                       target=looking)
+    assert (off.lookahead, off.local_ngram) == (0, True)
+    assert (plan("auto").lookahead, plan("auto").local_ngram) == (0, True)
+    trees = draft_pb2.DraftInfo(model_id="d", method="dflash", block_size=8, target_layer_ids=[1, 3], max_topk=4)
+    tree = plan_request(SpeculativeConfig(method="auto", eagle_topk=3), common_pb2.SpeculativeParams(method="auto"),
+                        has_draft=True, draft=trees, target=looking)
+    assert tree.ngram_tree is not None
+    assert (tree.lookahead, tree.local_ngram) == (0, True)
+    # Explicit methods never: ngram and dflash run what was asked at every step.
+    assert plan("ngram", has_draft=False, draft=None).lookahead == 0
+
+
 def test_plan_honours_what_it_can():
     p = plan("dflash", num_draft_tokens=5)
     assert p.speculative.num_draft_tokens == 5 and p.speculative.num_steps == 4 and p.speculative.topk == 1
@@ -327,6 +351,31 @@ def test_a_burst_on_a_fresh_gateway_opens_one_draft_session_to_measure_the_price
     assert AutoPolicy(m, max_k=7).wants_draft(1000)                 # cheap verifies, optimistic acceptance
     assert not AutoPolicy(m, max_k=7).wants_draft(2)                # too short to repay a 20 ms Open
 
+
+
+def test_a_bucket_measured_on_the_prior_alone_opens_one_session_at_a_time():
+    """Prices measured, DFlash's acceptance of a bucket not yet: a session that pays on the prior
+    alone is a measuring one, opened beside the target, and one request of the bucket at a time
+    holds it (a burst of sixteen once opened 9-13, each a draft prefill on shared cores); its end
+    lets the next one open, as does EXPLORE_S passing; other buckets measure on their own."""
+    from gateway.policy import EXPLORE_S
+    m = Measurements()
+    m.opened_draft(1.0)
+    m.proposal("dflash", 1.0)
+    for _ in range(20):
+        m.target_step(8.0, 1, 1)
+        m.target_step(8.5, 1, 8, verify=True, verify_rows=1)
+    burst = [AutoPolicy(m, max_k=7, bucket="sampled/greedy") for _ in range(16)]
+    opened = [p.wants_draft(1000) for p in burst]
+    assert opened == [True] + [False] * 15
+    assert burst[0].opens_in_background and burst[0].measuring
+    assert AutoPolicy(m, max_k=7, bucket="greedy").wants_draft(1000)        # its own bucket's measurer
+    burst[0].finished()
+    nxt = AutoPolicy(m, max_k=7, bucket="sampled/greedy")
+    assert nxt.wants_draft(1000) and not AutoPolicy(m, max_k=7, bucket="sampled/greedy").wants_draft(1000)
+    m.measuring_until["sampled/greedy"] -= EXPLORE_S                      # its request never ended
+    assert AutoPolicy(m, max_k=7, bucket="sampled/greedy").wants_draft(1000)
+    FixedPolicy("dflash").finished()                                       # nothing to release
 
 # (sessions, drafter, acceptance, expected (method, k)) on CPU-like prices: a = 4, b = 0.5,
 # c = 0.25, v = 1 ms, a Verify's overhead 1 ms, a DFlash Propose 5 ms, n-gram free. A decode

@@ -82,15 +82,17 @@ class TargetOpened(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., hidden: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., length: _Optional[int] = ..., forward_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class TargetDecode(_message.Message):
-    __slots__ = ("n", "return_hidden")
+    __slots__ = ("n", "return_hidden", "lookahead")
     N_FIELD_NUMBER: _ClassVar[int]
     RETURN_HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    LOOKAHEAD_FIELD_NUMBER: _ClassVar[int]
     n: int
     return_hidden: bool
-    def __init__(self, n: _Optional[int] = ..., return_hidden: _Optional[bool] = ...) -> None: ...
+    lookahead: int
+    def __init__(self, n: _Optional[int] = ..., return_hidden: _Optional[bool] = ..., lookahead: _Optional[int] = ...) -> None: ...
 
 class TargetToken(_message.Message):
-    __slots__ = ("token_id", "length", "hidden", "forward_ms", "queue_ms", "batch_size", "batch_tokens", "logprob", "batch_verify_rows")
+    __slots__ = ("token_id", "length", "hidden", "forward_ms", "queue_ms", "batch_size", "batch_tokens", "logprob", "batch_verify_rows", "more_token_ids", "more_logprobs", "drafted", "accepted")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +102,10 @@ class TargetToken(_message.Message):
     BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     BATCH_VERIFY_ROWS_FIELD_NUMBER: _ClassVar[int]
+    MORE_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MORE_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     length: int
     hidden: _common_pb2.Tensor
@@ -109,7 +115,11 @@ class TargetToken(_message.Message):
     batch_tokens: int
     logprob: _common_pb2.TokenLogprob
     batch_verify_rows: int
-    def __init__(self, token_id: _Optional[int] = ..., length: _Optional[int] = ..., hidden: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., forward_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., batch_verify_rows: _Optional[int] = ...) -> None: ...
+    more_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    more_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    drafted: int
+    accepted: int
+    def __init__(self, token_id: _Optional[int] = ..., length: _Optional[int] = ..., hidden: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., forward_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., batch_verify_rows: _Optional[int] = ..., more_token_ids: _Optional[_Iterable[int]] = ..., more_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ...) -> None: ...
 
 class TargetVerify(_message.Message):
     __slots__ = ("step", "base_len", "tree", "draft_probs")
@@ -160,7 +170,7 @@ class TargetClosed(_message.Message):
     def __init__(self) -> None: ...
 
 class TargetInfo(_message.Message):
-    __slots__ = ("model_id", "architecture", "vocab_size", "hidden_size", "num_layers", "dtype", "eos_token_ids", "max_context", "tokenizer_hash", "tokenizer_json", "tokenizer_config_json", "active_sessions", "max_sessions", "kv_cache_bytes", "kv_cache_budget_bytes", "sampling_backend", "replica_id", "running_sessions", "waiting_sessions", "max_queued_requests", "kv_block_size", "kv_blocks_used", "kv_blocks_free", "forward_passes", "batched_steps", "max_num_batched_tokens", "busy_ms", "tensor_parallel_size", "parallel_layout")
+    __slots__ = ("model_id", "architecture", "vocab_size", "hidden_size", "num_layers", "dtype", "eos_token_ids", "max_context", "tokenizer_hash", "tokenizer_json", "tokenizer_config_json", "active_sessions", "max_sessions", "kv_cache_bytes", "kv_cache_budget_bytes", "sampling_backend", "replica_id", "running_sessions", "waiting_sessions", "max_queued_requests", "kv_block_size", "kv_blocks_used", "kv_blocks_free", "forward_passes", "batched_steps", "max_num_batched_tokens", "busy_ms", "tensor_parallel_size", "parallel_layout", "max_lookahead")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -190,6 +200,7 @@ class TargetInfo(_message.Message):
     BUSY_MS_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     PARALLEL_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    MAX_LOOKAHEAD_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     architecture: str
     vocab_size: int
@@ -219,4 +230,5 @@ class TargetInfo(_message.Message):
     busy_ms: float
     tensor_parallel_size: int
     parallel_layout: str
-    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context: _Optional[int] = ..., tokenizer_hash: _Optional[str] = ..., tokenizer_json: _Optional[bytes] = ..., tokenizer_config_json: _Optional[str] = ..., active_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., kv_cache_budget_bytes: _Optional[int] = ..., sampling_backend: _Optional[str] = ..., replica_id: _Optional[str] = ..., running_sessions: _Optional[int] = ..., waiting_sessions: _Optional[int] = ..., max_queued_requests: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., forward_passes: _Optional[int] = ..., batched_steps: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., busy_ms: _Optional[float] = ..., tensor_parallel_size: _Optional[int] = ..., parallel_layout: _Optional[str] = ...) -> None: ...
+    max_lookahead: int
+    def __init__(self, model_id: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context: _Optional[int] = ..., tokenizer_hash: _Optional[str] = ..., tokenizer_json: _Optional[bytes] = ..., tokenizer_config_json: _Optional[str] = ..., active_sessions: _Optional[int] = ..., max_sessions: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., kv_cache_budget_bytes: _Optional[int] = ..., sampling_backend: _Optional[str] = ..., replica_id: _Optional[str] = ..., running_sessions: _Optional[int] = ..., waiting_sessions: _Optional[int] = ..., max_queued_requests: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., forward_passes: _Optional[int] = ..., batched_steps: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., busy_ms: _Optional[float] = ..., tensor_parallel_size: _Optional[int] = ..., parallel_layout: _Optional[str] = ..., max_lookahead: _Optional[int] = ...) -> None: ...
