@@ -88,6 +88,13 @@ class Lookahead:
         """Every forward this target ran, whatever ran in it."""
         self.forward.add(rows, tokens, ms, verify_rows > 0, verify_rows)
 
+    def could_pay(self, k_max: int, *, rows: int, tokens: int, verify_rows: int, produced: float) -> bool:
+        """Whether a k_max-token chain accepted whole would pay in this batch: where not (a full
+        batch), no session's lookup is worth its time (tens of microseconds on a long sequence)."""
+        coef = self.forward.coef() or (1.0, 1.0, 0.1, 0.0)
+        return best_k([1.0] * k_max, k_max, coef, rows=rows, tokens=tokens, verify_rows=verify_rows,
+                      produced=produced)[0] > 0
+
     def _acceptance(self, look: SessionLookahead, match: int) -> tuple[Acceptance, Acceptance]:
         key = (look.sampled, match)
         if key not in self.shared:

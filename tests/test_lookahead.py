@@ -189,3 +189,13 @@ def test_the_target_wide_estimate_seeds_each_sessions_own():
     assert shared.rates()[0] < 0.1 and local_b.rates()[0] < 0.2      # b starts from what a taught
     c = lookahead.SessionLookahead(sampled=True)
     assert la._acceptance(c, 2)[0].rates()[0] > 0.5                     # sampled sessions learn apart
+
+
+def test_no_lookup_where_even_a_whole_accepted_chain_would_not_pay():
+    """The cheap check before any session's lookup: 64 decoders at (2, 1, 0.5, 3) ms, base 98 ms,
+    plain 1.1 x 64/98 = 0.718 /ms; 7 tokens all accepted: 71/(98 + 3.5 + 3) = 0.679: no. One
+    decoder: 8/(3.5 + 3.5 + 3) = 0.8 > 1.1/3.5 = 0.314: yes."""
+    la = lookahead.Lookahead()
+    la.forward.coef = lambda: (2.0, 1.0, 0.5, 3.0)
+    assert la.could_pay(7, rows=1, tokens=1, verify_rows=0, produced=1.0)
+    assert not la.could_pay(7, rows=64, tokens=64, verify_rows=0, produced=64.0)
