@@ -102,6 +102,12 @@ class StateCollector(Collector):
             yield CounterMetricFamily(PREFIX + "prefix_cache_hits",
                                       "Prompt tokens whose K/V came from the prefix cache.",
                                       value=state["prefix_cache_hits"])
+        if "lookahead_drafts" in state:
+            # The target's prompt lookup inside Decode runs: acceptance = accepted / draft tokens.
+            for key, doc in (("lookahead_drafts", "Decode steps the target ran as a verify of its own prompt lookup."),
+                             ("lookahead_draft_tokens", "Prompt-lookup tokens the target verified in Decode runs."),
+                             ("lookahead_accepted_tokens", "Of them, accepted.")):
+                yield CounterMetricFamily(PREFIX + key, doc, value=state[key])
 
 
 

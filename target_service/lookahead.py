@@ -11,9 +11,10 @@ Whether a step drafts, and how many tokens, is priced against the forward it wou
 `estimates.ForwardModel` fits this target's forward time on every forward it runs (rows,
 tokens, verify rows), and the chain's acceptance is learnt per matched suffix length, apart for
 greedy and sampled sessions (each session's own estimate starts from the target-wide one). For
-the batch as composed so far, k drafted tokens pay when the whole batch's expected tokens per
-millisecond rise: (produced + E_k) / ms_k > produced / ms_0, so a wide verify that slows every
-other row of a full batch is not run for the tokens it would add to one.
+the batch as composed so far, k drafted tokens pay when the tokens they are expected to add per
+millisecond they add to the forward beat the batch's own rate by MIN_GAIN: E_k / (c·k + v) >
+1.3 · produced / ms, so a wide verify that slows every other row of a full batch is run only
+for as many tokens as it costs them; of those, the k with the most tokens per ms.
 
 Exact: the chain is a deterministic draft, verified like any other (`verify.py`: at T > 0 a
 token is accepted with the target's own probability of it), so outputs keep the target's
@@ -28,10 +29,12 @@ from splitspec.ngram import NgramIndex
 
 MAX_DRAFT = 15          # longest chain one forward verifies (TargetInfo.max_lookahead)
 MIN_N, MAX_N = 1, 4     # matched suffix lengths looked up, longest first
-# A draft must be priced this much better than plain decoding. Near break-even the estimates'
-# errors decide, and they lean one way: a key is drafted exactly where its estimate came out
-# high. At T = 1 on this CPU, drafting at any expected gain ran 3-5 % slower than none.
-MIN_GAIN = 1.1
+# The tokens a draft is expected to add per millisecond it adds to the forward must beat the
+# batch's own tokens per millisecond by this much. Near break-even the estimates' errors decide,
+# and they lean one way: a key is drafted exactly where its estimate came out high. At T = 1 on
+# this CPU, drafting at any expected gain ran 3-5 % slower than none; a good T = 0 match adds
+# several times the batch's rate, so the margin costs it nothing.
+MIN_GAIN = 1.3
 
 
 def expected_accepted(rates: list[float], k: int) -> float:
@@ -46,18 +49,23 @@ def expected_accepted(rates: list[float], k: int) -> float:
 
 def best_k(rates: list[float], k_max: int, coef: tuple[float, float, float, float], *, rows: int, tokens: int,
            verify_rows: int, produced: float) -> tuple[int, float]:
-    """(draft tokens, their expected accepted count) that maximise the batch's tokens per ms.
+    """(draft tokens, their expected accepted count) that maximise the batch's tokens per ms,
+    among the chains whose expected tokens per added ms beat the batch's rate by MIN_GAIN.
     coef: the forward's (fixed, per row, per token, per verify row) ms; rows / tokens /
     verify_rows: the batch so far, this session's decode row included; produced: the tokens the
     batch is expected to commit without this draft. (0, 0.0) when plain decoding is best."""
     a, b, c, v = coef
     base = max(a + b * rows + c * tokens + v * verify_rows, 1e-6)
-    best, best_e, best_rate = 0, 0.0, MIN_GAIN * produced / base
+    rate = produced / base
+    best, best_e, best_rate = 0, 0.0, rate
     for k in range(1, k_max + 1):
         e = expected_accepted(rates, k)
-        rate = (produced + e) / (base + c * k + v)     # the decode row turns into a verify row
-        if rate > best_rate * (1 + 1e-9):
-            best, best_e, best_rate = k, e, rate
+        added = c * k + v                               # the decode row turns into a verify row
+        if e <= MIN_GAIN * rate * added:
+            continue
+        r = (produced + e) / (base + added)
+        if r > best_rate * (1 + 1e-9):
+            best, best_e, best_rate = k, e, r
     return best, best_e
 
 
@@ -83,6 +91,7 @@ class Lookahead:
         self.max_draft = max_draft
         self.forward = ForwardModel()
         self.shared: dict[tuple[bool, int], Acceptance] = {}
+        self.drafts = self.draft_tokens = self.accepted_tokens = 0    # totals, for the metrics
 
     def ran(self, rows: int, tokens: int, verify_rows: int, ms: float) -> None:
         """Every forward this target ran, whatever ran in it."""
@@ -127,5 +136,8 @@ class Lookahead:
                            for (s, m), a in sorted(self.shared.items())}}
 
     def observe(self, look: SessionLookahead, match: int, drafted: int, accepted: int) -> None:
+        self.drafts += 1
+        self.draft_tokens += drafted
+        self.accepted_tokens += accepted
         for acc in self._acceptance(look, match):
             acc.update(drafted, accepted)

@@ -389,7 +389,9 @@ def metrics_state(state: TargetState) -> dict:
         return {}
     return dict(running=len(sched.running), waiting=len(sched.waiting), kv_blocks_used=sched.pool.used_blocks,
                 kv_blocks_free=sched.pool.free_blocks, forwards=sched.forwards, rows=sched.rows,
-                prefix_cache_queries=sched.prefix_queries, prefix_cache_hits=sched.prefix_hits)
+                prefix_cache_queries=sched.prefix_queries, prefix_cache_hits=sched.prefix_hits,
+                lookahead_drafts=sched.lookahead.drafts, lookahead_draft_tokens=sched.lookahead.draft_tokens,
+                lookahead_accepted_tokens=sched.lookahead.accepted_tokens)
 
 
 def nodes_from_lws(args: argparse.Namespace) -> None:

@@ -23,24 +23,25 @@ from test_dflash import chi_square_pvalue
 
 # (rates, k_max, (fixed, per row, per token, per verify row) ms, rows, tokens, verify_rows, produced) -> k
 # Each case worked out by hand below it: a k-token chain adds c·k + v ms to the forward and an
-# expected sum_i prod_{j<=i} r_j tokens; it runs when (produced + E_k) / ms_k beats
-# MIN_GAIN (1.1) x produced / ms_0, the best k winning.
+# expected E_k = sum_i prod_{j<=i} r_j tokens. It may run when E_k / (c·k + v) beats MIN_GAIN
+# (1.3) x the batch's rate (produced / base ms); of those, the k with the most (produced + E_k)
+# / (base + c·k + v) wins, or plain decoding if none does.
 CASES = [
-    # One stream, cheap verify: base 2+2+0.1 = 4.1 ms, plain 1.1/4.1 = 0.268 /ms. r = 0.9:
-    # E_8 = 9(1 - 0.9^8) = 5.13, (1 + 5.13)/(4.1 + 0.8 + 1) = 1.039 /ms, the best of k = 1..8.
+    # One stream, cheap verify: base 2+2+0.1 = 4.1 ms, rate 0.244, margin 0.317 /ms. r = 0.9:
+    # E_8 = 9(1 - 0.9^8) = 5.13 over 1.8 ms = 2.85 /ms; (1 + 5.13)/(4.1 + 1.8) = 1.038, the best.
     ([0.9] * 8, 8, (2.0, 2.0, 0.1, 1.0), 1, 1, 0, 1.0, 8),
-    # Same prices, r = 0.2: k = 1 gives 1.2/5.2 = 0.231 < 0.268, longer chains add ~0: off.
+    # Same prices, r = 0.2: E_2 = 0.24 over 1.2 ms = 0.20 /ms, the most any k adds: off.
     ([0.2] * 8, 8, (2.0, 2.0, 0.1, 1.0), 1, 1, 0, 1.0, 0),
-    # Near break-even: r = 0.25, base 4 ms (plain 0.25 /ms): E_8 = 1/3 -> 1.333/5 = 0.267 /ms, above
-    # plain but under MIN_GAIN's 0.275: off (the margin the estimates' errors need).
-    ([0.25] * 8, 8, (2.0, 2.0, 0.0, 1.0), 1, 1, 0, 1.0, 0),
-    # A full batch: 16 decoders, base 2 + 16 + 8 = 26 ms, plain 1.1 x 16/26 = 0.677 /ms. r = 0.9,
-    # k = 8: (16 + 5.13)/(26 + 4 + 3) = 0.640 < 0.677: off; the same draft alone (base 3.5):
-    # (1 + 5.13)/(3.5 + 4 + 3) = 0.584 > 1.1/3.5 = 0.314: on.
+    # Near break-even: r = 0.24, base 4 ms (rate 0.25, margin 0.325): E_8 = 0.316 over 1 ms. It
+    # would beat plain ((1 + 0.316)/5 = 0.263 > 0.25) but not the margin the estimates' errors need: off.
+    ([0.24] * 8, 8, (2.0, 2.0, 0.0, 1.0), 1, 1, 0, 1.0, 0),
+    # A full batch: 16 decoders, base 2 + 16 + 8 = 26 ms, rate 0.615, margin 0.8 /ms. r = 0.9:
+    # E_8 = 5.13 over 0.5·8 + 3 = 7 ms = 0.73 /ms: off. The same draft alone (base 3.5, margin
+    # 0.371): 0.73 /ms passes, and (1 + 5.13)/(3.5 + 7) = 0.583 beats k = 7's 5.70/10 = 0.570.
     ([0.9] * 8, 8, (2.0, 1.0, 0.5, 3.0), 16, 16, 0, 16.0, 0),
     ([0.9] * 8, 8, (2.0, 1.0, 0.5, 3.0), 1, 1, 0, 1.0, 8),
-    # Per-token cost dominates: c = 1.5, base 5.5 ms, r = 0.6: k = 1: 1.6/7 = 0.229, k = 2:
-    # 1.96/8.5 = 0.231, k = 3: 2.176/10 = 0.218: two tokens.
+    # Per-token cost dominates: c = 1.5, base 5.5 ms (margin 0.236), r = 0.6: k = 1: 1.6/7 =
+    # 0.229, k = 2: 1.96/8.5 = 0.231 (0.96 over 3 ms = 0.32 /ms passes), k = 3: 2.176/10 = 0.218.
     ([0.6] * 8, 8, (2.0, 2.0, 1.5, 0.0), 1, 1, 0, 1.0, 2),
     # k_max caps the chain: the request has 3 tokens left (k <= 2).
     ([0.9] * 8, 2, (2.0, 2.0, 0.1, 1.0), 1, 1, 0, 1.0, 2),
@@ -192,10 +193,10 @@ def test_the_target_wide_estimate_seeds_each_sessions_own():
 
 
 def test_no_lookup_where_even_a_whole_accepted_chain_would_not_pay():
-    """The cheap check before any session's lookup: 64 decoders at (2, 1, 0.5, 3) ms, base 98 ms,
-    plain 1.1 x 64/98 = 0.718 /ms; 7 tokens all accepted: 71/(98 + 3.5 + 3) = 0.679: no. One
-    decoder: 8/(3.5 + 3.5 + 3) = 0.8 > 1.1/3.5 = 0.314: yes."""
+    """The cheap check before any session's lookup: 64 decoders at (2, 1, 0.5, 8) ms, base 98 ms,
+    rate 0.653, margin 0.849 /ms; 7 tokens all accepted add 7 over 3.5 + 8 ms = 0.609 /ms: no.
+    One decoder (base 3.5 ms, margin 0.371): yes."""
     la = lookahead.Lookahead()
-    la.forward.coef = lambda: (2.0, 1.0, 0.5, 3.0)
+    la.forward.coef = lambda: (2.0, 1.0, 0.5, 8.0)
     assert la.could_pay(7, rows=1, tokens=1, verify_rows=0, produced=1.0)
     assert not la.could_pay(7, rows=64, tokens=64, verify_rows=0, produced=64.0)

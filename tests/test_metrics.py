@@ -175,6 +175,24 @@ def test_gateway_counters_move_by_exactly_one_requests_tokens_and_steps(stack):
     assert (accepted + steps) / steps == pytest.approx(st.accept_length)
 
 
+def test_the_targets_lookahead_counters_move_by_its_ngram_steps(stack):
+    """auto, greedy, on a prompt that repeats: the target's prompt lookup inside its Decode runs
+    (the gateway records those forwards as n-gram steps) moves the target's lookahead counters
+    by exactly those steps' drafted and accepted tokens."""
+    stub, ports = stack
+    before = scrape(ports["target"])
+    steps = []
+    for i in range(3):
+        req = build_request([5 + i, 6, 7, 8] * 4, max_new_tokens=48, ignore_eos=True, method="auto")
+        steps += [s for s in collect(stub.Generate(req, timeout=120))[2].stats.steps if s.method == "ngram"]
+    after = scrape(ports["target"])
+    assert steps                                # drafts priced on the prior (0.7) are tried at first
+    assert delta(after, before, "splitspec:lookahead_drafts_total") == len(steps)
+    assert delta(after, before, "splitspec:lookahead_draft_tokens_total") == sum(s.k for s in steps)
+    assert delta(after, before, "splitspec:lookahead_accepted_tokens_total") == sum(s.accepted for s in steps)
+    print(f"{len(steps)} lookahead steps, {sum(s.k for s in steps)} tokens drafted")
+
+
 GATEWAY_METRICS = [
     "splitspec:num_requests_running", "splitspec:num_requests_waiting", "splitspec:prompt_tokens_total",
     "splitspec:generation_tokens_total", "splitspec:time_to_first_token_seconds_count",
