@@ -12,9 +12,10 @@ Whether a step drafts, and how many tokens, is priced against the forward it wou
 tokens, verify rows), and the chain's acceptance is learnt per matched suffix length, apart for
 greedy and sampled sessions (each session's own estimate starts from the target-wide one). For
 the batch as composed so far, k drafted tokens pay when the tokens they are expected to add per
-millisecond they add to the forward beat the batch's own rate by MIN_GAIN: E_k / (c·k + v) >
-1.3 · produced / ms, so a wide verify that slows every other row of a full batch is run only
-for as many tokens as it costs them; of those, the k with the most tokens per ms.
+millisecond they add to the forward beat the batch's own rate by MIN_GAIN, E_k / (c·k + v) >
+1.1 · produced / ms (so a wide verify that slows every other row of a full batch is run only
+for as many tokens as it costs them), and they are expected to add MIN_TOKENS (1) at least; of
+those, the k with the most tokens per ms.
 
 Exact: the chain is a deterministic draft, verified like any other (`verify.py`: at T > 0 a
 token is accepted with the target's own probability of it), so outputs keep the target's
@@ -29,12 +30,15 @@ from splitspec.ngram import NgramIndex
 
 MAX_DRAFT = 15          # longest chain one forward verifies (TargetInfo.max_lookahead)
 MIN_N, MAX_N = 1, 4     # matched suffix lengths looked up, longest first
-# The tokens a draft is expected to add per millisecond it adds to the forward must beat the
-# batch's own tokens per millisecond by this much. Near break-even the estimates' errors decide,
-# and they lean one way: a key is drafted exactly where its estimate came out high. At T = 1 on
-# this CPU, drafting at any expected gain ran 3-5 % slower than none; a good T = 0 match adds
-# several times the batch's rate, so the margin costs it nothing.
-MIN_GAIN = 1.3
+# A draft runs only where it is expected to add at least MIN_TOKENS accepted tokens, and the
+# tokens it adds per millisecond it adds to the forward beat the batch's own rate by MIN_GAIN.
+# Near break-even the estimates' errors decide, and they lean one way: a key is drafted exactly
+# where its estimate came out high, and a verify's fixed price (v) rests on the few forwards that
+# verified. At T = 1 on this CPU, drafting at any expected gain (a draft adds ~0.5 tokens there)
+# ran 3-5 % slower than none; a 30 % margin on the rate instead kept out the 4-token matches
+# that carry T = 0 at 16 streams (1.02x where 1.25x was there).
+MIN_TOKENS = 1.0
+MIN_GAIN = 1.1
 
 
 def expected_accepted(rates: list[float], k: int) -> float:
@@ -50,7 +54,7 @@ def expected_accepted(rates: list[float], k: int) -> float:
 def best_k(rates: list[float], k_max: int, coef: tuple[float, float, float, float], *, rows: int, tokens: int,
            verify_rows: int, produced: float) -> tuple[int, float]:
     """(draft tokens, their expected accepted count) that maximise the batch's tokens per ms,
-    among the chains whose expected tokens per added ms beat the batch's rate by MIN_GAIN.
+    among the chains expected to add MIN_TOKENS at least, at a rate (per added ms) MIN_GAIN above the batch's.
     coef: the forward's (fixed, per row, per token, per verify row) ms; rows / tokens /
     verify_rows: the batch so far, this session's decode row included; produced: the tokens the
     batch is expected to commit without this draft. (0, 0.0) when plain decoding is best."""
@@ -61,7 +65,7 @@ def best_k(rates: list[float], k_max: int, coef: tuple[float, float, float, floa
     for k in range(1, k_max + 1):
         e = expected_accepted(rates, k)
         added = c * k + v                               # the decode row turns into a verify row
-        if e <= MIN_GAIN * rate * added:
+        if e < MIN_TOKENS or e <= MIN_GAIN * rate * added:
             continue
         r = (produced + e) / (base + added)
         if r > best_rate * (1 + 1e-9):
@@ -92,6 +96,7 @@ class Lookahead:
         self.forward = ForwardModel()
         self.shared: dict[tuple[bool, int], Acceptance] = {}
         self.drafts = self.draft_tokens = self.accepted_tokens = 0    # totals, for the metrics
+        self.lookups = self.matches = self.full = 0     # lookups made, those that matched; batches too full to try
 
     def ran(self, rows: int, tokens: int, verify_rows: int, ms: float) -> None:
         """Every forward this target ran, whatever ran in it."""
@@ -120,8 +125,10 @@ class Lookahead:
         if k_max <= 0:
             return [], 0, 0.0
         ids, match = look.match(tokens_so_far, k_max)
+        self.lookups += 1
         if not ids:
             return [], 0, 0.0
+        self.matches += 1
         coef = self.forward.coef() or (1.0, 1.0, 0.1, 0.0)   # unmeasured: drafting looks cheap, so it is tried
         local, _ = self._acceptance(look, match)
         k, e = best_k(local.rates(), len(ids), coef, rows=rows, tokens=tokens, verify_rows=verify_rows,
@@ -131,7 +138,8 @@ class Lookahead:
     def snapshot(self) -> dict:
         """The numbers behind the decisions, for a log line."""
         coef = self.forward.coef()
-        return {"coef_ms": None if coef is None else [round(x, 3) for x in coef],
+        return {"coef_ms": None if coef is None else [round(x, 3) for x in coef], "lookups": self.lookups,
+                "matches": self.matches, "drafts": self.drafts, "full_batches": self.full,
                 "accept": {f"{'sampled' if s else 'greedy'}/{m}": [round(r, 2) for r in a.rates()[:4]]
                            for (s, m), a in sorted(self.shared.items())}}
 

@@ -465,6 +465,7 @@ class Scheduler:
         widest = max((s.work.lookahead for s, _ in picked if s.work.kind == "decode"), default=0)
         if not widest or not self.lookahead.could_pay(min(widest, self.lookahead.max_draft), rows=rows, tokens=tokens,
                                                       verify_rows=verify_rows, produced=produced):
+            self.lookahead.full += bool(widest)
             for session, _ in picked:
                 session.work.drafted = None
             return

@@ -15,7 +15,7 @@ from splitspec.engine.sample import SamplingParams
 from target_service import lookahead
 from target_service.engine import generate
 from target_service.loader import load_model
-from target_service.lookahead import MIN_GAIN, best_k, expected_accepted
+from target_service.lookahead import MIN_GAIN, MIN_TOKENS, best_k, expected_accepted
 from target_service.scheduler import Scheduler
 from target_service.torch_verifier import TorchVerifier
 from test_auto_services import exact_joint
@@ -23,27 +23,32 @@ from test_dflash import chi_square_pvalue
 
 # (rates, k_max, (fixed, per row, per token, per verify row) ms, rows, tokens, verify_rows, produced) -> k
 # Each case worked out by hand below it: a k-token chain adds c·k + v ms to the forward and an
-# expected E_k = sum_i prod_{j<=i} r_j tokens. It may run when E_k / (c·k + v) beats MIN_GAIN
-# (1.3) x the batch's rate (produced / base ms); of those, the k with the most (produced + E_k)
-# / (base + c·k + v) wins, or plain decoding if none does.
+# expected E_k = sum_i prod_{j<=i} r_j tokens. It may run when E_k >= MIN_TOKENS (1) and
+# E_k / (c·k + v) beats MIN_GAIN (1.1) x the batch's rate (produced / base ms); of those, the k
+# with the most (produced + E_k) / (base + c·k + v) wins, or plain decoding if none may run.
 CASES = [
-    # One stream, cheap verify: base 2+2+0.1 = 4.1 ms, rate 0.244, margin 0.317 /ms. r = 0.9:
+    # One stream, cheap verify: base 2+2+0.1 = 4.1 ms, rate 0.244, margin 0.268 /ms. r = 0.9:
     # E_8 = 9(1 - 0.9^8) = 5.13 over 1.8 ms = 2.85 /ms; (1 + 5.13)/(4.1 + 1.8) = 1.038, the best.
     ([0.9] * 8, 8, (2.0, 2.0, 0.1, 1.0), 1, 1, 0, 1.0, 8),
-    # Same prices, r = 0.2: E_2 = 0.24 over 1.2 ms = 0.20 /ms, the most any k adds: off.
+    # Same prices, r = 0.2: E_8 = 0.25 tokens: off.
     ([0.2] * 8, 8, (2.0, 2.0, 0.1, 1.0), 1, 1, 0, 1.0, 0),
-    # Near break-even: r = 0.24, base 4 ms (rate 0.25, margin 0.325): E_8 = 0.316 over 1 ms. It
-    # would beat plain ((1 + 0.316)/5 = 0.263 > 0.25) but not the margin the estimates' errors need: off.
-    ([0.24] * 8, 8, (2.0, 2.0, 0.0, 1.0), 1, 1, 0, 1.0, 0),
-    # A full batch: 16 decoders, base 2 + 16 + 8 = 26 ms, rate 0.615, margin 0.8 /ms. r = 0.9:
-    # E_8 = 5.13 over 0.5·8 + 3 = 7 ms = 0.73 /ms: off. The same draft alone (base 3.5, margin
-    # 0.371): 0.73 /ms passes, and (1 + 5.13)/(3.5 + 7) = 0.583 beats k = 7's 5.70/10 = 0.570.
-    ([0.9] * 8, 8, (2.0, 1.0, 0.5, 3.0), 16, 16, 0, 16.0, 0),
+    # r = 0.45, base 4 ms: E_8 = 0.817 over 1 ms would beat plain ((1 + 0.817)/5 = 0.363 > 0.25)
+    # and the margin, but adds under one token (T = 1's drafts, where the estimates' errors decide): off.
+    ([0.45] * 8, 8, (2.0, 2.0, 0.0, 1.0), 1, 1, 0, 1.0, 0),
+    # r = 0.6, a dear verify (v = 5.5): E_8 = 1.475 over 5.5 ms = 0.268 /ms, above the rate 0.25
+    # ((1 + 1.475)/9.5 = 0.261 beats plain) but under the margin 0.275: off.
+    ([0.6] * 8, 8, (2.0, 2.0, 0.0, 5.5), 1, 1, 0, 1.0, 0),
+    # A full batch: 16 decoders, base 2 + 16 + 8 = 26 ms, rate 0.615, margin 0.677 /ms. r = 0.8:
+    # E_8 = 4(1 - 0.8^8) = 3.33 over 0.5·8 + 3 = 7 ms = 0.476 /ms: off. r = 0.9: 5.13 over 7 ms =
+    # 0.732 /ms: on, (16 + 5.13)/33 = 0.640 (k = 7: 20.70/32.5 = 0.637). The r = 0.9 draft alone
+    # (base 3.5): (1 + 5.13)/(3.5 + 7) = 0.583 beats k = 7's 5.70/10 = 0.570.
+    ([0.8] * 8, 8, (2.0, 1.0, 0.5, 3.0), 16, 16, 0, 16.0, 0),
+    ([0.9] * 8, 8, (2.0, 1.0, 0.5, 3.0), 16, 16, 0, 16.0, 8),
     ([0.9] * 8, 8, (2.0, 1.0, 0.5, 3.0), 1, 1, 0, 1.0, 8),
-    # Per-token cost dominates: c = 1.5, base 5.5 ms (margin 0.236), r = 0.6: k = 1: 1.6/7 =
-    # 0.229, k = 2: 1.96/8.5 = 0.231 (0.96 over 3 ms = 0.32 /ms passes), k = 3: 2.176/10 = 0.218.
-    ([0.6] * 8, 8, (2.0, 2.0, 1.5, 0.0), 1, 1, 0, 1.0, 2),
-    # k_max caps the chain: the request has 3 tokens left (k <= 2).
+    # Per-token cost dominates: c = 1.5, base 5.5 ms (margin 0.2), r = 0.6: k = 1, 2 add under one
+    # token; k = 3: 2.176/10 = 0.218 (1.176 over 4.5 ms = 0.261 /ms), k = 4: 2.306/11.5 = 0.200.
+    ([0.6] * 8, 8, (2.0, 2.0, 1.5, 0.0), 1, 1, 0, 1.0, 3),
+    # k_max caps the chain: the request has 3 tokens left (k <= 2; E_2 = 1.71).
     ([0.9] * 8, 2, (2.0, 2.0, 0.1, 1.0), 1, 1, 0, 1.0, 2),
 ]
 
@@ -59,7 +64,7 @@ def test_expected_accepted_counts_a_chain_stopping_at_its_first_rejection():
     assert expected_accepted([0.5, 0.5, 0.5], 2) == pytest.approx(0.5 + 0.25)
     assert expected_accepted([1.0, 0.0, 1.0], 3) == pytest.approx(1.0)
     assert expected_accepted([0.9], 0) == 0.0
-    assert MIN_GAIN > 1.0
+    assert MIN_GAIN > 1.0 and MIN_TOKENS == 1.0      # the cases below are worked out with these
 
 
 @pytest.fixture(scope="module")
@@ -194,8 +199,8 @@ def test_the_target_wide_estimate_seeds_each_sessions_own():
 
 def test_no_lookup_where_even_a_whole_accepted_chain_would_not_pay():
     """The cheap check before any session's lookup: 64 decoders at (2, 1, 0.5, 8) ms, base 98 ms,
-    rate 0.653, margin 0.849 /ms; 7 tokens all accepted add 7 over 3.5 + 8 ms = 0.609 /ms: no.
-    One decoder (base 3.5 ms, margin 0.371): yes."""
+    rate 0.653, margin 0.718 /ms; 7 tokens all accepted add 7 over 3.5 + 8 ms = 0.609 /ms: no.
+    One decoder (base 3.5 ms, margin 0.314): yes."""
     la = lookahead.Lookahead()
     la.forward.coef = lambda: (2.0, 1.0, 0.5, 8.0)
     assert la.could_pay(7, rows=1, tokens=1, verify_rows=0, produced=1.0)
