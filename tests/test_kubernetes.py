@@ -292,8 +292,9 @@ def exported_metrics() -> dict[str, set[str]]:
     def names(registry):
         return {m.name for m in registry.collect()}
     pool = SimpleNamespace(used_blocks=3, free_blocks=5)
+    lookahead = SimpleNamespace(drafts=1, draft_tokens=7, accepted_tokens=3)
     t_state = SimpleNamespace(scheduler=SimpleNamespace(running=[1], waiting=[1, 2], pool=pool, forwards=1, rows=2,
-                                                        prefix_queries=10, prefix_hits=4))
+                                                        prefix_queries=10, prefix_hits=4, lookahead=lookahead))
     d_state = SimpleNamespace(engine=object(), active=1, pool=pool,
                               scheduler=SimpleNamespace(forwards=1, rows=2, pending=[1]))
     out = {}
