@@ -298,7 +298,9 @@ class SpeculativeLoop:
                 record_step(stats, "none", 0, 0, 1)
             self._committed(ids, tok.hidden if want_hidden else None)
             pending -= len(ids)
-            if pending <= 1 and left > 0 and self.policy.decides_early():   # a lookahead forward may pass 1
+            # Once per run: at its second-to-last token, or at the first token past it when a
+            # lookahead forward committed several (then the run has ended and an extension starts one).
+            if pending <= 1 and left > 0 and self.early is None and self.policy.decides_early():
                 choice, _, _ = self._choose(left)
                 if self.policy.take_shadow():
                     self._start_shadow(tok.length)
