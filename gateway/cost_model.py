@@ -35,16 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-
-def expected_tokens(accept: Sequence[float], k: int) -> float:
-    """Tokens committed on average by a verify of a k-token chain: the bonus token always, plus
-    draft i when drafts 1..i are all accepted. accept[i] = P(draft i+1 accepted | drafts
-    1..i accepted); positions past the end of `accept` reuse its last value."""
-    total, p = 1.0, 1.0
-    for i in range(k):
-        p *= accept[min(i, len(accept) - 1)] if accept else 0.0
-        total += p
-    return total
+from splitspec.estimates import expected_tokens
 
 
 def expected_tree_tokens(parents: Sequence[int], accept: Sequence[Sequence[float]]) -> list[float]:

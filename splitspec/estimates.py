@@ -1,9 +1,10 @@
 """Running estimates that both the gateway's policy and the target's own prompt lookup price
 their steps with (torch-free): per-position acceptance, a forward's time as a function of its
-shape, and a few decayed means."""
+shape, a few decayed means, and the tokens a chain is expected to commit."""
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import numpy as np
 
@@ -156,3 +157,14 @@ class ForwardModel:
             a = self.xtx + self.ridge * max(self.n, 1.0) * RIDGE_WEIGHTS
             self._coef = np.clip(np.linalg.solve(a, self.xty), 0.0, None)
         return tuple(float(x) for x in self._coef)
+
+
+def expected_tokens(accept: Sequence[float], k: int) -> float:
+    """Tokens committed on average by a verify of a k-token chain: the bonus token always, plus
+    draft i when drafts 1..i are all accepted. accept[i] = P(draft i+1 accepted | drafts
+    1..i accepted); positions past the end of `accept` reuse its last value."""
+    total, p = 1.0, 1.0
+    for i in range(k):
+        p *= accept[min(i, len(accept) - 1)] if accept else 0.0
+        total += p
+    return total

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from splitspec.estimates import Acceptance, ForwardModel
+from splitspec.estimates import Acceptance, ForwardModel, expected_tokens
 from splitspec.ngram import NgramIndex
 
 MAX_DRAFT = 15          # longest chain one forward verifies (TargetInfo.max_lookahead)
@@ -43,12 +43,8 @@ MIN_GAIN = 1.1
 
 def expected_accepted(rates: list[float], k: int) -> float:
     """Expected accepted tokens of a k-token chain whose i-th token is accepted with rates[i]
-    once all before it were."""
-    e, p = 0.0, 1.0
-    for r in rates[:k]:
-        p *= r
-        e += p
-    return e
+    once all before it were (`expected_tokens` without the bonus)."""
+    return expected_tokens(rates, k) - 1.0
 
 
 def best_k(rates: list[float], k_max: int, coef: tuple[float, float, float, float], *, rows: int, tokens: int,
@@ -62,8 +58,10 @@ def best_k(rates: list[float], k_max: int, coef: tuple[float, float, float, floa
     base = max(a + b * rows + c * tokens + v * verify_rows, 1e-6)
     rate = produced / base
     best, best_e, best_rate = 0, 0.0, rate
+    e, p = 0.0, 1.0
     for k in range(1, k_max + 1):
-        e = expected_accepted(rates, k)
+        p *= rates[k - 1]               # E_k from E_{k-1}: one pass, on the engine thread's path
+        e += p
         added = c * k + v                               # the decode row turns into a verify row
         if e < MIN_TOKENS or e <= MIN_GAIN * rate * added:
             continue

@@ -462,16 +462,15 @@ class Scheduler:
         tokens = sum(n for _, n in picked)
         verify_rows = sum(isinstance(step, Verify) for step in steps)
         produced = float(sum(not isinstance(step, Prefill) for step in steps))
+        for session, _ in picked:
+            session.work.drafted = None
         widest = max((s.work.lookahead for s, _ in picked if s.work.kind == "decode"), default=0)
         if not widest or not self.lookahead.could_pay(min(widest, self.lookahead.max_draft), rows=rows, tokens=tokens,
                                                       verify_rows=verify_rows, produced=produced):
             self.lookahead.full += bool(widest)
-            for session, _ in picked:
-                session.work.drafted = None
             return
         for i, (session, _) in enumerate(picked):
             w = session.work
-            w.drafted = None
             if w.kind != "decode" or not w.lookahead or session.look is None or session.seq.guide is not None:
                 continue
             k_max = min(w.lookahead, w.remaining - 1, self.max_batched_tokens - tokens)
