@@ -11,7 +11,7 @@ import types
 import pytest
 
 from splitspec.bench.auto import (Cell, Result, drafter_tau, fit, grid, main, markdown, method_share, min_requests,
-                                  step_prices)
+                                  requests_for, step_prices)
 from splitspec.defaults import DEFAULT_DRAFT, DEFAULT_TARGET, model_dir
 
 
@@ -27,6 +27,19 @@ def test_grid_and_request_counts():
     assert len(cells) == 16 and len(set(cells)) == 16
     assert cells[0] == Cell(0.0, 1, 64, "short") and "T=1 / top_p 0.95" in cells[-1].label
     assert min_requests("64:8,512:2") == {64: 8, 512: 2}
+
+
+def test_a_short_cell_is_sized_up_in_whole_waves():
+    # 16 requests at 16 streams took 2 s: 8 s wants 64, four waves.
+    assert requests_for(16, 16, 2.0, 8.0) == 64
+    # 16 at one stream took 5 s: 25.6 requests, rounded up to whole waves of one.
+    assert requests_for(16, 1, 5.0, 8.0) == 26
+    # 8 at 8 streams took 1.5 s: 42.7 wanted, 48 (six waves).
+    assert requests_for(8, 8, 1.5, 8.0) == 48
+    # Long enough already, sizing off, or a run so short it would ask for more than 8x: capped.
+    assert requests_for(16, 16, 9.0, 8.0) == 16
+    assert requests_for(16, 16, 2.0, 0.0) == 16
+    assert requests_for(4, 1, 0.01, 8.0) == 32
 
 
 def test_a_long_prompt_keeps_its_tail_and_leaves_room_for_the_generation():

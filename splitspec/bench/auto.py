@@ -10,7 +10,10 @@ the gateway's defaults would. In a cell, each repeat sends the same requests onc
 `method=none` and once with `method=auto` to the same gateway, the order alternating per repeat
 (none auto, auto none, ...), `streams` requests in flight at a time; tok/s = tokens ÷ the batch's
 wall time, and "auto ×" is the median over repeats of the paired ratios. At T=0 every auto output
-is compared with none's (they must be equal).
+is compared with none's (they must be equal). A cell first times one unmeasured run of `none`
+and, where it is shorter than `--min-run-s`, sends more requests per run (whole waves of
+`streams`): the same requests run twice can read 0.8x or 1.2x of each other in a 2-second run on
+a busy host, and a longer run averages that out.
 
 Services: `--launch up` starts them with `splitspec up` itself (a subprocess, its defaults);
 `--launch hand` starts the three services bare (`splitspec-target --model-path M`,
@@ -33,6 +36,7 @@ streams decode: what a verify's extra rows cost in a shared batch.
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import shlex
 import statistics
@@ -79,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--min-requests", default="64:8,512:2",
       help="NEW:N: at least N requests per batch for that generation length (a batch has max(N, streams))")
     a("--repeats", type=int, default=2, help="paired runs per cell (none and auto, order alternating)")
+    a("--min-run-s", type=float, default=8.0,
+      help="a cell's runs last this long at least: an unmeasured run of none, timed first, scales its request "
+           "count up (in whole waves of `streams`, at most 8x); 0: --min-requests alone")
     a("--price-streams", default="1,8,16", help="loads of the price table ('' to skip it)")
     a("--price-new-tokens", type=int, default=64, help="new tokens of the price table's requests")
     a("--price-repeats", type=int, default=2, help="runs per price configuration and load (medians)")
@@ -312,6 +319,32 @@ def drafter_tau(results: list[Result], method: str) -> float | None:
     return (sum(s.accepted for s in steps) / len(steps) + 1.0) if steps else None
 
 
+MAX_SIZE_UP = 8          # --min-run-s scales a cell's requests up this many times at most
+
+
+def requests_for(n: int, streams: int, wall_s: float, min_run_s: float) -> int:
+    """Requests per run for a cell whose run of n requests took wall_s: enough whole waves of
+    `streams` that a run lasts min_run_s (at most MAX_SIZE_UP x n). On this host one wave of 16
+    short requests lasts ~1.7 s, and the same requests run twice read 0.76-1.21x of each other
+    (docs/benchmarks.md, the A/A runs); a longer run averages the host's swings out."""
+    if min_run_s <= 0 or wall_s >= min_run_s or n <= 0:
+        return n
+    want = min(n * min_run_s / max(wall_s, 1e-3), MAX_SIZE_UP * n)
+    return max(n, math.ceil(want / streams) * streams)
+
+
+def size_cell(stub, cell: Cell, prompts: list[list[int]], n: int, min_run_s: float, seed: int,
+              timeout_s: float) -> tuple[int, float]:
+    """(requests per run, the timing run's seconds): one run of `none` with n requests, timed and
+    not counted (it also warms the cell's shapes up)."""
+    if min_run_s <= 0:
+        return n, 0.0
+    reqs = [request(prompts[i % len(prompts)], "none", cell.max_new, cell.temperature, seed + 10 ** 6 + i,
+                    salt=uuid.uuid4().hex) for i in range(n)]
+    _, wall = run_batch(stub, reqs, cell.streams, timeout_s)
+    return requests_for(n, cell.streams, wall, min_run_s), wall
+
+
 def run_cell(stub, cell: Cell, prompts: list[list[int]], n_requests: int, repeats: int, seed: int,
              timeout_s: float) -> dict:
     ratios, rates, mismatches, runs = [], {"none": [], "auto": []}, 0, []
@@ -430,14 +463,14 @@ def markdown(res: dict) -> str:
         for c in run["cells"]:
             steps = " / ".join(f"{m} {v:.0%}" for m, v in c["auto_steps"].items())
             rows.append([fmt(c["temperature"], "{:g}"), str(c["streams"]), str(c["max_new_tokens"]),
-                         f"{c['prompts']} ({c['prompt_tokens_mean']:.0f})", fmt(c["none_tok_s"], "{:.1f}"),
+                         f"{c['prompts']} ({c['prompt_tokens_mean']:.0f})", str(c["requests"]), fmt(c["none_tok_s"], "{:.1f}"),
                          fmt(c["auto_tok_s"], "{:.1f}"),
                          ("**" if c["ratio"] < 0.95 else "") + fmt(c["ratio"]) + ("**" if c["ratio"] < 0.95 else ""),
                          " ".join(f"{x:.2f}" for x in c["ratios"]), steps, fmt(c["auto_dflash_tau"]),
                          fmt(c["auto_ngram_tau"]),
                          "–" if c["greedy_mismatches"] is None else f"{c['requests'] * c['repeats'] - c['greedy_mismatches']}"
                          f"/{c['requests'] * c['repeats']}"])
-        out += table(["T", "streams", "new", "prompts (tokens)", "none tok/s", "auto tok/s", "auto ×", "per repeat",
+        out += table(["T", "streams", "new", "prompts (tokens)", "requests", "none tok/s", "auto tok/s", "auto ×", "per repeat",
                       "auto steps", "τ dflash", "τ ngram", "= none"], rows)
         ratios = [c["ratio"] for c in run["cells"]]
         if ratios:
@@ -447,7 +480,7 @@ def markdown(res: dict) -> str:
         if run.get("prices"):
             out += price_markdown(run["prices"])
     out += ["auto × = median over repeats of (auto tok/s ÷ none tok/s), each pair run back to back in "
-            "alternating order on the same gateway; auto steps = its steps by what ran; τ dflash / ngram = "
+            "alternating order on the same gateway; requests = per run (sized by --min-run-s); auto steps = its steps by what ran; τ dflash / ngram = "
             "committed tokens per verify of auto's steps by that drafter; = none: greedy auto outputs equal "
             "to none's."]
     return "\n".join(out) + "\n"
@@ -491,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:
         args.temperatures, args.streams, args.max_new_tokens = "0,1", "2", "16"
         args.prompt_kinds, args.long_tokens, args.repeats = "short,long", 400, 1
         args.price_streams, args.price_new_tokens, args.price_repeats = "2", 16, 1
-        args.min_requests = "16:2"
+        args.min_requests, args.min_run_s = "16:2", 0.0
     from tokenizers import Tokenizer
 
     from splitspec.defaults import DEFAULT_TARGET, model_dir
@@ -526,7 +559,9 @@ def main(argv: list[str] | None = None) -> int:
             for cell in grid(args):
                 ps = [fit(p, cell.max_new, info.max_context) for p in prompts[cell.kind]]
                 n = max(cell.streams, needed.get(cell.max_new, 1))
+                n, sized_s = size_cell(stub, cell, ps, n, args.min_run_s, args.seed, args.timeout_s)
                 row = run_cell(stub, cell, ps, n, args.repeats, args.seed, args.timeout_s)
+                row["sizing_run_s"] = round(sized_s, 2)
                 run["cells"].append(row)
                 log(f"{how}: {cell.label}: auto × none {row['ratio']:.2f} ({row['ratios']}), "
                     f"steps {row['auto_steps']}")

@@ -6,6 +6,11 @@ for `auto` each request's tok/s against the same request with the first method.
 
     python docs/bench/issue42/cell_ab.py --methods none,auto --temperature 1 --streams 16 --n 32 --repeats 6
     python docs/bench/issue42/cell_ab.py --methods none,auto --repeats 2      # T=0, one stream, short
+    python docs/bench/issue42/cell_ab.py --methods none,none --repeats 8      # A/A: the cell's noise floor
+
+A method named twice is run twice under two labels (none, none#2): an A/A comparison of the same
+requests (same seeds, so at any temperature the same tokens), which reads what the host's noise
+alone does to a cell's ratio.
 
 The first repeat runs on a fresh gateway. Issue 42 used it to find what a re-measuring DFlash
 session cost a batch, and why a fresh gateway drafted nothing for its first requests.
@@ -56,7 +61,9 @@ def main() -> None:
         stub = gateway_pb2_grpc.GenerationStub(grpc.insecure_channel(svc.gateway))
         info = stub.GetModelInfo(gateway_pb2.GetModelInfoRequest(), timeout=60)
         prompts = [fit(p, a.new, info.max_context) for p in make_prompts(tok, info.max_context, args)[a.kind]]
-        methods = a.methods.split(",")
+        methods = []
+        for m in a.methods.split(","):
+            methods.append(m if m not in methods else f"{m}#{sum(x.split('#')[0] == m for x in methods) + 1}")
         rates: dict[str, list[float]] = {m: [] for m in methods}
         if a.warm:
             run_batch(stub, [request(prompts[i % len(prompts)], "auto", a.new, a.temperature, 10 ** 6 + i,
@@ -65,7 +72,7 @@ def main() -> None:
             per: dict[str, list[float]] = {}
             for m in (methods if rep % 2 == 0 else methods[::-1]):
                 salt = uuid.uuid4().hex
-                reqs = [request(prompts[i % len(prompts)], m, a.new, a.temperature, 1000 * rep + i, salt=salt)
+                reqs = [request(prompts[i % len(prompts)], m.split("#")[0], a.new, a.temperature, 1000 * rep + i, salt=salt)
                         for i in range(a.n)]
                 before = cpu_seconds(svc)
                 res, wall = run_batch(stub, reqs, a.streams, 600)
