@@ -463,15 +463,15 @@ def markdown(res: dict) -> str:
         for c in run["cells"]:
             steps = " / ".join(f"{m} {v:.0%}" for m, v in c["auto_steps"].items())
             rows.append([fmt(c["temperature"], "{:g}"), str(c["streams"]), str(c["max_new_tokens"]),
-                         f"{c['prompts']} ({c['prompt_tokens_mean']:.0f})", str(c["requests"]), fmt(c["none_tok_s"], "{:.1f}"),
-                         fmt(c["auto_tok_s"], "{:.1f}"),
+                         f"{c['prompts']} ({c['prompt_tokens_mean']:.0f})", str(c["requests"]),
+                         fmt(c["none_tok_s"], "{:.1f}"), fmt(c["auto_tok_s"], "{:.1f}"),
                          ("**" if c["ratio"] < 0.95 else "") + fmt(c["ratio"]) + ("**" if c["ratio"] < 0.95 else ""),
                          " ".join(f"{x:.2f}" for x in c["ratios"]), steps, fmt(c["auto_dflash_tau"]),
                          fmt(c["auto_ngram_tau"]),
                          "–" if c["greedy_mismatches"] is None else f"{c['requests'] * c['repeats'] - c['greedy_mismatches']}"
                          f"/{c['requests'] * c['repeats']}"])
-        out += table(["T", "streams", "new", "prompts (tokens)", "requests", "none tok/s", "auto tok/s", "auto ×", "per repeat",
-                      "auto steps", "τ dflash", "τ ngram", "= none"], rows)
+        out += table(["T", "streams", "new", "prompts (tokens)", "requests", "none tok/s", "auto tok/s", "auto ×",
+                      "per repeat", "auto steps", "τ dflash", "τ ngram", "= none"], rows)
         ratios = [c["ratio"] for c in run["cells"]]
         if ratios:
             out += ["", f"auto × none: min {min(ratios):.2f}, median {statistics.median(ratios):.2f}; "
@@ -480,9 +480,9 @@ def markdown(res: dict) -> str:
         if run.get("prices"):
             out += price_markdown(run["prices"])
     out += ["auto × = median over repeats of (auto tok/s ÷ none tok/s), each pair run back to back in "
-            "alternating order on the same gateway; requests = per run (sized by --min-run-s); auto steps = its steps by what ran; τ dflash / ngram = "
-            "committed tokens per verify of auto's steps by that drafter; = none: greedy auto outputs equal "
-            "to none's."]
+            "alternating order on the same gateway; requests = per run (sized by --min-run-s); auto steps = "
+            "its steps by what ran; τ dflash / ngram = committed tokens per verify of auto's steps by that "
+            "drafter; = none: greedy auto outputs equal to none's."]
     return "\n".join(out) + "\n"
 
 

@@ -72,7 +72,8 @@ def main() -> None:
             per: dict[str, list[float]] = {}
             for m in (methods if rep % 2 == 0 else methods[::-1]):
                 salt = uuid.uuid4().hex
-                reqs = [request(prompts[i % len(prompts)], m.split("#")[0], a.new, a.temperature, 1000 * rep + i, salt=salt)
+                method = m.split("#")[0]          # none#2: none again, under its own label
+                reqs = [request(prompts[i % len(prompts)], method, a.new, a.temperature, 1000 * rep + i, salt=salt)
                         for i in range(a.n)]
                 before = cpu_seconds(svc)
                 res, wall = run_batch(stub, reqs, a.streams, 600)
