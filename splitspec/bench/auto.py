@@ -329,8 +329,8 @@ def requests_for(n: int, streams: int, wall_s: float, min_run_s: float) -> int:
     (docs/benchmarks.md, the A/A runs); a longer run averages the host's swings out."""
     if min_run_s <= 0 or wall_s >= min_run_s or n <= 0:
         return n
-    want = min(n * min_run_s / max(wall_s, 1e-3), MAX_SIZE_UP * n)
-    return max(n, math.ceil(want / streams) * streams)
+    want = min(n * min_run_s / max(wall_s, 1e-3), MAX_SIZE_UP * n)      # > n: the run was short
+    return math.ceil(want / streams) * streams
 
 
 def size_cell(stub, cell: Cell, prompts: list[list[int]], n: int, min_run_s: float, seed: int,
@@ -339,10 +339,16 @@ def size_cell(stub, cell: Cell, prompts: list[list[int]], n: int, min_run_s: flo
     not counted (it also warms the cell's shapes up)."""
     if min_run_s <= 0:
         return n, 0.0
-    reqs = [request(prompts[i % len(prompts)], "none", cell.max_new, cell.temperature, seed + 10 ** 6 + i,
-                    salt=uuid.uuid4().hex) for i in range(n)]
-    _, wall = run_batch(stub, reqs, cell.streams, timeout_s)
+    _, wall = run_batch(stub, cell_requests(cell, prompts, "none", n, seed + 10 ** 6), cell.streams, timeout_s)
     return requests_for(n, cell.streams, wall, min_run_s), wall
+
+
+def cell_requests(cell: Cell, prompts: list[list[int]], method: str, n: int, seed: int) -> list:
+    """n requests of the cell, request i on prompt i (cycling) with seed + i, one fresh cache salt
+    for them all (each run starts cold)."""
+    salt = uuid.uuid4().hex
+    return [request(prompts[i % len(prompts)], method, cell.max_new, cell.temperature, seed + i, salt=salt)
+            for i in range(n)]
 
 
 def run_cell(stub, cell: Cell, prompts: list[list[int]], n_requests: int, repeats: int, seed: int,
@@ -352,10 +358,8 @@ def run_cell(stub, cell: Cell, prompts: list[list[int]], n_requests: int, repeat
         order = ("none", "auto") if rep % 2 == 0 else ("auto", "none")
         got = {}
         for method in order:
-            salt = uuid.uuid4().hex
-            reqs = [request(prompts[i % len(prompts)], method, cell.max_new, cell.temperature,
-                            seed + 1000 * rep + i, salt=salt) for i in range(n_requests)]
-            got[method] = run_batch(stub, reqs, cell.streams, timeout_s)
+            got[method] = run_batch(stub, cell_requests(cell, prompts, method, n_requests, seed + 1000 * rep),
+                                    cell.streams, timeout_s)
         for method, (res, wall) in got.items():
             rates[method].append(_tok_s(res, wall))
         ratios.append(rates["auto"][-1] / rates["none"][-1])
