@@ -12,6 +12,7 @@ from pathlib import Path
 
 import uvicorn
 
+from splitspec import tracing
 from splitspec.security import ApiKeys
 
 from .chat import ChatTemplate, ChatTemplateError
@@ -84,6 +85,7 @@ async def start_http(servicer, keys: ApiKeys, args, log) -> HttpFront:
         if args.tls_ca:
             tls.update(ssl_ca_certs=args.tls_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
     app = create_app(servicer, keys, load_chat_template(getattr(args, "chat_template", None)))
+    app = tracing.asgi(app)         # a traceparent header parents the request's trace (no-op when off)
     config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off",
                             timeout_graceful_shutdown=args.drain_timeout_s, **tls)
     server = _Server(config)
