@@ -9,6 +9,7 @@ from typing import AsyncIterator
 
 import grpc
 
+from splitspec import tracing
 from splitspec.serving import channel_options
 from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
@@ -119,7 +120,7 @@ class TargetSession(_StreamSession):
     backend = "target"
 
     def __init__(self, stub: target_pb2_grpc.TargetStub, timeout_s: float | None = None):
-        super().__init__(stub.Session(timeout=timeout_s))
+        super().__init__(stub.Session(timeout=timeout_s, metadata=tracing.outgoing()))
 
     def _close_request(self):
         return target_pb2.TargetRequest(close=target_pb2.TargetClose())
@@ -178,7 +179,7 @@ class DraftSession(_StreamSession):
     backend = "draft"
 
     def __init__(self, stub: draft_pb2_grpc.DraftStub, timeout_s: float | None = None):
-        super().__init__(stub.Session(timeout=timeout_s))
+        super().__init__(stub.Session(timeout=timeout_s, metadata=tracing.outgoing()))
 
     def _close_request(self):
         return draft_pb2.DraftRequest(close=draft_pb2.DraftClose())

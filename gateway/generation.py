@@ -49,6 +49,7 @@ class Stats:
     steps: list[tuple[str, int, int, int]] = field(default_factory=list)   # (method, nodes drafted, accepted, depth) per step
     steps_by_method: dict[str, int] = field(default_factory=dict)
     started: float = field(default_factory=time.perf_counter)   # when the request arrived
+    trace: object = field(default=None, repr=False)   # splitspec.tracing.RequestTrace when traced
 
     def to_pb(self) -> gateway_pb2.SpeculativeStats:
         return gateway_pb2.SpeculativeStats(

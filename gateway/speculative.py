@@ -2,6 +2,7 @@
 proposal to the chosen size, joining feature rows owed to the draft, and the per-step stats."""
 from __future__ import annotations
 
+from splitspec import tracing
 from splitspec.acceptance import count_accepted
 from splitspec.v1 import common_pb2
 
@@ -81,6 +82,8 @@ def record_step(stats: Stats, method: str, drafted: int, accepted: int, committe
     stats.committed += committed
     stats.steps.append((method, drafted, accepted, drafted if depth is None else depth))
     stats.steps_by_method[method] = stats.steps_by_method.get(method, 0) + 1
+    if stats.trace is not None:
+        tracing.step(stats, method, drafted, accepted, committed)
     if drafted:
         # Per depth: a tree's nodes share their depths' positions.
         count_accepted(stats.accepted_per_position, drafted if depth is None else depth, accepted)

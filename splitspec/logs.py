@@ -1,6 +1,7 @@
 """Structured logs: one JSON object per line on stderr, with the service name and whatever ids
 the code bound (session_id, request_id), so a log pipeline can follow one request across
-the gateway, target and draft services."""
+the gateway, target and draft services; with tracing on (splitspec/tracing.py), the trace_id and
+span_id of the span running too, so a line leads to its trace."""
 from __future__ import annotations
 
 import json
@@ -8,6 +9,8 @@ import logging
 import sys
 
 import structlog
+
+from splitspec import tracing
 
 LEVELS = ("debug", "info", "warning", "error")
 
@@ -24,6 +27,7 @@ def configure(service: str, level: str = "info", stream=None) -> None:
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
+            tracing.log_ids,          # trace_id / span_id while a traced request runs
             add_service,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
