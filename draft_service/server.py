@@ -19,7 +19,7 @@ from pathlib import Path
 import grpc
 import torch
 
-from splitspec import logs
+from splitspec import logs, tracing
 from splitspec.colocation import HostShare, add_core_sharing_flag
 from splitspec.colocation import follow as follow_share
 from splitspec.colocation import start as start_share
@@ -147,6 +147,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
     def _ready_state(self) -> DraftState | None:
         return self.state if self.server.serving and self.state.engine is not None else None
 
+    @tracing.serve_stream("draft.session")      # the caller's traceparent parents the stream's span
     async def Session(self, request_iterator, context):
         st = self._ready_state()
         if st is None:
@@ -345,6 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_connection_age_flags(p)
     a("--log-level", default="info", choices=list(logs.LEVELS), help="JSON log lines at this level and above")
     add_metrics_flag(p)
+    tracing.add_flags(p)
     add_tls_flags(p)
     return apply_env(p)
 
@@ -468,6 +470,7 @@ def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
     check_args(args)
     logs.configure("draft", args.log_level)
+    tracing.configure("draft", args, logs.get_logger())
     # An n-gram draft runs no model: it takes no share of the cores from a co-located target.
     share = None
     if args.method == "dflash":
@@ -480,6 +483,7 @@ def main(argv=None) -> None:
     finally:
         if share is not None:
             share.leave()
+        tracing.shutdown()
 
 
 if __name__ == "__main__":

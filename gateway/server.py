@@ -16,7 +16,7 @@ from pathlib import Path
 import grpc
 from tokenizers import Tokenizer
 
-from splitspec import logs
+from splitspec import logs, tracing
 from splitspec.flags import ListFlag, apply_env
 from splitspec.metrics import add_metrics_flag, new_registry, start_exporter
 from splitspec.security import (ApiKeyInterceptor, ApiKeys, add_api_key_flags, add_tls_flags, client_credentials,
@@ -253,12 +253,13 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"the gateway is serving {self.active} requests (gateway --max-sessions "
                                 f"{self.cfg.max_sessions}); retry later")
+        trace = tracing.start_request(context.invocation_metadata(), req.request_id)   # None when off
         log = logs.get_logger(request_id=req.request_id)
         log.info("request_started", prompt_tokens=len(req.prompt_ids), max_new_tokens=req.max_new_tokens,
                  method=req.speculative.method, deadline_s=context.time_remaining())
         self.active += 1
         self._count_sessions()
-        stats = Stats()
+        stats = Stats(trace=trace)
         marks = [] if self.metrics is not None else None    # (time, tokens) per chunk, for the metrics
         failure = None
         if marks is not None:
@@ -316,6 +317,9 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
             self._count_sessions()
             if marks is not None:
                 self._record(req, stats, complete if finished else None, failure, marks, len(source.history))
+            if trace is not None:
+                trace.end(stats, model=self.backends.info.model_id, prompt_tokens=len(req.prompt_ids),
+                          complete=complete if finished else None, failure=failure)
         log.info("request_finished", finish_reason=complete.finish_reason,
                  completion_tokens=complete.usage.completion_tokens, method=complete.stats.method,
                  draft_fallbacks=stats.draft_fallbacks, target_failovers=stats.target_failovers,
@@ -400,6 +404,7 @@ def build_parser() -> argparse.ArgumentParser:
            "wins over the model's own (tokenizer_config.json's chat_template), for models that have none")
     add_tls_flags(p)
     add_api_key_flags(p)
+    tracing.add_flags(p)
     return apply_env(p)
 
 
@@ -490,6 +495,7 @@ def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
     cfg = config_from_args(args)
     logs.configure("gateway", args.log_level)
+    tracing.configure("gateway", args, logs.get_logger())
     try:
         asyncio.run(serve(args, cfg))
     except (StartupError, OSError, ValueError) as exc:
@@ -497,6 +503,8 @@ def main(argv=None) -> None:
         raise SystemExit(f"splitspec-gateway: {exc}") from None
     except KeyboardInterrupt:
         pass
+    finally:
+        tracing.shutdown()
 
 
 if __name__ == "__main__":

@@ -160,6 +160,9 @@ class Scheduler:
         # Called on the engine thread after each forward (kind, rows, tokens, forward_ms) when
         # --metrics-port is on; None costs nothing.
         self.on_forward = None
+        # Called on the engine thread after each forward ([(session id, kind, tokens)], start,
+        # end) when tracing is on (splitspec/tracing.py forward); None costs nothing.
+        self.on_batch = None
         self.lookahead = Lookahead()
         engine.attach(self)
 
@@ -453,6 +456,8 @@ class Scheduler:
         done.flush()
         if self.on_forward is not None:
             self.on_forward(step_kind(w.kind for w in works), len(picked), tokens, forward_ms)
+        if self.on_batch is not None:
+            self.on_batch([(s.session_id, w.kind, n) for (s, n), w in zip(picked, works)], start, end)
 
     def _look_ahead(self, picked: list[tuple[Session, int]], steps: list) -> None:
         """Turn the decode steps of runs that allow it into verifies of their prompt-lookup

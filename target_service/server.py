@@ -16,7 +16,7 @@ from pathlib import Path
 
 import grpc
 
-from splitspec import logs
+from splitspec import logs, tracing
 from splitspec.colocation import HostShare, add_core_sharing_flag
 from splitspec.colocation import follow as follow_share
 from splitspec.colocation import start as start_share
@@ -127,6 +127,7 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
                                 "grpc.health.v1 reports SERVING")
         return self.state.scheduler
 
+    @tracing.serve_stream("target.session")     # the caller's traceparent parents the stream's span
     async def Session(self, request_iterator, context):
         sched = await self._scheduler(context)
         session = None
@@ -165,6 +166,7 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
                 if kind == "open":
                     if session is not None:
                         raise ProtocolError("a second Open on one stream; open a new stream per sequence")
+                    tracing.bind_session(req.open.session_id)    # its queue wait, prefill, forwards
                     session, resp = await self._open(sched, req.open)
                     log = log.bind(session_id=session.session_id)
                     log.info("session_opened", prompt_len=session.prompt_len, max_len=session.max_len,
@@ -378,6 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_connection_age_flags(p)
     a("--log-level", default="info", choices=list(logs.LEVELS), help="JSON log lines at this level and above")
     add_metrics_flag(p)
+    tracing.add_flags(p)
     add_tls_flags(p)
     return apply_env(p)
 
@@ -528,6 +531,8 @@ async def serve(args: argparse.Namespace, *, load=_load, started=None, share: Ho
         warm_ms = await sched.warmup()
         if metrics is not None:
             sched.on_forward = metrics.on_forward
+        if tracing.enabled():
+            sched.on_batch = tracing.forward
         if share is not None:
             # The engine thread switches to these before each forward (Scheduler.verify_threads).
             def apply(plan):
@@ -562,6 +567,7 @@ def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
     check_args(args)
     logs.configure("target", args.log_level)
+    tracing.configure("target", args, logs.get_logger())
     if args.node_rank > 0:
         # Another node of a multi-node group: no gRPC; its ranks join node 0's and serve its forwards.
         from . import tp_worker
@@ -579,6 +585,7 @@ def main(argv=None) -> None:
     finally:
         if share is not None:
             share.leave()
+        tracing.shutdown()
 
 
 if __name__ == "__main__":
