@@ -20,6 +20,12 @@ The gateway owns the token history of every request, which makes both recoveries
   afresh). Counted in `target_failovers`, logged as `target_failover`. After
   `--target-failover-attempts` failovers, or when no replica is left, the request ends with
   UNAVAILABLE; the tokens already streamed stay with the client.
+* **A failed step** (INTERNAL from a target: its scheduler failed this session's step, a fault in
+  the forward or in the session's own work, and freed the session; target_service/scheduler.py
+  `_fail`): resumed exactly as above, prompt + history on another replica when there is one,
+  else on the same one, which serves on. The replica is not marked unhealthy for it. It counts
+  against `--target-failover-attempts` like any failover, so a fault that repeats on every try
+  ends the request instead of looping.
 """
 from __future__ import annotations
 
@@ -42,6 +48,8 @@ from .spec_loop import DraftLost, RemoteDraft, SpeculativeLoop
 
 # Codes from a target that mean "this replica (or our connection to it) is gone": fail over.
 REPLICA_LOST = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED})
+# A target's INTERNAL: one step of this session failed there and the replica serves on: resume.
+STEP_FAILED = grpc.StatusCode.INTERNAL
 # Codes from a draft that say the draft service itself is in trouble (not just this request).
 DRAFT_DOWN = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED,
                         grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL})
@@ -163,8 +171,9 @@ class ResilientSource:
                     raise
                 opening = self.target.opened is False
                 lost = exc.code in REPLICA_LOST
+                failed = exc.code == STEP_FAILED
                 full = exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED and opening
-                if not (lost or full):
+                if not (lost or full or failed):
                     raise
                 self.target.cancel()
                 self._drop_draft()
@@ -178,8 +187,10 @@ class ResilientSource:
                     self.client = nxt
                     continue
                 failovers += 1
-                if nxt is None and self.b.single_name():
-                    nxt = self.client    # a dns:/// name: a new stream goes to another replica
+                if nxt is None and (failed or self.b.single_name()):
+                    # a dns:/// name: a new stream goes to another replica; after a failed step
+                    # the replica itself is still serving
+                    nxt = self.client
                 if nxt is None or failovers > self.cfg.target_failover_attempts:
                     self.log.warning("target_failover_failed", address=self.client.address, code=exc.code.name,
                                      tokens_streamed=len(self.history), failovers=failovers - 1)

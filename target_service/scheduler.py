@@ -16,7 +16,15 @@ the running slot and the reservation at once, ahead of any queued model step.
 
 Threading: `lock` guards the session lists and pending steps, never a forward. A session's
 blocks are touched only by the engine thread while its step is in flight, and by `close`
-otherwise (the pool's free list has its own lock)."""
+otherwise (the pool's free list has its own lock).
+
+Faults: `_fail` is the one place a step fails. Whatever raises while a step is composed, run or
+delivered, its session leaves the scheduler there at once (slot, reservation, KV blocks and
+state slot freed) and its waiter gets StepFailed (INTERNAL, naming the cause), so nothing
+waits for a result that will never come. A fault that belongs to one session (its tree
+rewrite, grammar, sampling, lookahead, prefix reuse) fails that session alone; a fault in the
+shared forward fails every session in that forward. The engine serves on either way, and the
+gateway, which owns each request's token history, resumes the failed requests exactly."""
 from __future__ import annotations
 
 import asyncio
@@ -26,6 +34,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
+import structlog
 import torch
 
 from splitspec.engine.batching import take_fifo
@@ -39,7 +48,10 @@ from . import prefix
 from .grammar import rewrite_tree
 from .lookahead import Lookahead, SessionLookahead
 from .models.dense import CausalLM
+from .parallel import TensorParallelError
 from .runner import Decode, Prefill, Sequence, StepOutput, Verify, check_hidden_stream, run_batch
+
+log = structlog.get_logger(__name__)
 
 # How long after a drafted hit found tap rows missing sessions without a draft keep storing them.
 STORE_TAPS_S = 600.0
@@ -63,6 +75,11 @@ class DrainingError(Exception):
 
 class ClosedError(Exception):
     """The session was closed while one of its steps waited."""
+
+
+class StepFailed(Exception):
+    """A step failed inside the target (a bug, or a fault in the forward): INTERNAL. Its session
+    is already gone from the scheduler; the request can resume anywhere from its tokens so far."""
 
 
 @dataclass
@@ -101,6 +118,16 @@ class Work:
 
 
 @dataclass
+class Row:
+    """One session's part of the step being run."""
+    session: "Session"
+    n: int                      # query tokens it was given
+    work: Work
+    old_len: int                # its table's length before the forward
+    step: object = None         # the runner's Prefill / Decode / Verify
+
+
+@dataclass
 class Session:
     session_id: str
     prompt_len: int
@@ -117,6 +144,7 @@ class Session:
     # taps, only to store them with the blocks it publishes (Scheduler.open).
     ships_hidden: bool = True
     look: SessionLookahead | None = None    # its prompt-lookup index, once a Decode asks for lookahead
+    failure: Exception | None = None        # why the scheduler failed it (`_fail`): what a later step raises
 
     @property
     def length(self) -> int:
@@ -329,6 +357,8 @@ class Scheduler:
 
     def _submit(self, session: Session, work: Work) -> None:
         with self.lock:
+            if session.failure is not None:
+                raise session.failure
             if session.state != "running":
                 raise ClosedError("the session is closed")
             if session.work is not None:
@@ -341,19 +371,24 @@ class Scheduler:
         once; its blocks return to the pool on the engine thread (after its forward, if one is
         in flight)."""
         with self.lock:
-            if session.state == "closed":
-                return
-            if session.state == "running":
-                self.running.remove(session)
-                self.reserved_blocks -= session.reserve_blocks
-            else:
-                self.waiting.remove(session)
-            session.state = "closed"
-            session.work = None
-            if not session.in_flight:
-                session.seq.table.free()    # else the engine frees it when the forward ends
-            self._admit()
+            self._forget(session)
         self.engine.wake()
+
+    def _forget(self, session: Session) -> None:
+        """Take the session out (lock held): slot and reservation now, blocks now or, while its
+        forward runs, when that ends."""
+        if session.state == "closed":
+            return
+        if session.state == "running":
+            self.running.remove(session)
+            self.reserved_blocks -= session.reserve_blocks
+        else:
+            self.waiting.remove(session)
+        session.state = "closed"
+        session.work = None
+        if not session.in_flight:
+            session.seq.table.free()    # else the engine frees it when the forward ends
+        self._admit()
 
     def _admit(self) -> None:
         """Move waiting sessions to running, oldest first, while a slot and their reservation fit
@@ -392,34 +427,37 @@ class Scheduler:
         return min(self.max_batched_tokens, self.chunked_prefill_size * max(1, -(-prefilling // decoding)))
 
     def step(self) -> None:
+        done = Deliveries()
+        rows: list[Row] = []        # every session this step put in flight
+        try:
+            self._step(done, rows)
+        except Exception as exc:  # noqa: BLE001 - a fault no closer guard caught: every session still in this step
+            with self.lock:
+                for r in rows:
+                    if r.session.in_flight:
+                        self._fail(done, r.session, exc, "the batched step")
+        finally:
+            done.flush()
+
+    def _step(self, done: Deliveries, rows: list[Row]) -> None:
         with self.lock:
             pending = sorted((s for s in self.running if s.work is not None and not s.in_flight),
                              key=lambda s: s.work.ready_at)
             if self.pool.cache is not None:
-                pending = self._reuse_prefixes(pending)
+                pending = self._reuse_prefixes(done, pending)
             if not pending:
                 return
             chunk = self._prefill_share()
-            picked = take_fifo(pending, self._demand, budget=self.max_batched_tokens, chunk=chunk)
-            steps, works, lengths = [], [], []
-            for session, n in picked:
-                lengths.append(session.seq.table.length)
+            for session, n in take_fifo(pending, self._demand, budget=self.max_batched_tokens, chunk=chunk):
                 session.in_flight = True
-                w = session.work
-                works.append(w)
-                if w.kind == "prefill":
-                    steps.append(Prefill(session.seq, session.seq.prefilled + n))
-                elif w.kind == "decode":
-                    steps.append(Decode(session.seq))
-                else:
-                    if session.seq.guide is not None and w.first_added is None:
-                        # On the engine thread, like every torch op: the grammar prunes and extends
-                        # the tree (grammar.rewrite_tree) once, against the committed state.
-                        room = min(session.max_len - session.length, len(w.tree) + 16)
-                        w.tree, w.draft_probs, added = rewrite_tree(session.seq.guide, w.tree, w.draft_probs, room)
-                        w.first_added = len(w.tree) - added
-                    steps.append(Verify(session.seq, w.tree, w.draft_probs))
-            self._look_ahead(picked, steps)
+                rows.append(Row(session, n, session.work, session.seq.table.length))
+            for r in rows:
+                self._guarded(done, r.session, "the tree rewrite", self._plan_step, r)
+            self._look_ahead(done, [r for r in rows if r.session.in_flight])
+        live = [r for r in rows if r.session.in_flight]
+        if not live:
+            return
+        steps = [r.step for r in live]
         if self.verify_threads:
             # With one session the draft waits while the target verifies: all threads then. The
             # draft computes for the other sessions only where they draft with it (they ship it
@@ -431,60 +469,127 @@ class Scheduler:
             if torch.get_num_threads() != want:
                 torch.set_num_threads(want)
         start = time.perf_counter()
-        outputs = run_batch(self.model, self.pool, self.verifier, steps, self.attention)
+        try:
+            outputs = run_batch(self.model, self.pool, self.verifier, steps, self.attention)
+        except Exception as exc:  # noqa: BLE001 - the shared forward failed: every session in it fails
+            with self.lock:
+                for r in live:
+                    self._fail(done, r.session, exc, "the batched forward")
+            return
         end = time.perf_counter()
         forward_ms = (end - start) * 1e3
-        tokens = sum(len(step.tree) + 1 if isinstance(step, Verify) else n for step, (_, n) in zip(steps, picked))
+        tokens = sum(len(r.step.tree) + 1 if isinstance(r.step, Verify) else r.n for r in live)
         verify_rows = sum(isinstance(step, Verify) for step in steps)
-        self.lookahead.ran(len(picked), tokens, verify_rows, forward_ms)
-        done = Deliveries()
+        self.lookahead.ran(len(live), tokens, verify_rows, forward_ms)
         with self.lock:
             self.forwards += 1
-            self.rows += len(picked)
+            self.rows += len(live)
             self.busy_ms += forward_ms
-            for (session, _), work, out, old_len in zip(picked, works, outputs, lengths):
+            for r, out in zip(live, outputs):
+                session = r.session
+                if isinstance(out, Exception):
+                    self._fail(done, session, out, "its sampling, grammar or verification")
+                    continue
                 session.in_flight = False
                 if session.state == "closed":
                     session.seq.table.free()
                     continue
-                if session.prefix is not None and not isinstance(out, Exception):
-                    prefix.publish(self.pool, session.seq, session.prefix, old_len, out.hidden,
-                                   prefill=work.kind == "prefill")
-                if session.work is not work:
-                    continue        # its waiter left while the step ran (a Decode stream stopped early)
-                self._deliver(done, session, out, start, end, forward_ms, len(picked), tokens, verify_rows)
-        done.flush()
+                self._guarded(done, session, "delivering its step", self._finish_row, done, r, out, start, end,
+                              forward_ms, len(live), tokens, verify_rows)
         if self.on_forward is not None:
-            self.on_forward(step_kind(w.kind for w in works), len(picked), tokens, forward_ms)
+            self.on_forward(step_kind(r.work.kind for r in live), len(live), tokens, forward_ms)
         if self.on_batch is not None:
-            self.on_batch([(s.session_id, w.kind, n) for (s, n), w in zip(picked, works)], start, end)
+            self.on_batch([(r.session.session_id, r.work.kind, r.n) for r in live], start, end)
 
-    def _look_ahead(self, picked: list[tuple[Session, int]], steps: list) -> None:
+    def _plan_step(self, r: Row) -> None:
+        """The runner's step for one picked session (lock held)."""
+        session, w = r.session, r.work
+        if w.kind == "prefill":
+            r.step = Prefill(session.seq, session.seq.prefilled + r.n)
+        elif w.kind == "decode":
+            r.step = Decode(session.seq)
+        else:
+            if session.seq.guide is not None and w.first_added is None:
+                # On the engine thread, like every torch op: the grammar prunes and extends
+                # the tree (grammar.rewrite_tree) once, against the committed state.
+                room = min(session.max_len - session.length, len(w.tree) + 16)
+                w.tree, w.draft_probs, added = rewrite_tree(session.seq.guide, w.tree, w.draft_probs, room)
+                w.first_added = len(w.tree) - added
+            r.step = Verify(session.seq, w.tree, w.draft_probs)
+
+    def _finish_row(self, done: Deliveries, r: Row, out: StepOutput, start: float, end: float, forward_ms: float,
+                    rows: int, tokens: int, verify_rows: int) -> None:
+        session = r.session
+        if session.prefix is not None:
+            prefix.publish(self.pool, session.seq, session.prefix, r.old_len, out.hidden,
+                           prefill=r.work.kind == "prefill")
+        if session.work is not r.work:
+            return          # its waiter left while the step ran (a Decode stream stopped early)
+        self._deliver(done, session, out, start, end, forward_ms, rows, tokens, verify_rows)
+
+    def _guarded(self, done: Deliveries, session: Session, where: str, fn, *args) -> None:
+        """fn(*args), work that belongs to `session` alone: a fault in it fails that session only."""
+        try:
+            fn(*args)
+        except Exception as exc:  # noqa: BLE001 - this session fails alone; the others go on
+            self._fail(done, session, exc, where)
+
+    def _fail(self, done: Deliveries, session: Session, exc: BaseException, where: str) -> None:
+        """THE place a step fails (lock held): the session's waiter gets the error, and the session
+        leaves the scheduler now, its blocks and state slot back in the pool. Nothing is kept for a
+        retry here: the gateway owns the token history and resumes the request from it (on another
+        replica, or this one), which a half-run step here could not do more exactly.
+        A lost tensor-parallel rank stays UNAVAILABLE (the replica is out of service); anything
+        else is StepFailed, INTERNAL."""
+        error = exc if isinstance(exc, (TensorParallelError, StepFailed)) else StepFailed(
+            f"the target failed this session's step in {where}: {type(exc).__name__}: {exc}; its KV cache "
+            "was freed (resume the request from its tokens so far)")
+        log.error("step_failed", session_id=session.session_id, where=where, error=f"{type(exc).__name__}: {exc}",
+                  exc_info=exc if not isinstance(exc, TensorParallelError) else None)
+        session.in_flight = False
+        if session.state == "closed":
+            session.seq.table.free()    # closed while its forward ran: nobody waits, the blocks go back
+            return
+        session.failure = error
+        w = session.work
+        session.work = None
+        if w is not None:
+            if w.queue is not None:
+                done.put(w.loop, w.queue, error)
+            else:
+                done.resolve(w.loop, w.future, error=error)
+        self._forget(session)
+
+    def _look_ahead(self, done: Deliveries, rows: list[Row]) -> None:
         """Turn the decode steps of runs that allow it into verifies of their prompt-lookup
         drafts, where that is priced to raise the batch's tokens per ms (lookahead.py), within
-        the forward's token budget."""
-        rows = len(picked)
-        tokens = sum(n for _, n in picked)
-        verify_rows = sum(isinstance(step, Verify) for step in steps)
-        produced = float(sum(not isinstance(step, Prefill) for step in steps))
-        for session, _ in picked:
-            session.work.drafted = None
-        widest = max((s.work.lookahead for s, _ in picked if s.work.kind == "decode"), default=0)
-        if not widest or not self.lookahead.could_pay(min(widest, self.lookahead.max_draft), rows=rows, tokens=tokens,
-                                                      verify_rows=verify_rows, produced=produced):
+        the forward's token budget. A session's lookup that fails fails that session."""
+        n_rows = len(rows)
+        tokens = sum(r.n for r in rows)
+        verify_rows = sum(isinstance(r.step, Verify) for r in rows)
+        produced = float(sum(not isinstance(r.step, Prefill) for r in rows))
+        for r in rows:
+            r.work.drafted = None
+        widest = max((r.work.lookahead for r in rows if r.work.kind == "decode"), default=0)
+        if not widest or not self.lookahead.could_pay(min(widest, self.lookahead.max_draft), rows=n_rows,
+                                                      tokens=tokens, verify_rows=verify_rows, produced=produced):
             self.lookahead.full += bool(widest)
             return
-        for i, (session, _) in enumerate(picked):
-            w = session.work
+        for r in rows:
+            session, w = r.session, r.work
             if w.kind != "decode" or not w.lookahead or session.look is None or session.seq.guide is not None:
                 continue
             k_max = min(w.lookahead, w.remaining - 1, self.max_batched_tokens - tokens)
             if k_max <= 0:
                 continue
-            ids, match, e = self.lookahead.plan(session.look, session.seq.tokens, k_max, rows=rows, tokens=tokens,
-                                                verify_rows=verify_rows, produced=produced)
+            try:
+                ids, match, e = self.lookahead.plan(session.look, session.seq.tokens, k_max, rows=n_rows,
+                                                    tokens=tokens, verify_rows=verify_rows, produced=produced)
+            except Exception as exc:  # noqa: BLE001 - this session fails alone; the others go on
+                self._fail(done, session, exc, "its prompt lookup")
+                continue
             if ids:
-                steps[i] = Verify(session.seq, Tree.chain(ids), None)
+                r.step = Verify(session.seq, Tree.chain(ids), None)
                 w.drafted = (match, len(ids))
                 tokens += len(ids)
                 verify_rows += 1
@@ -495,7 +600,7 @@ class Scheduler:
         return (len(drafting) > 1 and 2 * len(drafting) >= len(self.running)
                 and any(isinstance(step, Verify) and id(step.seq) in drafting for step in steps))
 
-    def _reuse_prefixes(self, pending: list[Session]) -> list[Session]:
+    def _reuse_prefixes(self, done: Deliveries, pending: list[Session]) -> list[Session]:
         """Before a forward: every prefill waiting to run takes the cached blocks that continue
         it; of prefills that would compute the same next block, only the oldest runs this time
         (the others take that block from the cache in the next forward instead of computing it
@@ -503,14 +608,11 @@ class Scheduler:
         out, computing = [], set()
         for s in pending:
             if s.work.kind == "prefill" and s.prefix is not None:
-                _, rows, drop = prefix.reuse(self.pool, s.seq, s.prefix)
-                if s.prefix.rows_missing:
-                    self.store_taps_until = time.monotonic() + STORE_TAPS_S
-                if drop:
-                    s.work.hidden.clear()
-                if s.ships_hidden:
-                    s.work.hidden.extend(rows)
-                key = prefix.next_key(self.pool, s.seq, s.prefix)
+                try:
+                    key = self._reuse_prefix(s)
+                except Exception as exc:  # noqa: BLE001 - this session fails alone; the others go on
+                    self._fail(done, s, exc, "its prefix-cache lookup")
+                    continue
                 if key is not None:
                     if key in computing:
                         continue
@@ -518,31 +620,36 @@ class Scheduler:
             out.append(s)
         return out
 
-    def _deliver(self, done: Deliveries, session: Session, out, start: float, end: float, forward_ms: float,
-                 rows: int, tokens: int, verify_rows: int = 0) -> None:
+    def _reuse_prefix(self, s: Session):
+        """Take the cached blocks that continue one prefill; the key of the block it computes next."""
+        _, rows, drop = prefix.reuse(self.pool, s.seq, s.prefix)
+        if s.prefix.rows_missing:
+            self.store_taps_until = time.monotonic() + STORE_TAPS_S
+        if drop:
+            s.work.hidden.clear()
+        if s.ships_hidden:
+            s.work.hidden.extend(rows)
+        return prefix.next_key(self.pool, s.seq, s.prefix)
+
+    def _deliver(self, done: Deliveries, session: Session, out: StepOutput, start: float, end: float,
+                 forward_ms: float, rows: int, tokens: int, verify_rows: int = 0) -> None:
         w = session.work
-        if not session.ships_hidden and not isinstance(out, Exception) and out.hidden is not None:
+        if not session.ships_hidden and out.hidden is not None:
             out = StepOutput(out.committed, None, out.result, out.logprobs, out.logits)     # computed for the cache only
         w.queue_ms += (start - w.ready_at) * 1e3
         w.forward_ms += forward_ms
         if w.kind == "decode":
             drafted = accepted = 0
-            if w.drafted is not None and not isinstance(out, Exception):
+            if w.drafted is not None:
                 (match, drafted), accepted = w.drafted, out.result.num_accepted
                 self.lookahead.observe(session.look, match, drafted, accepted)
             w.drafted = None
-            item = out if isinstance(out, Exception) else Step(out, forward_ms, w.queue_ms, rows, tokens, session.length,
-                                                               verify_rows=verify_rows, drafted=drafted,
-                                                               accepted=accepted)
-            done.put(w.loop, w.queue, item)
-            w.remaining -= 1 if isinstance(out, Exception) else len(out.committed)
+            done.put(w.loop, w.queue, Step(out, forward_ms, w.queue_ms, rows, tokens, session.length,
+                                           verify_rows=verify_rows, drafted=drafted, accepted=accepted))
+            w.remaining -= len(out.committed)
             w.ready_at, w.queue_ms = end, 0.0
-            if isinstance(out, Exception) or w.remaining == 0:
+            if w.remaining == 0:
                 session.work = None
-            return
-        if isinstance(out, Exception):
-            session.work = None
-            done.resolve(w.loop, w.future, error=out)
             return
         if w.kind == "prefill":
             if out.hidden is not None:

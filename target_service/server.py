@@ -33,7 +33,7 @@ from .flashinfer_backend import BackendError, make_verifier
 from .loader import load_model, parse_dtype, resolve_device, tokenizer_hash
 from .config import ConfigError
 from .loader import CheckpointError
-from .scheduler import AdmissionError, ClosedError, ContextError, DrainingError, Scheduler, StaleError
+from .scheduler import AdmissionError, ClosedError, ContextError, DrainingError, Scheduler, StaleError, StepFailed
 from splitspec.engine.flashinfer_attention import AttentionBackendError
 from splitspec.engine.flashinfer_attention import check_available as check_attention_backend
 from . import preflight
@@ -51,6 +51,7 @@ _STATUS = [
     (AdmissionError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (DrainingError, grpc.StatusCode.UNAVAILABLE),
     (TensorParallelError, grpc.StatusCode.UNAVAILABLE),
+    (StepFailed, grpc.StatusCode.INTERNAL),     # the gateway resumes the request (gateway/failover.py)
     (ClosedError, grpc.StatusCode.CANCELLED),
     (ContextError, grpc.StatusCode.OUT_OF_RANGE),
     (StaleError, grpc.StatusCode.ABORTED),
@@ -98,6 +99,11 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
 
     async def GetInfo(self, request, context):
         sched = await self._scheduler(context)
+        # Read on the engine thread, between forwards, like every read of the scheduler's state
+        # that is more than one counter: the numbers then belong to one moment.
+        return await sched.engine.submit("info", lambda: self._info(sched))
+
+    def _info(self, sched: Scheduler) -> target_pb2.TargetInfo:
         cfg, args = sched.cfg, self.state.args
         return target_pb2.TargetInfo(
             model_id=self.state.model_id, architecture=cfg.architecture, vocab_size=cfg.vocab_size,
@@ -196,11 +202,16 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
             for task in (reading, run):
                 if task is not None and not task.done():
                     task.cancel()
+                elif task is not None and not task.cancelled():
+                    task.exception()    # seen: a read the abort ended is no "never retrieved" error
             if session is not None:
                 sched.close(session)
-                log.info("session_closed", length=session.length, active_sessions=sched.active_sessions,
-                         lookahead=sched.lookahead.snapshot(),
-                         seconds=round(time.monotonic() - session.opened_at, 3))
+                closed = dict(length=session.length, active_sessions=sched.active_sessions,
+                              seconds=round(time.monotonic() - session.opened_at, 3))
+                # The lookahead's tables are the engine thread's: read them there (a snapshot
+                # taken here once met a dict the engine was inserting into, `dict changed size`).
+                sched.engine.post("log", lambda: log.info("session_closed", lookahead=sched.lookahead.snapshot(),
+                                                          **closed))
 
     async def _next(self, reading: asyncio.Future, idle: bool):
         timeout = self.state.args.idle_timeout_s if idle and self.state.args.idle_timeout_s > 0 else None
