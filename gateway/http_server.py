@@ -16,7 +16,7 @@ from splitspec import tracing
 from splitspec.security import ApiKeys
 
 from .chat import ChatTemplate, ChatTemplateError
-from .http_api import create_app
+from .http_api import DEFAULT_TIMEOUT_S, create_app
 
 
 class _Server(uvicorn.Server):
@@ -70,6 +70,8 @@ async def start_http(servicer, keys: ApiKeys, args, log) -> HttpFront:
     """Listen on --host:--http-port (TLS with --tls-cert; client certificates required with
     --tls-ca, as on the gRPC port) and serve in this event loop."""
     host = args.host
+    if getattr(args, "http_timeout_s", 0) < 0:
+        raise SystemExit("--http-timeout-s must be >= 0 (0: no deadline)")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -84,7 +86,8 @@ async def start_http(servicer, keys: ApiKeys, args, log) -> HttpFront:
         tls = dict(ssl_certfile=args.tls_cert, ssl_keyfile=args.tls_key)
         if args.tls_ca:
             tls.update(ssl_ca_certs=args.tls_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
-    app = create_app(servicer, keys, load_chat_template(getattr(args, "chat_template", None)))
+    app = create_app(servicer, keys, load_chat_template(getattr(args, "chat_template", None)),
+                     timeout_s=getattr(args, "http_timeout_s", DEFAULT_TIMEOUT_S))
     app = tracing.asgi(app)         # a traceparent header parents the request's trace (no-op when off)
     config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off",
                             timeout_graceful_shutdown=args.drain_timeout_s, **tls)

@@ -5,11 +5,16 @@
 `LocalContext` stands in for grpc.aio's servicer context: `write` queues a response,
 `abort` raises `LocalRpcError` with the status. Closing the iterator early (the HTTP client went
 away) cancels the handler task, which frees the request's target and draft sessions the way a
-cancelled gRPC call does."""
+cancelled gRPC call does.
+
+A call may have a deadline (`timeout_s`), as a gRPC call does: the handler sees it through
+`time_remaining()` (and passes it on to the backend sessions), and past it the call is
+cancelled and ends DEADLINE_EXCEEDED, whatever the handler is waiting on."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -27,8 +32,9 @@ class LocalRpcError(Exception):
 class LocalContext:
     """The parts of grpc.aio.ServicerContext a servicer uses."""
 
-    def __init__(self, metadata: tuple = ()):
+    def __init__(self, metadata: tuple = (), timeout_s: float | None = None):
         self.queue: asyncio.Queue = asyncio.Queue()
+        self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
         self._metadata = metadata
         self._cancelled = False
         self._done = False
@@ -45,7 +51,9 @@ class LocalContext:
         raise LocalRpcError(code, details)
 
     def time_remaining(self) -> float | None:
-        return None            # HTTP requests carry no deadline; a client that leaves cancels
+        if self.deadline is None:
+            return None
+        return max(0.0, self.deadline - time.monotonic())
 
     def cancelled(self) -> bool:
         return self._cancelled
@@ -72,15 +80,21 @@ class LocalContext:
         pass
 
 
-async def generate(servicer, request) -> AsyncIterator:
+async def generate(servicer, request, timeout_s: float | None = None) -> AsyncIterator:
     """The GenerateResponse messages of `servicer.Generate(request)`; LocalRpcError when it
-    aborts with a status."""
-    ctx = LocalContext()
+    aborts with a status, DEADLINE_EXCEEDED once `timeout_s` has passed."""
+    ctx = LocalContext(timeout_s=timeout_s)
     task = asyncio.ensure_future(servicer.Generate(request, ctx))
     task.add_done_callback(lambda _: ctx.queue.put_nowait(_END))
     try:
         while True:
-            msg = await ctx.queue.get()
+            try:
+                msg = await asyncio.wait_for(ctx.queue.get(), ctx.time_remaining())
+            except asyncio.TimeoutError:
+                # The deadline passed with the handler still at work (a stuck backend included):
+                # the finally below cancels it, which frees its sessions.
+                raise LocalRpcError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                    f"the request's deadline ({timeout_s:g} s) passed") from None
             if msg is _END:
                 break
             yield msg

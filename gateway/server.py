@@ -25,6 +25,7 @@ from splitspec.serving import Server, Unparsable, add_connection_age_flags, add_
 from splitspec.v1 import draft_pb2, gateway_pb2, gateway_pb2_grpc, target_pb2
 
 from .backends import BackendError, DraftClient, TargetClient
+from .chat import ChatTemplate, ChatTemplateError
 from .config import ALGORITHMS, DRAFT_SAMPLING, ROUTING_POLICIES, GatewayConfig, SpeculativeConfig
 from .failover import Health, ResilientSource
 from .plan import plan_request
@@ -94,6 +95,7 @@ class Backends:
         self.draft_info: draft_pb2.DraftInfo | None = None
         self.measurements = Measurements()     # what the auto policy of every request learns from
         self.info: target_pb2.TargetInfo | None = None
+        self._chat_template = None
         self.tokenizer: Tokenizer | None = None
         self.limits: ModelLimits | None = None
 
@@ -177,6 +179,19 @@ class Backends:
                 return
             check_pair(self.info, self.draft_info)
 
+    def chat_template(self) -> ChatTemplate | None:
+        """The target's own chat template (from its tokenizer_config.json), for gRPC chat input;
+        rebuilt when the target's model changes (a replica serving another checkpoint)."""
+        info = self.info
+        if info is None:
+            return None
+        if self._chat_template is None or self._chat_template.model_id != info.model_id:
+            try:
+                self._chat_template = ChatTemplate(info.tokenizer_config_json, info.model_id)
+            except ChatTemplateError:
+                return None
+        return self._chat_template
+
     async def close(self) -> None:
         for h in [*self._health.values(), self.draft_health]:
             h.close()
@@ -224,7 +239,8 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
             eos_token_ids=list(info.eos_token_ids),
             draft_model_id=self.backends.draft_info.model_id if self.backends.draft_info else "",
             speculative_method=self._default_method(), num_draft_tokens=spec.num_draft_tokens,
-            max_new_tokens_cap=self.cfg.max_new_tokens_cap)
+            max_new_tokens_cap=self.cfg.max_new_tokens_cap,
+            chat_template=bool((t := self.backends.chat_template()) and t.available))
 
     def _default_method(self) -> str:
         return self.cfg.speculative.method
@@ -242,7 +258,8 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
         await self._ready(context)
         try:
-            req = parse_request(request, self.cfg, self.backends.limits, self.backends.tokenizer)
+            req = parse_request(request, self.cfg, self.backends.limits, self.backends.tokenizer,
+                                self.backends.chat_template())
             plan = plan_request(req.speculative, request.speculative, has_draft=self.backends.draft is not None,
                                 draft=self.backends.draft_info, target=self.backends.info)
         except RequestError as exc:
@@ -399,6 +416,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--http-port", type=int, default=0,
       help="serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /health) "
            "on this port of --host (0: off)")
+    a("--http-timeout-s", type=float, default=600.0,
+      help="deadline of one HTTP request, as a gRPC client's deadline (0: none); a client may ask for less "
+           "with an x-request-timeout header (seconds)")
     a("--chat-template", default=None,
       help="chat template for /v1/chat/completions, a file or the Jinja text itself (as vLLM's flag); "
            "wins over the model's own (tokenizer_config.json's chat_template), for models that have none")

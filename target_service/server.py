@@ -30,7 +30,8 @@ from splitspec.wire import (WireError, check_token_ids, dtype_from_pb, logprob_t
                             tensor_from_pb, tensor_to_pb, tree_from_pb)
 
 from .flashinfer_backend import BackendError, make_verifier
-from .loader import load_model, parse_dtype, resolve_device, tokenizer_hash
+from .loader import (cpu_has_native_bf16, load_model, model_folder, parse_dtype, resolve_device, resolve_dtype,
+                     tokenizer_hash)
 from .config import ConfigError
 from .loader import CheckpointError
 from .scheduler import AdmissionError, ClosedError, ContextError, DrainingError, Scheduler, StaleError, StepFailed
@@ -324,7 +325,8 @@ def build_parser() -> argparse.ArgumentParser:
            "drafts for the other sessions; as --torch-threads when none is found)")
     add_core_sharing_flag(p)
     a("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-      help="weights and KV cache dtype (auto: bfloat16 on CUDA, float32 on CPU)")
+      help="weights and KV cache dtype (auto: bfloat16 on CUDA and on CPUs with native bf16 "
+           "(AVX512-BF16 / AMX), float32 on other CPUs)")
     a("--max-running-requests", type=int, default=64,
       help="sessions scheduled at once (each holds a KV reservation); more wait in a FIFO queue")
     a("--max-queued-requests", type=int, default=512,
@@ -455,12 +457,21 @@ def check_args(args: argparse.Namespace) -> None:
     if args.tp_timeout_s <= 0:
         raise SystemExit("--tp-timeout-s must be positive")
     if not (Path(args.model_path) / "config.json").is_file():
-        raise SystemExit(f"--model-path {args.model_path}: no config.json there; expected a Hugging Face model folder")
+        raise SystemExit(f"--model-path {args.model_path}: no config.json there; expected a Hugging Face model "
+                         "folder or a .gguf file")
 
 
 def _load(args: argparse.Namespace):
     device = resolve_device(args.device)
-    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
+    dtype = resolve_dtype(args.dtype, device)
+    logs.get_logger().info("serving_dtype", dtype=dtype, requested=args.dtype, device=str(device),
+                           cpu_native_bf16=device.type == "cpu" and cpu_has_native_bf16())
+    # A .gguf file (or a folder holding one) becomes the folder of JSON files built from its
+    # metadata, once, here: everything after reads a folder (target_service/gguf.py).
+    try:
+        args.model_path = str(model_folder(args.model_path))
+    except CheckpointError as exc:
+        raise SystemExit(f"--model-path: {exc}") from None
     # Before anything is allocated: refuse a target that cannot fit, with the numbers. Host memory
     # is shared by the ranks of this node only.
     nodes = getattr(args, "nnodes", 1) or 1
@@ -583,7 +594,7 @@ def main(argv=None) -> None:
         # Another node of a multi-node group: no gRPC; its ranks join node 0's and serve its forwards.
         from . import tp_worker
         device = resolve_device(args.device)
-        dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
+        dtype = resolve_dtype(args.dtype, device)
         sys.exit(tp_worker.launch_node(args.model_path, args.tensor_parallel_size, nnodes=args.nnodes,
                                        node_rank=args.node_rank, dist_init_addr=args.dist_init_addr,
                                        dtype=parse_dtype(dtype), device=device, timeout_s=args.tp_timeout_s,

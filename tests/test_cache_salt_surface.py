@@ -19,7 +19,8 @@ from service_helpers import VOCAB, FakeTargetServicer
 from service_helpers import asgi_post as post
 
 from gateway.config import GatewayConfig
-from gateway.http_api import create_app, usage
+from gateway.http_api import create_app
+from gateway.openai_answer import usage
 from gateway.server import Backends, GenerationServicer, add_servicer
 from splitspec import logs
 from splitspec.client import build_request
@@ -185,7 +186,7 @@ def test_failover_reopens_with_the_salt_and_counts_the_prompt_once(tokenizer_jso
 
 def test_usage_counts_each_prompts_cached_tokens_once():
     def choice(index, prompt_index, prompt, cached, completion):
-        from gateway.http_api import Choice
+        from gateway.openai_answer import Choice
         c = Choice(index, prompt_index)
         c.complete = gateway_pb2.Complete(usage=gateway_pb2.Usage(
             prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached))

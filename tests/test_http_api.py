@@ -25,7 +25,7 @@ from service_helpers import (
 )
 
 from gateway.chat import ChatTemplate, ChatTemplateError
-from gateway.http_api import HTTP_STATUS, http_status
+from gateway.openai_errors import HTTP_STATUS, http_status
 from splitspec.client import build_request
 from splitspec.ops.launch import free_port
 

@@ -358,7 +358,8 @@ def test_bad_formats_are_refused_not_ignored(client):
 def test_choice_seeds_and_token_bytes(target_dir):
     from tokenizers import Tokenizer
 
-    from gateway.http_api import TokenText, _byte_alphabet, choice_seed
+    from gateway.openai_logprobs import TokenText, _byte_alphabet
+    from gateway.openai_mapping import choice_seed
     seeds = [choice_seed(7, i) for i in range(64)]
     assert seeds[0] == 7 and len(set(seeds)) == 64 and all(0 <= x < 2 ** 63 for x in seeds)
     assert choice_seed(7, 1) != choice_seed(8, 0) and choice_seed(7, 1) == choice_seed(7, 1)
