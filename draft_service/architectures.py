@@ -11,7 +11,7 @@ import structlog
 import torch
 
 from target_service.config import ConfigError, ModelConfig
-from target_service.loader import load_state, parse_dtype, resolve_device, weight_files
+from target_service.loader import load_state, model_folder, open_weights, parse_dtype, resolve_device, weight_files
 
 from .dflash import DFlashConfig, DFlashDraft
 from .dflash2 import DFlash2Config, DFlash2Draft
@@ -36,7 +36,7 @@ def draft_classes(raw: dict) -> tuple[type, type]:
 
 def load_draft(path: str | Path, target_path: str | Path, *, dtype="float32", device="cpu",
                block_size_means: str = "verify_width") -> DFlashDraft:
-    path, target_path = Path(path), Path(target_path)
+    path, target_path = Path(path), model_folder(target_path)
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise ConfigError(f"{cfg_file}: not found; --model-path must be a DFlash draft folder")
@@ -57,12 +57,11 @@ def load_draft(path: str | Path, target_path: str | Path, *, dtype="float32", de
     model = model.to_empty(device=dev).to(dt)
     load_state(model, weight_files(path))
     tfiles = weight_files(target_path)
-    from safetensors import safe_open
     names = {"embed": "model.embed_tokens.weight",
              "lm_head": "lm_head.weight" if "lm_head.weight" in tfiles else "model.embed_tokens.weight"}
     got = {}
     for key, name in names.items():
-        with safe_open(tfiles[name], framework="pt") as f:
+        with open_weights(tfiles[name]) as f:
             got[key] = f.get_tensor(tfiles.stored(name)).to(dev, dt)     # a wrapper's prefix put back
     model.attach_target(got["embed"], got["lm_head"])
     return model.eval().requires_grad_(False)

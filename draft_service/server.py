@@ -32,7 +32,7 @@ from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from splitspec.wire import (WireError, check_token_ids, dtype_name, dtype_to_pb, sampling_from_pb, tensor_from_pb,
                             tensor_to_pb)
 from target_service.config import ConfigError, ModelConfig
-from target_service.loader import CheckpointError, parse_dtype, resolve_device, tokenizer_hash
+from target_service.loader import CheckpointError, model_folder, parse_dtype, resolve_device, resolve_dtype, tokenizer_hash
 from splitspec.engine.kv_pool import KVPool, PoolExhausted
 from splitspec.engine.tree import MAX_DRAFT_NODES
 from splitspec.engine.loop import EngineLoop
@@ -320,7 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
            "one per core)")
     add_core_sharing_flag(p)
     a("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-      help="draft weights dtype (auto: bfloat16 on CUDA, float32 on CPU)")
+      help="draft weights dtype (auto: as the target's auto, bfloat16 on CUDA and on CPUs with native bf16, "
+           "float32 elsewhere)")
     a("--hidden-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
       help="dtype the target's hidden states cross the wire in (DraftInfo.hidden_dtype; the gateway asks the "
            "target for it, others are refused); auto: the draft's weights dtype. bfloat16 with float32 weights "
@@ -366,6 +367,11 @@ def metrics_state(state: DraftState) -> dict:
 
 
 def check_args(args: argparse.Namespace) -> None:
+    if args.target_model_path:      # a .gguf target: the folder built from its metadata (target_service/gguf.py)
+        try:
+            args.target_model_path = str(model_folder(args.target_model_path))
+        except CheckpointError as exc:
+            raise SystemExit(f"--target-model-path: {exc}") from None
     if args.method == "dflash":
         for flag, value in (("--model-path", args.model_path), ("--target-model-path", args.target_model_path)):
             if not value or not (Path(value) / "config.json").is_file():
@@ -383,7 +389,7 @@ def _load(args: argparse.Namespace):
     if args.method != "dflash":
         return None
     device = resolve_device(args.device)
-    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
+    dtype = resolve_dtype(args.dtype, device)
     return load_draft(args.model_path, args.target_model_path, dtype=parse_dtype(dtype), device=device,
                       block_size_means=args.block_size_means)
 

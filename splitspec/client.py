@@ -13,9 +13,10 @@ def build_request(prompt: str | list[int], *, max_new_tokens: int | None = None,
                   temperature: float | None = None, top_p: float | None = None,
                   top_k: int | None = None, seed: int | None = None, stop=(), stop_token_ids=(),
                   ignore_eos: bool = False, method: str = "", request_id: str = "",
-                  cache_salt: str = "") -> gateway_pb2.GenerateRequest:
+                  cache_salt: str = "", chat: bool = False) -> gateway_pb2.GenerateRequest:
     """cache_salt: the prefix-cache namespace (only requests with the same salt share cached
-    prompt blocks on the target; "" = the shared one)."""
+    prompt blocks on the target; "" = the shared one). chat: send a text prompt as one user
+    message, which the gateway renders with the model's chat template."""
     sampling = common_pb2.SamplingParams(stop=list(stop), stop_token_ids=list(stop_token_ids),
                                          ignore_eos=ignore_eos)
     for name, value in (("max_new_tokens", max_new_tokens), ("temperature", temperature),
@@ -25,11 +26,24 @@ def build_request(prompt: str | list[int], *, max_new_tokens: int | None = None,
     req = gateway_pb2.GenerateRequest(request_id=request_id, sampling=sampling,
                                       speculative=common_pb2.SpeculativeParams(method=method),
                                       cache_salt=cache_salt)
-    if isinstance(prompt, str):
+    if isinstance(prompt, str) and chat:
+        req.chat.messages.add(role="user", content=prompt)
+    elif isinstance(prompt, str):
         req.text = prompt
     else:
         req.token_ids.ids.extend(prompt)
     return req
+
+
+def has_chat_template(address: str, *, credentials: grpc.ChannelCredentials | None = None,
+                      api_key: str | None = None, timeout_s: float = 10.0) -> bool:
+    """Whether the gateway's model has a chat template (GetModelInfo.chat_template)."""
+    metadata = [("authorization", f"Bearer {api_key}")] if api_key else None
+    with (grpc.secure_channel(address, credentials) if credentials is not None
+          else grpc.insecure_channel(address)) as ch:
+        info = gateway_pb2_grpc.GenerationStub(ch).GetModelInfo(gateway_pb2.GetModelInfoRequest(),
+                                                                 timeout=timeout_s, metadata=metadata)
+    return info.chat_template
 
 
 def stream(address: str, request: gateway_pb2.GenerateRequest, timeout_s: float | None = None, *,

@@ -30,6 +30,7 @@ import structlog
 import torch
 from safetensors import safe_open
 
+from . import gguf
 from .config import ConfigError, ModelConfig
 from .hybrid_config import wrapper_of
 from .models.dense import CausalLM
@@ -52,6 +53,25 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     if name not in DTYPES:
         raise ValueError(f"dtype {name!r} is not supported; expected one of float32, bfloat16, float16")
     return DTYPES[name]
+
+
+def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU computes bf16 matmuls natively (AVX512-BF16 or AMX-BF16). Without them
+    torch emulates bf16 and it runs many times slower than float32 (pytorch issue 146508)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return False
+    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(name: str, device: torch.device) -> str:
+    """--dtype auto: bfloat16 on CUDA and on CPUs with native bf16, float32 elsewhere."""
+    if name != "auto":
+        return name
+    return "bfloat16" if device.type == "cuda" or cpu_has_native_bf16() else "float32"
 
 
 def resolve_device(device: str) -> torch.device:
@@ -80,11 +100,37 @@ def _read_config(path: Path) -> dict:
     return json.loads(cfg.read_text()) if cfg.is_file() else {}
 
 
+def model_folder(path: str | Path) -> Path:
+    """The folder to read a checkpoint from: a Hugging Face folder as it is; a `.gguf` file (or
+    a folder holding one) as the folder of JSON files built from its metadata (`gguf.py`),
+    whose weights stay in the GGUF file. Every command and service resolves --model-path /
+    --target-model-path through this once; it is also safe to call on a resolved folder."""
+    try:
+        return gguf.model_folder(path)
+    except gguf.GGUFError as exc:
+        raise CheckpointError(str(exc)) from None
+
+
+def open_weights(file: Path):
+    """A context manager over one weights file with `get_tensor(name)`: safetensors, or a GGUF
+    file whose tensors come out under our names, dequantized one at a time."""
+    if Path(file).suffix == ".gguf":
+        try:
+            return gguf.GGUFWeights(file)
+        except gguf.GGUFError as exc:
+            raise CheckpointError(str(exc)) from None
+    return safe_open(file, framework="pt")
+
+
 def weight_files(path: Path) -> WeightFiles:
     """Map tensor name -> file holding it. In a multimodal wrapper's folder (config.json's
     architectures, `hybrid_config.WRAPPERS`) the names are the text model's, its prefix removed,
     and the vision tower / projector tensors are left out (logged)."""
-    path = Path(path)
+    path = model_folder(path)
+    source = gguf.source_of(path)
+    if source is not None:
+        with open_weights(source) as f:
+            return WeightFiles({name: source for name in f.keys()})
     index = path / "model.safetensors.index.json"
     if index.is_file():
         weight_map = json.loads(index.read_text())["weight_map"]
@@ -165,7 +211,7 @@ def load_state(module: torch.nn.Module, files: dict[str, Path], *, prefix: str =
             raise CheckpointError(f"unexpected tensors in the checkpoint: {[_stored(files, n) for n in extra[:5]]}")
     with torch.no_grad():
         for fname, pnames in by_file.items():
-            with safe_open(fname, framework="pt") as f:
+            with open_weights(fname) as f:
                 for name in pnames:
                     p = params[name]
                     t, label = _read(f, files, names[name]), _stored(files, names[name])
@@ -252,7 +298,7 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, file
 
 
 def load_model(path: str | Path, *, dtype="float32", device="cpu") -> CausalLM:
-    path = Path(path)
+    path = model_folder(path)
     cfg = ModelConfig.from_dir(path)
     quant = quantization_scheme(path)
     eos = read_eos_ids(path) or cfg.eos_token_ids
@@ -283,7 +329,7 @@ def read_eos_ids(path: Path) -> tuple[int, ...]:
 
 def load_tokenizer(path: str | Path):
     from tokenizers import Tokenizer
-    file = Path(path) / "tokenizer.json"
+    file = model_folder(path) / "tokenizer.json"
     if not file.is_file():
         raise ConfigError(f"{file}: not found")
     return Tokenizer.from_file(str(file))
@@ -291,7 +337,7 @@ def load_tokenizer(path: str | Path):
 
 def tokenizer_hash(path: str | Path) -> str:
     """Content hash of tokenizer.json, used to check that a draft and gateway agree with the target."""
-    file = Path(path) / "tokenizer.json"
+    file = model_folder(path) / "tokenizer.json"
     return hashlib.sha256(file.read_bytes()).hexdigest()[:16] if file.is_file() else ""
 
 
@@ -307,6 +353,6 @@ class Checkpoint:
 
 
 def load_checkpoint(path: str | Path, *, dtype="float32", device="cpu") -> Checkpoint:
-    path = Path(path)
+    path = model_folder(path)
     tok = load_tokenizer(path) if (path / "tokenizer.json").is_file() else None
     return Checkpoint(path, load_model(path, dtype=dtype, device=device), tok)

@@ -24,7 +24,7 @@ import torch
 
 from .config import ModelConfig
 from .hybrid_weights import ignored
-from .loader import parse_dtype, weight_files
+from .loader import model_folder, parse_dtype, weight_files
 
 # safetensors dtype names -> bytes per element
 ELEMENT_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
@@ -47,7 +47,14 @@ class PreflightError(RuntimeError):
 
 
 def read_header(file: Path) -> dict[str, dict]:
-    """The safetensors header of `file`: tensor name -> {dtype, shape, data_offsets}."""
+    """The safetensors header of `file`: tensor name -> {dtype, shape, data_offsets}; for a
+    GGUF file, each tensor's shape under our names (its size is counted in the serving dtype,
+    which is what dequantizing at load makes of it)."""
+    if Path(file).suffix == ".gguf":
+        from .loader import open_weights
+        with open_weights(file) as w:
+            return {name: {"dtype": t.tensor_type.name, "shape": [int(d) for d in reversed(t.shape.tolist())]}
+                    for name, t in w.tensors.items()}
     with open(file, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(n))
@@ -107,7 +114,7 @@ def _share(name: str, cfg: ModelConfig, world: int) -> float:
 def estimate(path: str | Path, *, world: int = 1, dtype: str = "bfloat16", kv_budget_mb: int = 0,
              max_sessions: int = 1, reserve_mb: int = 0) -> RankMemory:
     """Rank 0's bytes for the target at `path` (config.json and safetensors headers only)."""
-    path = Path(path)
+    path = model_folder(path)
     cfg = ModelConfig.from_dir(path)
     elem = torch.empty((), dtype=parse_dtype(dtype)).element_size()
     files = weight_files(path)

@@ -6,6 +6,7 @@ here only caches its results per session."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -15,6 +16,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from tiny_models import save_tiny_model  # noqa: E402
+
+# `--dtype auto` serves bfloat16 on CPUs with native bf16 (this CI machine has it). The service
+# tests compare with float32 references computed in the test process, so the services they start
+# run float32 unless a test asks otherwise; the bf16 path has its own tests (test_gguf_model.py).
+os.environ.setdefault("SPLITSPEC_DTYPE", "float32")
 
 
 def pytest_configure(config):

@@ -1,0 +1,135 @@
+"""GGUF checkpoints (target_service/gguf.py): tiny files written the way llama.cpp's converter
+writes them load to the same weights and logits as the model they came from, for llama (Q/K
+rows un-permuted), qwen2 (biases) and qwen3 (q/k norms), in every quant type gguf-py can
+write; the tokenizer built from the metadata encodes as the original; bad files are refused
+at start-up naming the file and the field."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from gguf_models import save_tiny_gguf
+from target_service.engine import forward_sequences
+from target_service.gguf import end_ids, find_gguf, open_reader
+from target_service.loader import CheckpointError, load_model, load_tokenizer, model_folder, tokenizer_hash
+from tiny_models import build_tiny_hf_model, save_tiny_tokenizer
+
+VOCAB = 512
+TEXT = "def fibonacci(n):\n    return naïve 日本語 <|endoftext|> 12345  spaces\t\n"
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    return save_tiny_tokenizer(tmp_path_factory.mktemp("tok"), VOCAB)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("qtype", ["F32", "F16", "Q8_0", "Q4_0", "Q4_1"])
+def test_weights_and_logits_match_the_source_model(tmp_path, tok_dir, arch, qtype):
+    hf = build_tiny_hf_model(arch, vocab_size=VOCAB, seed=3)
+    expected = save_tiny_gguf(tmp_path / "m.gguf", hf, tok_dir / "tokenizer.json", qtype=qtype)
+    ours = load_model(tmp_path / "m.gguf")
+    state = ours.state_dict()
+    for name, want in expected.items():
+        assert torch.equal(state[name].float(), want), name
+    hf.load_state_dict(expected, strict=False)      # the reference runs the dequantized weights too
+    ids = torch.tensor([[5, 17, 300, 42, 9, 100, 7]])
+    with torch.no_grad():
+        torch.testing.assert_close(forward_sequences(ours, ids).logits, hf(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_a_folder_holding_one_gguf_file_and_tied_embeddings(tmp_path, tok_dir):
+    hf = build_tiny_hf_model("llama", vocab_size=VOCAB, tie_word_embeddings=True, seed=4)
+    (tmp_path / "folder").mkdir()
+    save_tiny_gguf(tmp_path / "folder" / "m.gguf", hf, tok_dir / "tokenizer.json", qtype="Q8_0")
+    assert find_gguf(tmp_path / "folder") == tmp_path / "folder" / "m.gguf"
+    model = load_model(tmp_path / "folder")
+    assert model.cfg.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_tokenizer_and_chat_template_from_the_metadata(tmp_path, tok_dir):
+    from tokenizers import Tokenizer
+    save_tiny_gguf(tmp_path / "m.gguf", build_tiny_hf_model("qwen3", vocab_size=VOCAB), tok_dir / "tokenizer.json")
+    ours, ref = load_tokenizer(tmp_path / "m.gguf"), Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+    assert ours.encode(TEXT).ids == ref.encode(TEXT).ids
+    assert ours.decode(ours.encode(TEXT).ids, skip_special_tokens=False) == TEXT
+    folder = model_folder(tmp_path / "m.gguf")
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    assert "<|im_start|>" in cfg["chat_template"]
+    assert json.loads((folder / "generation_config.json").read_text())["eos_token_id"][0] == 0
+    # The hash the gateway and the draft compare is stable across rebuilds of the folder.
+    assert tokenizer_hash(tmp_path / "m.gguf") == tokenizer_hash(folder) != ""
+
+
+def test_end_of_generation_ids_include_the_turn_end():
+    """SmolLM2's file says eos = 2 and ends turns with <|im_end|>; a file whose eos is
+    <|im_start|> still stops at <|im_end|> (llama.cpp's end-of-generation set)."""
+    class Field:
+        def __init__(self, v):
+            self.v = v
+
+        def contents(self):
+            return self.v
+
+    class Reader:
+        fields = {"tokenizer.ggml.tokens": Field(["<|endoftext|>", "<|im_start|>", "<|im_end|>", "a"]),
+                  "tokenizer.ggml.token_type": Field([3, 3, 3, 1]),
+                  "tokenizer.ggml.eos_token_id": Field(1)}
+    assert end_ids(Reader(), "f.gguf") == [0, 2, 1]
+
+
+def _refused(path, *needles):
+    with pytest.raises(CheckpointError) as exc:
+        load_model(path)
+    for needle in (str(path), *needles):
+        assert needle in str(exc.value), (needle, str(exc.value))
+
+
+def test_a_truncated_file_is_refused_naming_it(tmp_path, tok_dir):
+    save_tiny_gguf(tmp_path / "m.gguf", build_tiny_hf_model("llama", vocab_size=VOCAB), tok_dir / "tokenizer.json")
+    data = (tmp_path / "m.gguf").read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[: len(data) // 2])
+    _refused(tmp_path / "cut.gguf", "truncated")
+    (tmp_path / "junk.gguf").write_bytes(b"GGUF" + b"\xff" * 64)
+    _refused(tmp_path / "junk.gguf")
+
+
+def test_an_unknown_architecture_is_refused_naming_the_field(tmp_path, tok_dir):
+    save_tiny_gguf(tmp_path / "m.gguf", build_tiny_hf_model("llama", vocab_size=VOCAB), tok_dir / "tokenizer.json",
+                   arch="gpt2")
+    _refused(tmp_path / "m.gguf", "general.architecture", "'gpt2'")
+
+
+def test_an_unknown_quant_type_is_refused_naming_the_tensor(tmp_path, tok_dir):
+    import gguf
+    import numpy as np
+    w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
+    for key, value in (("block_count", 1), ("embedding_length", 256), ("feed_forward_length", 256)):
+        getattr(w, f"add_{key}")(value)
+    w.add_head_count(4)
+    w.add_layer_norm_rms_eps(1e-5)
+    # IQ2_XXS: 66 bytes per 256 values; the bytes need not mean anything to be refused.
+    w.add_tensor("token_embd.weight", np.zeros((8, 66), dtype=np.uint8), raw_dtype=gguf.GGMLQuantizationType.IQ2_XXS)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    _refused(tmp_path / "m.gguf", "token_embd.weight", "IQ2_XXS")
+
+
+def test_a_tokenizer_without_merges_is_refused(tmp_path, tok_dir):
+    save_tiny_gguf(tmp_path / "m.gguf", build_tiny_hf_model("llama", vocab_size=VOCAB), tok_dir / "tokenizer.json",
+                   merges=False)
+    with pytest.raises(CheckpointError, match="tokenizer.ggml.merges"):
+        model_folder(tmp_path / "m.gguf")
+
+
+def test_the_target_service_refuses_a_bad_file_at_start_up(tmp_path):
+    import subprocess
+    import sys
+    (tmp_path / "bad.gguf").write_bytes(b"GGUF\x03\x00\x00\x00")
+    out = subprocess.run([sys.executable, "-m", "target_service.server", "--model-path", str(tmp_path / "bad.gguf"),
+                          "--port", "0"], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "bad.gguf" in out.stderr and "GGUF" in out.stderr, out.stderr[-2000:]
