@@ -26,6 +26,7 @@ from .pools import make_pool
 from .runner import Decode, Prefill, Sequence, StepOutput, Verify, check_hidden_stream, run_batch
 from .state_pool import StatePlan, StateRow
 from .torch_verifier import TorchVerifier
+from .verify import check_draft_probs
 
 DEFAULT_PREFILL_CHUNK = 512
 
@@ -182,6 +183,8 @@ class TargetSequence:
         if draft_probs is not None and tuple(draft_probs.shape) != (len(tree), vocab):
             raise ValueError(f"draft_probs has shape {tuple(draft_probs.shape)}, expected "
                              f"({len(tree)}, {vocab}): one row per tree node over the vocabulary")
+        if draft_probs is not None:
+            check_draft_probs(draft_probs, tree, "draft_probs")
         self._check_room(len(tree) + 1)
         return self._run(Verify(self.seq, tree, draft_probs))
 

@@ -243,6 +243,14 @@ class Guide:
             m.rollback(len(out))
         return out
 
+    def resume(self, tokens, field: str) -> None:
+        """Advance through tokens generated before (a resumed answer); GrammarError naming
+        `field` when the grammar refuses one, since then the rest could not be masked rightly."""
+        for i, t in enumerate(tokens):
+            if self.matcher.is_terminated() or not self.matcher.accept_token(int(t)):
+                raise GrammarError(f"{field}: generated token {i} (id {int(t)}) is not allowed by "
+                                   "sampling.constraint after the ones before it")
+
     def advance(self, tokens) -> None:
         for t in tokens:
             if self.matcher.is_terminated() or not self.matcher.accept_token(int(t)):

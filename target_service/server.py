@@ -39,6 +39,7 @@ from splitspec.engine.flashinfer_attention import AttentionBackendError
 from splitspec.engine.flashinfer_attention import check_available as check_attention_backend
 from . import preflight
 from .grammar import Grammars, Guide
+from .verify import check_draft_probs
 from .pools import make_pool
 from .parallel import TensorParallelError
 from splitspec.engine.loop import EngineLoop
@@ -235,6 +236,11 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
                 raise WireError("open.sampling.constraint cannot be combined with sampling.ignore_eos: a constrained "
                                 "answer ends (eos) where its grammar does")
             guide = Guide(await self.state.grammars.compile_async(msg.sampling.constraint), sched.cfg.vocab_size)
+            if 0 < msg.generated_tokens <= len(prompt):
+                # A resumed request (the gateway's failover): the prompt ends with tokens this
+                # answer already generated under the grammar, so its state starts after them, as
+                # the draft's does; a fresh matcher would mask the rest from the grammar's start.
+                guide.resume(prompt[-msg.generated_tokens:], "open.generated_tokens")
         # The dtype the caller's draft takes hidden states in (DraftInfo.hidden_dtype), cast here once
         # per step; unset: the model's own (TargetInfo.dtype).
         wire_dtype = dtype_from_pb(msg.hidden_dtype, "open.hidden_dtype") if msg.hidden_dtype else sched.dtype
@@ -291,6 +297,7 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
         if msg.HasField("draft_probs"):
             draft_probs = tensor_from_pb(msg.draft_probs, field="verify.draft_probs",
                                          shape=(len(tree), sched.cfg.vocab_size), writable=True)
+            check_draft_probs(draft_probs, tree)
         step = await sched.verify(session, msg.base_len, tree, draft_probs)
         resp = target_pb2.TargetResponse()      # filled in place: no copy of the hidden states
         verified = resp.verified

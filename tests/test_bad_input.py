@@ -131,6 +131,34 @@ def open_msg(prompt=(5, 6, 7), **kw):
 
 CHAIN = common_pb2.TokenTree(token_ids=[5, 6], parents=[-1, 0])
 
+
+def chain_q(node: int, row) -> common_pb2.Tensor:
+    """draft_probs for CHAIN: node 0 sampled from a fair q over tokens 5 and 6, node 1
+    deterministic (a zero row), with `row` (a function of a good row) put at `node`."""
+    q = torch.zeros(2, 512)
+    q[0, 5] = q[0, 6] = 0.5
+    q[node] = row(q[0].clone())
+    return tensor_to_pb(q)
+
+
+def nan_row(r):
+    r[7] = math.nan
+    return r
+
+
+def negative_row(r):
+    r[5], r[7] = 0.75, -0.25
+    return r
+
+
+def q_zero_at_its_token(r):
+    r[5], r[7] = 0.0, 0.5
+    return r
+
+
+def bad_q(q):
+    return [dict(open=open_msg()), dict(verify=target_pb2.TargetVerify(base_len=4, tree=CHAIN, draft_probs=q))]
+
 TARGET_CASES = [
     ("decode before open", [dict(decode=target_pb2.TargetDecode(n=2))],
      grpc.StatusCode.FAILED_PRECONDITION, "before open"),
@@ -161,6 +189,13 @@ TARGET_CASES = [
         base_len=4, tree=common_pb2.TokenTree(token_ids=[5, 900], parents=[-1, 0])))], INVALID, "tree.token_ids[1]"),
     ("draft probs misshapen", [dict(open=open_msg()), dict(verify=target_pb2.TargetVerify(
         base_len=4, tree=CHAIN, draft_probs=tensor_to_pb(torch.full((2, 7), 0.1))))], INVALID, "verify.draft_probs"),
+    ("draft probs NaN", bad_q(chain_q(0, nan_row)), INVALID, "verify.draft_probs[0] (tree node 0) has a NaN"),
+    ("draft probs negative", bad_q(chain_q(1, negative_row)), INVALID,
+     "verify.draft_probs[1] (tree node 1) has a negative"),
+    ("draft probs unnormalised", bad_q(chain_q(1, lambda r: r * 0.5)), INVALID,
+     "verify.draft_probs[1] (tree node 1) sums to 0.5"),
+    ("draft probs zero at a sampled token", bad_q(chain_q(0, q_zero_at_its_token)), INVALID,
+     "verify.draft_probs[0] (tree node 0) gives its own token 5 probability 0"),
     ("tree with a cycle", [dict(open=open_msg()), dict(verify=target_pb2.TargetVerify(
         base_len=4, tree=common_pb2.TokenTree(token_ids=[5, 6], parents=[1, 0])))], INVALID, "tree.parents[0]"),
     ("non-topological parent", [dict(open=open_msg()), dict(verify=target_pb2.TargetVerify(
