@@ -124,7 +124,11 @@ class BoundedExport:
         self._thread = threading.Thread(target=self._run, name="splitspec-trace-export", daemon=True)
         self._thread.start()
 
+    # The SDK's SpanProcessor interface, duck-typed so that this module imports without the SDK.
     def on_start(self, span, parent_context=None) -> None:
+        pass
+
+    def _on_ending(self, span) -> None:
         pass
 
     def on_end(self, span) -> None:
@@ -397,6 +401,19 @@ def forward(items, start: float, end: float) -> None:
     its first forward) and its prefill chunks as spans of its own."""
     if _tracer is None or not _sessions:
         return
+    try:
+        _forward_spans(items, start, end)
+    except Exception:  # noqa: BLE001 - a tracing bug must never reach the engine thread's forwards
+        global _forward_failed
+        if not _forward_failed and _processor is not None and _processor.log is not None:
+            _processor.log.exception("trace_forward_failed")
+        _forward_failed = True
+
+
+_forward_failed = False     # logged once
+
+
+def _forward_spans(items, start: float, end: float) -> None:
     offset = time.time_ns() - time.perf_counter_ns()
     t0, t1 = int(start * 1e9) + offset, int(end * 1e9) + offset
     traced = [(kind, n, _sessions.get(sid)) for sid, kind, n in items]
@@ -407,7 +424,7 @@ def forward(items, start: float, end: float) -> None:
     span = _tracer.start_span(
         "target.forward", context=_api.trace.set_span_in_context(traced[0][2].span), start_time=t0,
         links=[_api.Link(s.span.get_span_context()) for _, _, s in traced],
-        attributes={"splitspec.rows": len(items), "splitspec.tokens": sum(n for _, n, _ in items),
+        attributes={"splitspec.rows": len(items), "splitspec.tokens": sum(n for _, _, n in items),
                     "splitspec.traced_rows": len(traced), "splitspec.kinds": ",".join(kinds)})
     span.end(end_time=t1)
     for kind, n, s in traced:
