@@ -25,23 +25,128 @@ from __future__ import annotations
 
 import asyncio
 import json
+import queue
 import threading
+import time
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
+import structlog
 import torch
 
 from splitspec.engine.tree import Tree
 
+log = structlog.get_logger(__name__)
+
 MAX_SPEC_BYTES = 64 * 1024
-COMPILE_TIMEOUT_S = 10.0
+COMPILE_TIMEOUT_S = 10.0    # of compiling, from when a worker starts it (not of waiting for one)
+COMPILE_QUEUE = 64          # compiles waiting for a worker; one more is refused (RESOURCE_EXHAUSTED)
+MAX_ABANDONED = 4           # timed-out compiles left running at once, each with a worker replaced
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "structural_tag")
 
 
 class GrammarError(ValueError):
     """A constraint that cannot be compiled (INVALID_ARGUMENT, naming sampling.constraint.<kind>)."""
+
+
+class GrammarBusy(Exception):
+    """Every compile worker is busy and the queue is full: RESOURCE_EXHAUSTED (retry, or another replica)."""
+
+
+@dataclass
+class _Job:
+    fn: Callable
+    loop: asyncio.AbstractEventLoop
+    started: asyncio.Event = field(default_factory=asyncio.Event)
+    done: asyncio.Future | None = None
+    abandoned: bool = False         # its waiter timed out; the worker leaves once the compile ends
+    cancelled: bool = False         # its waiter left before a worker took it
+    finished: bool = False          # its compile ended (set under the pool's lock)
+
+
+class CompilePool:
+    """Worker threads for grammar compiles, with a bounded queue and a timeout on compile time.
+
+    Threads, not processes: a compiled grammar holds the tokenizer's tables and lives in the
+    process that masks with it (sending one across would mean serialising it per compile and a
+    tokenizer per process), and an xgrammar compile always ends, however long a hostile schema
+    makes it. So a compile that times out is abandoned, not killed: its waiter is refused at
+    once, the pool starts a replacement worker so later compiles never queue behind it, and the
+    abandoned thread exits when its compile ends (its result still goes into the cache). At most
+    MAX_ABANDONED run at once; past that no replacement is started, so hostile specs cost a
+    bounded number of threads and the queue (bounded too) refuses what it cannot hold."""
+
+    def __init__(self, workers: int, *, queue_size: int = COMPILE_QUEUE, max_abandoned: int = MAX_ABANDONED):
+        self._jobs: queue.Queue = queue.Queue(maxsize=queue_size)
+        self._lock = threading.Lock()
+        self.abandoned = 0
+        self.max_abandoned = max_abandoned
+        for _ in range(workers):
+            self._spawn()
+
+    def _spawn(self) -> None:
+        threading.Thread(target=self._work, name="grammar", daemon=True).start()
+
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job.cancelled:
+                continue
+            job.loop.call_soon_threadsafe(job.started.set)
+            try:
+                result, error = job.fn(), None
+            except BaseException as exc:  # noqa: BLE001 - delivered to the waiter
+                result, error = None, exc
+            job.loop.call_soon_threadsafe(_settle, job.done, result, error)
+            with self._lock:
+                job.finished = True
+                if job.abandoned:
+                    self.abandoned -= 1
+                    return          # a replacement took this worker's place when it was abandoned
+
+    async def run(self, fn: Callable, timeout_s: float, on_timeout: Callable[[], Exception]):
+        """fn() on a worker; on_timeout() is raised when it computes for longer than timeout_s."""
+        loop = asyncio.get_running_loop()
+        job = _Job(fn, loop)
+        job.done = loop.create_future()
+        try:
+            self._jobs.put_nowait(job)
+        except queue.Full:
+            raise GrammarBusy(f"{self._jobs.maxsize} grammar compiles are already waiting for a worker; "
+                              "retry, or send the request to another replica") from None
+        try:
+            await job.started.wait()
+        except BaseException:
+            job.cancelled = True
+            raise
+        try:
+            return await asyncio.wait_for(asyncio.shield(job.done), timeout_s)
+        except asyncio.TimeoutError:
+            self._abandon(job)
+            raise on_timeout() from None
+
+    def _abandon(self, job: _Job) -> None:
+        with self._lock:
+            if job.finished:
+                return      # it ended just now: this worker carries on
+            job.abandoned = True
+            self.abandoned += 1
+            replace = self.abandoned <= self.max_abandoned
+        log.warning("grammar_compile_abandoned", abandoned=self.abandoned, replaced=replace)
+        if replace:
+            self._spawn()
+
+
+def _settle(fut: asyncio.Future, result, error) -> None:
+    if fut.done():
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(result)
 
 
 def _ebnf_string(s: str) -> str:
@@ -64,7 +169,8 @@ class Grammars:
         self.cache_size = cache_size
         self._compiler = None
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="grammar")
+        self._pool = CompilePool(threads)
+        self.timeout_s = COMPILE_TIMEOUT_S
 
     def _get_compiler(self):
         with self._lock:
@@ -146,15 +252,12 @@ class Grammars:
         return compiled
 
     async def compile_async(self, c):
-        """Compile on the grammar threads (xgrammar drops the GIL), refusing a spec that takes
-        longer than COMPILE_TIMEOUT_S instead of holding the request."""
+        """Compile on the grammar threads (xgrammar drops the GIL), refusing a spec whose
+        compile takes longer than `timeout_s` instead of holding the request (CompilePool)."""
         self.key(c)         # a malformed message is refused at once
-        fut = asyncio.get_running_loop().run_in_executor(self._pool, self.compile, c)
-        try:
-            return await asyncio.wait_for(asyncio.shield(fut), COMPILE_TIMEOUT_S)
-        except asyncio.TimeoutError:
-            raise GrammarError(f"sampling.constraint.{c.WhichOneof('kind')} took more than {COMPILE_TIMEOUT_S:g} s "
-                               "to compile; simplify it") from None
+        kind = c.WhichOneof("kind")
+        return await self._pool.run(lambda: self.compile(c), self.timeout_s, lambda: GrammarError(
+            f"sampling.constraint.{kind} took more than {self.timeout_s:g} s to compile; simplify it"))
 
 
 class Guide:

@@ -38,7 +38,7 @@ from .scheduler import AdmissionError, ClosedError, ContextError, DrainingError,
 from splitspec.engine.flashinfer_attention import AttentionBackendError
 from splitspec.engine.flashinfer_attention import check_available as check_attention_backend
 from . import preflight
-from .grammar import Grammars, Guide
+from .grammar import GrammarBusy, Grammars, Guide
 from .verify import check_draft_probs
 from .pools import make_pool
 from .parallel import TensorParallelError
@@ -54,6 +54,7 @@ _STATUS = [
     (DrainingError, grpc.StatusCode.UNAVAILABLE),
     (TensorParallelError, grpc.StatusCode.UNAVAILABLE),
     (StepFailed, grpc.StatusCode.INTERNAL),     # the gateway resumes the request (gateway/failover.py)
+    (GrammarBusy, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (ClosedError, grpc.StatusCode.CANCELLED),
     (ContextError, grpc.StatusCode.OUT_OF_RANGE),
     (StaleError, grpc.StatusCode.ABORTED),
