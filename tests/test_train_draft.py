@@ -395,3 +395,34 @@ def test_dflash2_trainer_warm_starts_from_dflash(target_dir, tmp_path):
     assert 0.0 <= m["eval"]["tf_topk_recall"][0] <= 1.0 and len(m["eval"]["tf_selector_acc"]) == 5
     card = (out / "README.md").read_text()
     assert "top-4 recall" in card and "warm start" in card
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_chat_prompts_are_templated_instructions_that_end_where_the_answer_starts(tmp_path):
+    """--data chat: every pool row ends with the assistant's header (the template's generation
+    prompt), prompts come from the stdlib's training split only, and windows() draws rows cut
+    to the asked length from the end."""
+    from splitspec.train import corpus
+    from splitspec.train.chat_data import conversations, prompt_pool
+    from splitspec.train.draft_data import windows
+    from tokenizers import AddedToken, Tokenizer
+    folder = save_tiny_model(tmp_path / "chat-target", "qwen3", vocab_size=384, tokenizer=True)
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken("<|im_start|>", special=True), AddedToken("<|im_end|>", special=True)])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML}))
+    train, held = corpus.load_corpus(max_files=20)
+    convs = conversations(train, seed=0)
+    assert convs and all(m[-1]["role"] == "user" for m in convs)
+    assert any(len(m) == 3 for m in conversations(train * 3, seed=1))      # multi-turn ones too
+    pool = prompt_pool(folder, 24, max_files=20)
+    header = tok.encode("<|im_start|>assistant\n", add_special_tokens=False).ids
+    assert pool["train"].shape[1] == 24 and len(pool["train"]) > 10
+    assert all(row[-len(header):].tolist() == header for row in pool["train"])
+    rows = windows(pool["train"], 5, 16, torch.Generator().manual_seed(0))
+    assert rows.shape == (5, 16) and all(r[-len(header):].tolist() == header for r in rows)
+    with pytest.raises(ValueError, match="pool"):
+        windows(pool["train"], 1, 25, torch.Generator())

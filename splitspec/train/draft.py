@@ -155,6 +155,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--eval-prompts", type=int, default=6, help="held-out prompts in the periodic evaluation")
     a("--final-eval-prompts", type=int, default=24, help="held-out prompts in the final evaluation")
     a("--eval-prompt-len", type=int, default=128)
+    a("--data", default="code", choices=["code", "chat"],
+      help="code: windows of the stdlib's source as prompts; chat: chat-templated instructions built from "
+           "the stdlib's documented functions (splitspec/train/chat_data.py), for instruct targets")
     a("--eval-new-tokens", type=int, default=128)
     a("--eval-top-p", type=float, default=0.95)
     a("--export-every-minutes", type=float, default=10.0, help="provisional export to --out (0: never)")
@@ -344,7 +347,8 @@ def main(argv=None) -> int:
         layer_ids, mask_id = tuple(draft.cfg.target_layer_ids), draft.cfg.mask_token_id
         args.layers, args.block_size = draft.cfg.num_hidden_layers, draft.cfg.block_size
     opt = make_optimizer(draft, args)
-    streams = corpus_streams(args.target_model_path, run_dir, args.max_files)
+    streams = corpus_streams(args.target_model_path, run_dir, args.max_files, args.data,
+                             max(args.prompt_len, args.eval_prompt_len))
     print(f"target: {args.target_model_path} ({tcfg.num_hidden_layers} layers, hidden {tcfg.hidden_size}, "
           f"vocab {tcfg.vocab_size}); draft: {param_count(draft):,} params, {args.layers} layers, block "
           f"{args.block_size}, taps {list(layer_ids)}, mask id {mask_id}; corpus {len(streams['train']):,} train "
@@ -367,7 +371,8 @@ def main(argv=None) -> int:
                         gen_batch=args.gen_batch, replay_batch=args.replay_batch, greedy_frac=args.greedy_frac,
                         raw_frac=args.raw_frac, temperature=args.regen_temperature, top_p=args.regen_top_p,
                         seed=args.seed, threads=args.producer_threads, bf16=args.producer_bf16,
-                        start_item=state["consumed"], max_files=args.max_files, device=args.device,
+                        start_item=state["consumed"], max_files=args.max_files, device=args.device, data=args.data,
+                        pool_width=max(args.prompt_len, args.eval_prompt_len),
                         replay_kinds=args.replay_kinds, tp_size=args.producer_tensor_parallel_size)
     producer = ProducerHandle(spec, args.producer, args.queue_size)
     periodic = eval_set(target, streams, args, args.eval_prompts) if args.eval_every else None

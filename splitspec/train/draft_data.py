@@ -38,16 +38,23 @@ def eos_ids_of(target_cfg: ModelConfig, tok) -> tuple[int, ...]:
     return (idx,) if idx is not None else ()
 
 
-def corpus_streams(target_path, run_dir: Path, max_files: int | None) -> dict[str, torch.Tensor]:
+def corpus_streams(target_path, run_dir: Path, max_files: int | None, data: str = "code",
+                   width: int = 0) -> dict[str, torch.Tensor]:
     """The training corpus (splitspec.train.corpus: stdlib, held-out split by file) tokenized with
-    the target's tokenizer and packed as `<eos> doc <eos> doc …`, cached in the run folder."""
+    the target's tokenizer and packed as `<eos> doc <eos> doc …`, cached in the run folder.
+    data "chat": pools [N, width] of chat prompts instead (chat_data.py), for instruct targets."""
     from target_service.engine import tokenizer_hash
     cache = run_dir / "corpus.pt"
-    key = {"tokenizer": tokenizer_hash(target_path), "max_files": max_files}
+    key = {"tokenizer": tokenizer_hash(target_path), "max_files": max_files, "data": data, "width": width}
     if cache.is_file():
         streams = torch.load(cache)
         if streams.get("key") == key:
             return streams
+    if data == "chat":
+        from .chat_data import prompt_pool
+        streams = {**prompt_pool(target_path, width, max_files=max_files), "key": key}
+        torch.save(streams, cache)
+        return streams
     from . import corpus
     tok = target_tokenizer(target_path)
     eos = tok.token_to_id("<|endoftext|>")
@@ -70,6 +77,15 @@ def corpus_streams(target_path, run_dir: Path, max_files: int | None) -> dict[st
 
 
 def windows(stream: torch.Tensor, n: int, length: int, generator: torch.Generator) -> torch.Tensor:
+    if stream.dim() == 2:       # a prompt pool (chat data): random rows, each cut to its last `length` tokens
+        if length > stream.shape[1]:
+            raise ValueError(f"prompts of {length} tokens asked from a pool {stream.shape[1]} wide")
+        rows = torch.randint(0, stream.shape[0], (n,), generator=generator)
+        return stream[rows, stream.shape[1] - length:].long()
+    return _stream_windows(stream, n, length, generator)
+
+
+def _stream_windows(stream: torch.Tensor, n: int, length: int, generator: torch.Generator) -> torch.Tensor:
     """n random windows [n, length] of a packed stream (repeats the stream if it is short)."""
     if len(stream) <= length:
         reps = length // max(len(stream), 1) + 2
@@ -99,6 +115,8 @@ class ProducerSpec:
     bf16: bool
     start_item: int = 0              # items already consumed (resume): skipped without compute
     max_files: int | None = None
+    data: str = "code"               # "chat": prompts from chat_data.py's pool
+    pool_width: int = 0              # chat: the pool's width (the longest prompt length asked of it)
     device: str = "cpu"
     replay_kinds: str = "all"
     tp_size: int = 1                 # tensor-parallel ranks of the producer's target
@@ -174,7 +192,7 @@ class Producer:
 
     def _produce(self) -> None:
         spec = self.spec
-        streams = corpus_streams(spec.target_path, Path(spec.run_dir), spec.max_files)
+        streams = corpus_streams(spec.target_path, Path(spec.run_dir), spec.max_files, spec.data, spec.pool_width)
         self.train_stream = streams["train"]
         (Path(spec.run_dir) / "data").mkdir(parents=True, exist_ok=True)
         for k in range(spec.num_chunks):
