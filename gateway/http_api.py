@@ -50,6 +50,7 @@ import grpc
 from fastapi import Body, FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -417,10 +418,21 @@ def create_app(servicer, keys: ApiKeys, chat_template: str | None = None,
     app.add_exception_handler(ApiError, lambda _, exc: exc.response())
     app.add_exception_handler(RequestValidationError, lambda _, exc: from_validation(exc.errors()).response())
     app.add_exception_handler(ChatTemplateError, lambda _, exc: bad(str(exc), "messages").response())
+    app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _fault)
     app.openapi = lambda: _openapi(app)
     app.add_middleware(Guard, keys=keys)
     return app
+
+
+def _http_error(_: Request, exc: StarletteHTTPException) -> Response:
+    """FastAPI's own refusals (a body that is not UTF-8, no such path or method) in OpenAI's shape."""
+    message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+    if message == "There was an error parsing the body":
+        message = "the body is not valid JSON (UTF-8)"
+    kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+    return JSONResponse(ApiError(exc.status_code, message, kind).body(), status_code=exc.status_code,
+                        headers=getattr(exc, "headers", None))
 
 
 def _fault(request: Request, exc: Exception) -> Response:

@@ -64,15 +64,13 @@ def parse_options(body: dict, *, chat: bool) -> Wanted:
 
 
 def check_token_ids(prompts: list, vocab_size: int | None) -> None:
-    """Token-id prompts inside the vocabulary, checked before echo decodes them."""
-    if vocab_size is None:
-        return
+    """Tokenized prompts: not empty, and inside the vocabulary (checked before echo decodes them)."""
     for p, prompt in enumerate(prompts):
-        if isinstance(prompt, str):
-            continue
+        param = f"prompt[{p}]" if len(prompts) > 1 else "prompt"
+        if not len(prompt):
+            raise bad(f"{param} makes no tokens", param)
         for t in prompt:
-            if t >= vocab_size:
-                param = f"prompt[{p}]" if len(prompts) > 1 else "prompt"
+            if vocab_size is not None and t >= vocab_size:
                 raise bad(f"{param}: token id {t} is outside the vocabulary [0, {vocab_size})", param)
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
 
 from .request import MAX_CACHE_SALT, MAX_LOGPROBS
 
@@ -26,12 +26,23 @@ FLOAT32_MAX = 3.4028234663852886e38   # larger finite doubles become infinity in
 MAX_N = 128                # choices per prompt
 MAX_CHOICES = 256          # prompts x n in one request
 
-TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
-Count = Annotated[int, Field(ge=0, le=INT32_MAX)]
+
+
+def _whole(value):
+    """JSON Schema's integer includes 2.0: a whole float is taken as the integer it is (strict
+    mode still refuses "2", true and 2.5)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_whole)]
+TokenId = Annotated[Int, Field(ge=0, le=INT32_MAX)]
+Count = Annotated[Int, Field(ge=0, le=INT32_MAX)]
 ProtoFloat = Annotated[float, Field(allow_inf_nan=False, ge=-FLOAT32_MAX, le=FLOAT32_MAX)]
 Penalty = Annotated[float, Field(allow_inf_nan=False, ge=-2, le=2)]
 Bias = Annotated[float, Field(allow_inf_nan=False, ge=-100, le=100)]
-Logprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
+Logprobs = Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)]
 
 
 class FieldError(ValueError):
@@ -57,9 +68,9 @@ class Speculative(BaseModel):
     values' meaning (method names, minimum widths) as it does for gRPC."""
     model_config = ConfigDict(strict=True, extra="forbid")
     method: str | None = None
-    num_steps: Annotated[int, Field(ge=0, le=INT32_MAX)] | None = None
-    topk: Annotated[int, Field(ge=0, le=INT32_MAX)] | None = None
-    num_draft_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] | None = None
+    num_steps: Annotated[Int, Field(ge=0, le=INT32_MAX)] | None = None
+    topk: Annotated[Int, Field(ge=0, le=INT32_MAX)] | None = None
+    num_draft_tokens: Annotated[Int, Field(ge=0, le=INT32_MAX)] | None = None
     draft_sampling: str | None = None
 
 
@@ -70,18 +81,19 @@ class _Sampling(_Body):
     stream_options: StreamOptions | None = None
     temperature: Annotated[float, Field(allow_inf_nan=False, ge=0, le=FLOAT32_MAX)] | None = None
     top_p: Annotated[float, Field(allow_inf_nan=False, gt=0, le=1)] | None = None
-    top_k: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None        # vLLM: -1 = off
-    seed: Annotated[int, Field(ge=0, le=UINT64_MAX)] | None = None
+    top_k: Annotated[Int, Field(ge=-1, le=INT32_MAX)] | None = None        # vLLM: -1 = off
+    seed: Annotated[Int, Field(ge=0, le=UINT64_MAX)] | None = None
     max_tokens: Count | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool | None = None
     speculative: Speculative | None = None
-    n: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
-    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
+    n: Annotated[Int, Field(ge=1, le=MAX_N)] | None = None
+    best_of: Annotated[Int, Field(ge=1, le=MAX_N)] | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
-    repetition_penalty: Annotated[float, Field(allow_inf_nan=False, gt=0, le=FLOAT32_MAX)] | None = None
+    # > 0 as vLLM asks, from 1e-6: smaller ones round to 0 in the proto's float32 (and mean nothing)
+    repetition_penalty: Annotated[float, Field(allow_inf_nan=False, ge=1e-6, le=FLOAT32_MAX)] | None = None
     logit_bias: dict[str, Bias] | None = Field(None, description="token id (a decimal string) -> bias in [-100, 100]")
     min_tokens: Count | None = None
     user: str | None = None
@@ -100,11 +112,12 @@ class _Sampling(_Body):
     function_call: Any = None
 
 
-PromptItem = Union[str, Annotated[list[TokenId], Field(min_length=1)]]
+Text = Annotated[str, Field(min_length=1)]
+PromptItem = Union[Text, Annotated[list[TokenId], Field(min_length=1)]]
 
 
 class CompletionRequest(_Sampling):
-    prompt: Union[str, Annotated[list[TokenId], Field(min_length=1)], Annotated[list[PromptItem], Field(min_length=1)]]
+    prompt: Union[Text, Annotated[list[TokenId], Field(min_length=1)], Annotated[list[PromptItem], Field(min_length=1)]]
     echo: bool | None = None
     suffix: str | None = None
     logprobs: Logprobs | bool | None = Field(None, description="alternatives per token (0-20); false: none")
@@ -121,15 +134,15 @@ class CompletionRequest(_Sampling):
 
 def check_prompt(prompt) -> None:
     """A completions prompt: text, token ids, or a list of either (a batch)."""
-    if isinstance(prompt, str) or _token_ids(prompt):
+    if (isinstance(prompt, str) and prompt) or _token_ids(prompt):
         return
     if isinstance(prompt, list) and prompt and not all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
         for i, p in enumerate(prompt):
-            if not (isinstance(p, str) or _token_ids(p)):
-                raise FieldError(f"prompt[{i}] must be a string or a non-empty list of token ids in "
+            if not ((isinstance(p, str) and p) or _token_ids(p)):
+                raise FieldError(f"prompt[{i}] must be a non-empty string or a non-empty list of token ids in "
                                  f"[0, {INT32_MAX}]", f"prompt[{i}]")
         return
-    raise FieldError(f"prompt must be a string, a non-empty list of token ids in [0, {INT32_MAX}], or a "
+    raise FieldError(f"prompt must be a non-empty string, a non-empty list of token ids in [0, {INT32_MAX}], or a "
                      f"list of those", "prompt")
 
 
