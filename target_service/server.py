@@ -382,9 +382,12 @@ def build_parser() -> argparse.ArgumentParser:
     a("--dist-init-addr", default=None, metavar="HOST:PORT",
       help="node 0's address for torch.distributed (PORT) and the ranks' control channels (PORT + 1) "
            "(default: LWS_LEADER_ADDRESS:20000 under a LeaderWorkerSet)")
-    a("--dist-auth-key", default="splitspec",
-      help="shared secret the other nodes' ranks prove to node 0's control port (set it: anyone who can "
-           "reach that port with the key can drive the ranks)")
+    a("--dist-auth-key", default=None,
+      help="with --nnodes > 1, required: the secret (16 bytes at least, the same on every node) the ranks and "
+           "node 0's control port prove to each other (HMAC) before anything is read; whoever holds it drives "
+           "the ranks. Prefer SPLITSPEC_DIST_AUTH_KEY or --dist-auth-key-file to a flag others can see in ps")
+    a("--dist-auth-key-file", default=None, metavar="PATH",
+      help="read --dist-auth-key from this file (e.g. a mounted Kubernetes Secret); wins over the flag")
     a("--device-memory-gb", type=float, default=None,
       help="memory of each rank's device for the start-up preflight (default: the CUDA device's free memory, "
            "or this host's available memory divided among the ranks it spawns)")
@@ -455,9 +458,10 @@ def check_args(args: argparse.Namespace) -> None:
                              f"{args.nnodes}: every node holds the same number of ranks")
         if not args.dist_init_addr:
             raise SystemExit("--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address)")
-        from .tp_worker import split_addr
+        from .tp_worker import auth_key, split_addr
         try:
             split_addr(args.dist_init_addr)
+            args.dist_auth_key = auth_key(args.dist_auth_key, args.dist_auth_key_file, args.nnodes).decode()
         except ValueError as exc:
             raise SystemExit(str(exc)) from None
     if args.tensor_parallel_size > 1 and args.attention_backend != "torch":
@@ -496,7 +500,7 @@ def _load(args: argparse.Namespace):
         model = tp_worker.start(args.model_path, args.tensor_parallel_size, dtype=parse_dtype(dtype), device=device,
                                 timeout_s=args.tp_timeout_s, torch_threads=args.torch_threads,
                                 nnodes=getattr(args, "nnodes", 1) or 1, dist_init_addr=getattr(args, "dist_init_addr", None),
-                                auth_key=getattr(args, "dist_auth_key", "splitspec").encode())
+                                auth_key=(getattr(args, "dist_auth_key", None) or "").encode())
         return model, make_verifier(args.sampling_backend, device)
     model = load_model(args.model_path, dtype=parse_dtype(dtype), device=device)
     if args.attention_backend == "flashinfer":

@@ -32,6 +32,8 @@ to node 0 and then behave exactly as local workers, and it exits when one of the
 node closes its ranks' control connections, which rank 0's monitor sees like a dead local rank."""
 from __future__ import annotations
 
+import io
+import json
 import multiprocessing as mp
 import multiprocessing.connection
 import os
@@ -40,6 +42,7 @@ import socket
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import numpy as np
 import structlog
@@ -55,6 +58,63 @@ from .state_pool import StatePlan, StatePool, StateRow
 log = structlog.get_logger(__name__)
 
 READY_TIMEOUT_S = 600.0     # a worker loads its shard in this long, or start-up fails
+# The secret's old built-in default: public, so it proves nothing and is refused.
+PUBLIC_KEY = "splitspec"
+MIN_KEY_BYTES = 16
+HELLO_MAX_BYTES = 64        # an authenticated peer's hello ({"rank": r}); anything longer is dropped
+
+
+def auth_key(key: str | None, key_file: str | None, nnodes: int) -> bytes:
+    """The control channel's secret, from --dist-auth-key (or SPLITSPEC_DIST_AUTH_KEY) or
+    --dist-auth-key-file; ValueError naming the flags when several nodes would run without a
+    real one. Anyone holding it can drive every rank (they run what node 0 sends them), so the
+    public default and an empty or short secret are refused rather than warned about. One node
+    has no control port: no secret needed."""
+    if key_file:
+        try:
+            key = Path(key_file).read_text().strip()
+        except OSError as exc:
+            raise ValueError(f"--dist-auth-key-file {key_file}: {exc.strerror or exc}") from None
+    key = key or ""
+    if nnodes <= 1:
+        return key.encode()
+    if key == PUBLIC_KEY:
+        raise ValueError(f"--dist-auth-key {PUBLIC_KEY!r} is the old public default: with --nnodes > 1 set a "
+                         "secret of your own (flag, SPLITSPEC_DIST_AUTH_KEY or --dist-auth-key-file), the same "
+                         "on every node")
+    if len(key.encode()) < MIN_KEY_BYTES:
+        raise ValueError(f"--nnodes > 1 needs a secret of {MIN_KEY_BYTES} bytes at least for the ranks' control "
+                         f"channel (--dist-auth-key, SPLITSPEC_DIST_AUTH_KEY or --dist-auth-key-file; got "
+                         f"{'none' if not key else f'{len(key.encode())} bytes'}), e.g. `openssl rand -hex 32`")
+    return key.encode()
+
+
+def _send_json(conn, obj) -> None:
+    conn.send_bytes(json.dumps(obj).encode())
+
+
+def _recv_json(conn, maxlength: int | None = None):
+    """What a rank reports to node 0 travels as JSON, never pickle: node 0 runs nothing a peer sends."""
+    return json.loads(conn.recv_bytes(maxlength))
+
+
+class _ControlUnpickler(pickle.Unpickler):
+    """A worker reads node 0's step descriptions (dicts, lists, numbers and numpy arrays) with
+    this: a message naming any other class or function is refused, so even a peer that got past
+    the authentication cannot make a worker run code by pickling it."""
+    ALLOWED = {("numpy", "ndarray"), ("numpy", "dtype"), ("numpy.core.multiarray", "_reconstruct"),
+               ("numpy._core.multiarray", "_reconstruct"), ("numpy.core.multiarray", "scalar"),
+               ("numpy._core.multiarray", "scalar"), ("numpy.core.numeric", "_frombuffer"),
+               ("numpy._core.numeric", "_frombuffer")}
+
+    def find_class(self, module, name):
+        if (module, name) not in self.ALLOWED:
+            raise pickle.UnpicklingError(f"the control channel carries no {module}.{name}")
+        return super().find_class(module, name)
+
+
+def _loads(data: bytes):
+    return _ControlUnpickler(io.BytesIO(data)).load()
 
 
 class RecordingKVPool(KVPool):
@@ -135,8 +195,8 @@ def dial(host: str, port: int, key: bytes, rank: int, timeout_s: float):
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            conn = multiprocessing.connection.Client((host, port), authkey=key)
-            conn.send(("hello", rank))
+            conn = multiprocessing.connection.Client((host, port), authkey=key)     # both ends prove the key
+            _send_json(conn, {"rank": rank})
             return conn
         except (ConnectionRefusedError, OSError) as exc:
             if time.monotonic() > deadline:
@@ -163,15 +223,15 @@ def worker_main(rank: int, world: int, port: int, spec: dict, conn) -> None:
         if conn is None:            # no channel to report on: this node's launcher sees the exit code
             log.error("tensor_parallel_rank_failed", rank=rank, error=f"{type(exc).__name__}: {exc}")
             raise SystemExit(1) from None
-        conn.send(("error", f"rank {rank}: {type(exc).__name__}: {exc}"))
+        _send_json(conn, ["error", f"rank {rank}: {type(exc).__name__}: {exc}"])
         return
-    conn.send(("ready", None))
+    _send_json(conn, ["ready", None])
     pool = None
     last_states = None      # the KDA rows of the last forward: rank 0's commits for them come with the next
     try:
         while True:
             try:
-                msg = pickle.loads(conn.recv_bytes())
+                msg = _loads(conn.recv_bytes())
             except (EOFError, OSError):
                 return                          # rank 0 is gone: nothing left to serve
             kind = msg["kind"]
@@ -380,7 +440,7 @@ def start(model_path: str, world: int, *, dtype: torch.dtype, device: torch.devi
     listener, accepted, closed = None, {}, threading.Event()
     if nnodes > 1:
         listener = multiprocessing.connection.Listener((host, port + 1), authkey=auth_key)
-        threading.Thread(target=_accept, args=(listener, world - local, accepted, closed), daemon=True,
+        threading.Thread(target=_accept, args=(listener, range(local, world), accepted, closed), daemon=True,
                          name="tp-accept").start()
     procs, conns = [], []
     for rank in range(1, local):
@@ -419,8 +479,8 @@ def start(model_path: str, world: int, *, dtype: torch.dtype, device: torch.devi
                 if time.monotonic() > deadline:
                     raise TensorParallelError(f"tensor-parallel rank {rank} did not load within {READY_TIMEOUT_S} s")
             try:
-                kind, detail = c.recv()
-            except EOFError:
+                kind, detail = _recv_json(c)
+            except (EOFError, ValueError):
                 raise TensorParallelError(f"tensor-parallel rank {rank} closed its control connection during "
                                           f"start-up") from None
             if kind != "ready":
@@ -447,19 +507,31 @@ def split_addr(addr: str | None) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def _accept(listener, n: int, into: dict, closed: threading.Event) -> None:
-    """Node 0: accept the control connections of the `n` ranks on other nodes, keyed by rank."""
-    while len(into) < n:
+def _accept(listener, ranks: range, into: dict, closed: threading.Event) -> None:
+    """Node 0: accept the control connections of the ranks on other nodes (`ranks`), keyed by
+    rank. `listener.accept()` runs the HMAC challenge both ways before it returns, reading
+    nothing but the peer's digest (bounded), so a peer without the secret is dropped before any
+    of its data is read; an authenticated peer's hello is a few bytes of JSON, its rank checked."""
+    while len(into) < len(ranks):
         try:
             conn = listener.accept()
-            kind, rank = conn.recv()
         except (OSError, EOFError, multiprocessing.AuthenticationError) as exc:
             if closed.is_set():                 # start-up gave up
                 return
-            log.warning("tensor_parallel_control_refused", reason=str(exc))
+            log.warning("tensor_parallel_control_refused", reason=f"{type(exc).__name__}: {exc}")
             continue
-        if kind == "hello" and isinstance(rank, int):
-            into[rank] = conn
+        try:
+            rank = _recv_json(conn, HELLO_MAX_BYTES).get("rank")
+        except (OSError, EOFError, ValueError, AttributeError) as exc:
+            log.warning("tensor_parallel_control_refused", reason=f"bad hello: {type(exc).__name__}: {exc}")
+            conn.close()
+            continue
+        if type(rank) is not int or rank not in ranks or rank in into:
+            log.warning("tensor_parallel_control_refused", reason=f"rank {rank!r} is not one of the other nodes' "
+                        f"ranks {ranks.start}..{ranks.stop - 1} still missing")
+            conn.close()
+            continue
+        into[rank] = conn
 
 
 def launch_node(model_path: str, world: int, *, nnodes: int, node_rank: int, dist_init_addr: str,

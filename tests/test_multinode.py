@@ -19,6 +19,12 @@ from splitspec.ops.launch import free_port
 from target_service.engine import generate, load_model
 
 
+@pytest.fixture(autouse=True)
+def dist_secret(monkeypatch):
+    """Every node of these tests shares a secret, from the environment as a container would."""
+    monkeypatch.setenv("SPLITSPEC_DIST_AUTH_KEY", "multinode-test-secret-0123456789")
+
+
 def _node(path, port: int, rank: int, log, *extra: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "target_service.server", "--model-path", str(path),
                              "--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", str(rank),
