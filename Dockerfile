@@ -2,7 +2,7 @@
 #
 #   docker build -t splitspec .                              # CPU torch (the default), models mounted
 #   docker build --target bundled -t splitspec:cpu .         # ... with the bundled models in /models
-#   docker build --build-arg TORCH_FLAVOR=cuda --build-arg EXTRAS=cuda --target bundled -t splitspec:cuda .
+#   docker build --build-arg TORCH_FLAVOR=cuda --build-arg EXTRAS=cuda,otel --target bundled -t splitspec:cuda .
 #
 # TORCH_FLAVOR picks the torch build: `cpu` (PyTorch's CPU wheel index: a few hundred MB, no CUDA
 # libraries) or `cuda` (PyPI's Linux wheel, which bundles the CUDA runtime: several GB). Each
@@ -33,7 +33,8 @@ COPY splitspec ./splitspec
 COPY target_service ./target_service
 COPY draft_service ./draft_service
 COPY gateway ./gateway
-ARG EXTRAS=""
+# otel: OpenTelemetry traces (--otlp-traces-endpoint), a few pure-Python packages
+ARG EXTRAS="otel"
 RUN pip install ".${EXTRAS:+[$EXTRAS]}" && splitspec --help > /dev/null
 RUN useradd --create-home --uid 1000 splitspec && mkdir /models && chown splitspec /models
 USER splitspec

@@ -11,9 +11,13 @@ mirror scheduler state are read at scrape time (`StateCollector`), so the engine
 no metrics work for them; the only per-forward work is one `observe` in `EngineMetrics`."""
 from __future__ import annotations
 
+import socket
+import threading
 from collections.abc import Callable
+from socketserver import ThreadingMixIn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Histogram, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -31,8 +35,32 @@ def new_registry() -> CollectorRegistry:
 def start_exporter(registry: CollectorRegistry, host: str, port: int) -> int:
     """Serve `registry` as Prometheus text on http://host:port/metrics from a daemon thread
     (never the event loop or the engine thread); returns the bound port (port 0: any free)."""
-    httpd, _ = start_http_server(port, addr=host, registry=registry)
+    app = classic_text(make_wsgi_app(registry))
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    server = type("_Server", (_ThreadingServer,), {"address_family": family})
+    httpd = make_server(host, port, app, server, handler_class=_QuietHandler)
+    threading.Thread(target=httpd.serve_forever, name="metrics-exporter", daemon=True).start()
     return httpd.server_port
+
+
+def classic_text(app):
+    """Answer every scrape in the classic text format (0.0.4). prometheus_client's OpenMetrics
+    answer rewrites the colons of metric names to underscores (splitspec:x -> splitspec_x) for a
+    scraper that does not ask for UTF-8 names, as Prometheus 2.x negotiates; the dashboard, the
+    autoscalers' queries and vLLM-style names all say splitspec:x."""
+    def app_text(environ, start_response):
+        environ["HTTP_ACCEPT"] = "text/plain"
+        return app(environ, start_response)
+    return app_text
+
+
+class _ThreadingServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True       # a scrape in flight never holds the process at exit
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format, *args) -> None:   # noqa: A002 - the base class's name
+        pass                                        # no access log on stderr (the logs are JSON)
 
 
 def step_kind(kinds) -> str:
