@@ -82,28 +82,26 @@ DEFAULT_TIMEOUT_S = 600.0      # --http-timeout-s
 
 # --- before the body is parsed: size, depth, API key ----------------------------------------
 
+# A JSON string (escapes included), and every byte that is not a bracket.
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
+
 def json_depth(raw: bytes, limit: int) -> int:
-    """The nesting depth of a JSON text, stopping once past `limit`: a linear scan that never
-    recurses, so a body of 100,000 nested arrays is refused before json.loads recurses into it."""
+    """The nesting depth of a JSON text, stopping once past `limit`. Strings are cut out and
+    the brackets kept with C-speed calls, so a body of 100,000 nested arrays is refused before
+    json.loads recurses into it, and a large flat body (a long prompt's token ids) costs a few
+    milliseconds."""
+    brackets = _JSON_STRING.sub(b"", raw).translate(None, _NOT_BRACKETS)
     depth = deepest = 0
-    in_string = escaped = False
-    for byte in raw:
-        if in_string:
-            if escaped:
-                escaped = False
-            elif byte == 0x5C:           # backslash
-                escaped = True
-            elif byte == 0x22:           # quote
-                in_string = False
-        elif byte == 0x22:
-            in_string = True
-        elif byte in (0x5B, 0x7B):       # [ {
+    for byte in brackets:
+        if byte in (0x5B, 0x7B):       # [ {
             depth += 1
             if depth > deepest:
                 deepest = depth
                 if deepest > limit:
                     break
-        elif byte in (0x5D, 0x7D):
+        else:
             depth -= 1
     return deepest
 

@@ -8,6 +8,7 @@ separate processes. Examples per operation: SPLITSPEC_FUZZ_EXAMPLES (CI's defaul
 file to about a minute on 2 cores; docs/reliability.md has the full run's command and result)."""
 from __future__ import annotations
 
+import asyncio
 import collections
 import http.client
 import json
@@ -23,7 +24,7 @@ from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error, response_schema_conformance
 from service_helpers import collect, gateway_stub, running, running_gateway, tiny_target_dir
 
-from gateway.http_api import MAX_BODY_BYTES, create_app
+from gateway.http_api import MAX_BODY_BYTES, Guard, create_app, json_depth
 from splitspec.client import build_request
 from splitspec.ops.launch import free_port, health_status
 from splitspec.security import ApiKeys
@@ -221,3 +222,31 @@ def test_still_serving_and_greedy_equals_target_only(stack):
                                             timeout=60))
     assert got["choices"][0]["text"] == "".join(texts)
 
+
+
+def test_json_depth_counts_brackets_outside_strings():
+    assert json_depth(b'{"a": "[[[[{{", "b": [[1]]}', 64) == 3
+    assert json_depth(b'{"a": "\\"[[[[", "b": [{"c": []}]}', 64) == 4
+    assert json_depth(b"[" * 100_000 + b"]" * 100_000, 64) == 65       # stops once past the limit
+
+
+def test_a_body_without_a_length_is_cut_at_the_limit():
+    """A chunked body is counted as it arrives: 413 once past the limit, the route never runs."""
+    reached = []
+
+    async def app(scope, receive, send):
+        reached.append(scope["path"])
+
+    async def main():
+        chunks = [{"type": "http.request", "body": b"x" * 6, "more_body": True} for _ in range(3)]
+        sent = []
+
+        async def receive():
+            return chunks.pop(0)
+
+        async def send(message):
+            sent.append(message)
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}
+        await Guard(app, ApiKeys([]), max_bytes=10)(scope, receive, send)
+        return sent[0]["status"]
+    assert asyncio.run(main()) == 413 and reached == []
