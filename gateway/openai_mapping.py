@@ -55,8 +55,6 @@ def parse_options(body: dict, *, chat: bool) -> Wanted:
             raise bad("top_logprobs needs logprobs: true", "top_logprobs")
     else:
         logprobs = body.get("logprobs")
-        if logprobs is True:
-            raise bad("logprobs must be an integer in [0, 20] on /v1/completions (true is chat's form)", "logprobs")
         if logprobs is not None and logprobs is not False:
             w.logprobs = logprobs
         w.echo = bool(body.get("echo"))

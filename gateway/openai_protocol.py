@@ -23,6 +23,7 @@ from .request import MAX_CACHE_SALT, MAX_LOGPROBS
 INT32_MAX = 2 ** 31 - 1
 UINT64_MAX = 2 ** 64 - 1
 FLOAT32_MAX = 3.4028234663852886e38   # larger finite doubles become infinity in a proto float
+FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32: "> 0" fields start here (5e-324 is 0 in a proto float)
 MAX_N = 128                # choices per prompt
 MAX_CHOICES = 256          # prompts x n in one request
 
@@ -36,13 +37,17 @@ def _whole(value):
     return value
 
 
-Int = Annotated[int, BeforeValidator(_whole)]
-TokenId = Annotated[Int, Field(ge=0, le=INT32_MAX)]
-Count = Annotated[Int, Field(ge=0, le=INT32_MAX)]
+def whole(low: int, high: int):
+    """An integer in [low, high] (the constraints sit on the int, so the schema states them)."""
+    return Annotated[int, Field(ge=low, le=high), BeforeValidator(_whole)]
+
+
+TokenId = whole(0, INT32_MAX)
+Count = whole(0, INT32_MAX)
 ProtoFloat = Annotated[float, Field(allow_inf_nan=False, ge=-FLOAT32_MAX, le=FLOAT32_MAX)]
 Penalty = Annotated[float, Field(allow_inf_nan=False, ge=-2, le=2)]
 Bias = Annotated[float, Field(allow_inf_nan=False, ge=-100, le=100)]
-Logprobs = Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)]
+Logprobs = whole(0, MAX_LOGPROBS)
 
 
 class FieldError(ValueError):
@@ -68,9 +73,9 @@ class Speculative(BaseModel):
     values' meaning (method names, minimum widths) as it does for gRPC."""
     model_config = ConfigDict(strict=True, extra="forbid")
     method: str | None = None
-    num_steps: Annotated[Int, Field(ge=0, le=INT32_MAX)] | None = None
-    topk: Annotated[Int, Field(ge=0, le=INT32_MAX)] | None = None
-    num_draft_tokens: Annotated[Int, Field(ge=0, le=INT32_MAX)] | None = None
+    num_steps: whole(0, INT32_MAX) | None = None
+    topk: whole(0, INT32_MAX) | None = None
+    num_draft_tokens: whole(0, INT32_MAX) | None = None
     draft_sampling: str | None = None
 
 
@@ -80,20 +85,19 @@ class _Sampling(_Body):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     temperature: Annotated[float, Field(allow_inf_nan=False, ge=0, le=FLOAT32_MAX)] | None = None
-    top_p: Annotated[float, Field(allow_inf_nan=False, gt=0, le=1)] | None = None
-    top_k: Annotated[Int, Field(ge=-1, le=INT32_MAX)] | None = None        # vLLM: -1 = off
-    seed: Annotated[Int, Field(ge=0, le=UINT64_MAX)] | None = None
+    top_p: Annotated[float, Field(allow_inf_nan=False, ge=FLOAT32_TINY, le=1)] | None = None
+    top_k: whole(-1, INT32_MAX) | None = None        # vLLM: -1 = off
+    seed: whole(0, UINT64_MAX) | None = None
     max_tokens: Count | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool | None = None
     speculative: Speculative | None = None
-    n: Annotated[Int, Field(ge=1, le=MAX_N)] | None = None
-    best_of: Annotated[Int, Field(ge=1, le=MAX_N)] | None = None
+    n: whole(1, MAX_N) | None = None
+    best_of: whole(1, MAX_N) | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
-    # > 0 as vLLM asks, from 1e-6: smaller ones round to 0 in the proto's float32 (and mean nothing)
-    repetition_penalty: Annotated[float, Field(allow_inf_nan=False, ge=1e-6, le=FLOAT32_MAX)] | None = None
+    repetition_penalty: Annotated[float, Field(allow_inf_nan=False, ge=FLOAT32_TINY, le=FLOAT32_MAX)] | None = None
     logit_bias: dict[str, Bias] | None = Field(None, description="token id (a decimal string) -> bias in [-100, 100]")
     min_tokens: Count | None = None
     user: str | None = None
@@ -120,7 +124,7 @@ class CompletionRequest(_Sampling):
     prompt: Union[Text, Annotated[list[TokenId], Field(min_length=1)], Annotated[list[PromptItem], Field(min_length=1)]]
     echo: bool | None = None
     suffix: str | None = None
-    logprobs: Logprobs | bool | None = Field(None, description="alternatives per token (0-20); false: none")
+    logprobs: Logprobs | Literal[False] | None = Field(None, description="alternatives per token (0-20); false: none")
 
     @field_validator("prompt", mode="wrap")
     @classmethod

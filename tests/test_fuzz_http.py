@@ -75,9 +75,10 @@ VOCAB = 512
 
 
 def in_vocab(p):
-    if isinstance(p, int):
-        return p % VOCAB
-    return [t % VOCAB for t in p] if isinstance(p, list) else p
+    """A token id (2.0 is one too) or a list of them, moved into the vocabulary."""
+    if isinstance(p, (int, float)):
+        return int(p) % VOCAB
+    return [int(t) % VOCAB for t in p] if isinstance(p, list) else p
 
 
 def tame(body: dict) -> dict:
