@@ -66,7 +66,8 @@ def too_large(message: str) -> ApiError:
 
 # pydantic error type -> what the field must be, for refusals of the value's type.
 MUST_BE = {"string_type": "a string", "int_type": "an integer", "float_type": "a number", "bool_type": "a boolean",
-           "list_type": "a list", "dict_type": "an object", "model_type": "an object", "model_attributes_type": "an object",
+           "list_type": "a list", "dict_type": "an object", "model_type": "an object",
+           "model_attributes_type": "an object",
            "literal_error": None}
 
 

@@ -23,7 +23,8 @@ from .request import MAX_CACHE_SALT, MAX_LOGPROBS
 INT32_MAX = 2 ** 31 - 1
 UINT64_MAX = 2 ** 64 - 1
 FLOAT32_MAX = 3.4028234663852886e38   # larger finite doubles become infinity in a proto float
-FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32: "> 0" fields start here (5e-324 is 0 in a proto float)
+# The smallest normal float32: "> 0" fields start here (5e-324 is 0 in a proto float).
+FLOAT32_TINY = 1.1754943508222875e-38
 MAX_N = 128                # choices per prompt
 MAX_CHOICES = 256          # prompts x n in one request
 
