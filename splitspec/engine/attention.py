@@ -59,6 +59,32 @@ class AttentionPlan:
     slot_mapping: torch.Tensor        # [N] where each new token's K/V is written
     groups: list[Group]
     flashinfer: object = None         # a FlashInferPlan when that backend runs the batch
+    # Batch-invariant mode: (flat token index, its keys) for every short-row token, each attended
+    # alone over exactly its own keys (see `exact_queries`); those tokens are in no group.
+    exact: list[tuple[int, torch.Tensor | tuple[int, int]]] = field(default_factory=list)
+
+
+def exact_queries(row: Row, start: int) -> list[tuple[int, torch.Tensor | tuple[int, int]]]:
+    """Batch-invariant attention for one decode or verify row: each new token gets its own
+    unmasked SDPA call over exactly the keys it attends (the context, then itself and its
+    ancestors in position order), which are exactly the keys a target-only decode at that
+    position attends. Padding a shorter key list with masked keys changes the kernel's
+    reduction order in its last block (measured: 31 of 192 rows of a bf16 SDPA differ in some
+    bit between the padded and the exact call), and a bit is enough to flip a near-tied argmax.
+    Keys are a (start slot, length) range when the row's blocks are consecutive, else slots."""
+    c, q = row.table.length, row.q_len
+    slots = row.table.slots(0, c + q)
+    bs = row.table.pool.block_size
+    used = row.table.blocks[:-(-(c + q) // bs)]
+    contiguous = used == list(range(used[0], used[0] + len(used)))
+    out = []
+    for i in range(q):
+        if row.mask is None:
+            keys = (used[0] * bs, c + i + 1) if contiguous else slots[:c + i + 1]
+        else:
+            keys = torch.cat([slots[:c], slots[c:c + q][row.mask[i].cpu()]])
+        out.append((start + i, keys))
+    return out
 
 
 def _block_matrix(rows: list[Row]) -> torch.Tensor:
@@ -141,9 +167,10 @@ def _one_row(row: Row, start: int, row_slots: torch.Tensor, n: int, device) -> G
                  causal=c == 0 and row.mask is None and q > 1)
 
 
-def plan_attention(rows: list[Row], device, *, groups: bool = True) -> AttentionPlan:
+def plan_attention(rows: list[Row], device, *, groups: bool = True, exact: bool = False) -> AttentionPlan:
     """Slots and gather indices for `rows`, whose new tokens are laid out one row after another
-    (groups=False: slots only, for a backend that reads the block tables itself)."""
+    (groups=False: slots only, for a backend that reads the block tables itself). exact: decode
+    and verify rows (up to LONG_QUERY new tokens) attend batch-invariantly (`exact_queries`)."""
     starts, n = [], 0
     for r in rows:
         starts.append(n)
@@ -165,15 +192,18 @@ def plan_attention(rows: list[Row], device, *, groups: bool = True) -> Attention
     # Long rows group only with rows of exactly their shape (nothing padded): the trainer's lockstep
     # batches then run as one SDPA call per layer, not one per sequence.
     long: dict[tuple[int, int], list[int]] = {}
-    sets = []
+    sets, per_query = [], []
     for i, r in enumerate(rows):
-        if r.q_len > LONG_QUERY:
+        if exact and r.q_len <= LONG_QUERY:
+            per_query += exact_queries(r, starts[i])
+        elif r.q_len > LONG_QUERY:
             long.setdefault((r.q_len, r.table.length), []).append(i)
         else:
             buckets.setdefault(1 << (r.q_len - 1).bit_length(), []).append(i)
     sets += list(long.values()) + list(buckets.values())
     return AttentionPlan(slot_mapping.to(device),
-                         [_group([rows[i] for i in g], [starts[i] for i in g], n, device) for g in sets])
+                         [_group([rows[i] for i in g], [starts[i] for i in g], n, device) for g in sets],
+                         exact=[(t, k if isinstance(k, tuple) else k.to(device)) for t, k in per_query])
 
 
 def paged_attention(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
@@ -184,6 +214,8 @@ def paged_attention(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, p
     N, Hq, D = q.shape
     Hkv = k_all.shape[1]
     rep = Hq // Hkv
+    if plan.exact and not plan.groups:
+        return _exact_attention(q, k_all, v_all, plan.exact, q.new_empty(N, Hq, D))
     if len(plan.groups) == 1 and plan.groups[0].in_order:
         g = plan.groups[0]
         return _group_attention(q.reshape(g.q_index.shape + (Hq, D)), k_all, v_all, g, rep).reshape(N, Hq, D)
@@ -193,6 +225,22 @@ def paged_attention(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, p
         R, Q = g.q_index.shape
         o = _group_attention(padded.index_select(0, g.q_index.view(-1)).view(R, Q, Hq, D), k_all, v_all, g, rep)
         out.index_copy_(0, g.flat, o[g.valid])
+    return _exact_attention(q, k_all, v_all, plan.exact, out) if plan.exact else out
+
+
+def _exact_attention(q, k_all, v_all, queries, out):
+    """One unmasked SDPA per token over exactly its keys: the same call, on the same values, as
+    a target-only decode of that token alone makes, whatever else is in the batch."""
+    Hq, D = q.shape[1:]
+    Hkv = k_all.shape[1]
+    for t, keys in queries:
+        if isinstance(keys, tuple):
+            kk, vv = (x.narrow(0, keys[0], keys[1]) for x in (k_all, v_all))
+        else:
+            kk, vv = (x.index_select(0, keys) for x in (k_all, v_all))
+        qq = q[t].view(1, Hkv, Hq // Hkv, D)
+        o = F.scaled_dot_product_attention(qq, kk.transpose(0, 1)[None], vv.transpose(0, 1)[None])
+        out[t] = o.view(Hq, D)
     return out
 
 

@@ -125,8 +125,10 @@ class MLP(nn.Module):
         gu = x @ weight if bias is None else torch.addmm(bias, x, weight)
         gate, up = gu.chunk(2, dim=-1)
         transposed(self.down_proj)
-        # In place: silu over the strided gate half costs 2-3x a contiguous one when it allocates.
-        return self.down_proj(F.silu(gate, inplace=True).mul_(up))
+        # silu over a contiguous copy of the gate half: over the strided half (any M > 1) torch
+        # takes another elementwise path whose exp rounds differently in the last bit, so a verify
+        # row and a decode row of the same token would differ (batch invariance, docs/speculation.md).
+        return self.down_proj(F.silu(gate.contiguous(), inplace=True).mul_(up))
 
 
 class Attention(nn.Module):

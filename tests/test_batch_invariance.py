@@ -1,0 +1,108 @@
+"""Batch-invariant forwards (`--batch-invariant`, attention "torch-exact"): at bfloat16 a token's
+logits are the same bits whether it is decoded alone, verified as a row of a draft chain or a
+tree, or decoded beside other sessions, so greedy speculation equals target-only decoding.
+
+Two things differ otherwise, both measured on this CPU: SDPA over a key list padded with
+masked keys (a verify row, a batch of decode rows) reduces its last block in another order than
+over the exact keys; and the BLAS multiplies a single row with another kernel than 2+ rows."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from splitspec.engine.sample import SamplingParams
+from splitspec.engine.tree import Tree
+from target_service.engine import TargetSequence
+from target_service.loader import load_model
+from target_service.pools import make_pool
+from target_service.runner import Decode, run_batch
+from target_service.torch_verifier import TorchVerifier
+from tiny_models import save_tiny_model
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    # Wide enough (K = 1536 in the down projection, as SmolLM2's) for the one-row kernel to differ.
+    path = save_tiny_model(tmp_path_factory.mktemp("bi"), "llama", vocab_size=512, hidden_size=256,
+                           intermediate_size=1536, num_layers=2, num_heads=4, num_kv_heads=2, seed=21)
+    return load_model(path, dtype="bfloat16")
+
+
+def _lm_head_inputs(model):
+    rows = []
+    orig = model.lm_head.forward
+
+    def hook(x):
+        rows.append(x.detach().reshape(-1, x.shape[-1]).clone())
+        return orig(x)
+    model.lm_head.forward = hook
+    return rows, lambda: setattr(model.lm_head, "forward", orig)
+
+
+PROMPTS = [[(7 * i + 3 * j) % 500 + 3 for j in range(40 + 23 * i)] for i in range(6)]
+
+
+@pytest.mark.parametrize("prompt", PROMPTS[:3])
+def test_a_verify_row_is_the_decode_row_bit_for_bit(model, prompt):
+    rows, restore = _lm_head_inputs(model)
+    try:
+        ref = TargetSequence(model, prompt, max_len=len(prompt) + 40, attention="torch-exact")
+        greedy = [ref.prefill().committed[0]]
+        rows.clear()
+        for _ in range(8):
+            greedy.append(ref.decode().committed[0])
+        decoded = torch.cat(rows[:8])
+        spec = TargetSequence(model, prompt, max_len=len(prompt) + 40, attention="torch-exact")
+        spec.prefill()
+        rows.clear()
+        out = spec.verify(Tree.chain(greedy[1:8]))
+        assert torch.equal(rows[-1][:8], decoded)
+        assert out.committed == greedy[1:9]
+        # A tree whose second branch holds the greedy chain: its nodes see only their ancestors.
+        spec2 = TargetSequence(model, prompt, max_len=len(prompt) + 40, attention="torch-exact")
+        spec2.prefill()
+        wrong = (greedy[1] + 1) % 500
+        tree = Tree((wrong, greedy[1], greedy[2], greedy[3]), (-1, -1, 1, 2))
+        assert spec2.verify(tree).committed == greedy[1:5]
+    finally:
+        restore()
+
+
+def test_greedy_speculation_equals_target_only_on_every_prompt(model):
+    for prompt in PROMPTS:
+        ref = TargetSequence(model, prompt, max_len=len(prompt) + 60, attention="torch-exact")
+        greedy = [ref.prefill().committed[0]]
+        while len(greedy) < 48:
+            greedy.append(ref.decode().committed[0])
+        spec = TargetSequence(model, prompt, max_len=len(prompt) + 60, attention="torch-exact")
+        got = [spec.prefill().committed[0]]
+        while len(got) < 48:
+            got += spec.verify(Tree.chain(greedy[len(got):len(got) + 5])).committed
+        assert got[:48] == greedy
+
+
+def test_a_decode_beside_other_sessions_is_the_decode_alone(model):
+    """Target-only decoding at many streams equals it at one stream."""
+    pool = make_pool(model, num_blocks=64, block_size=16)
+    seqs = [TargetSequence(model, p, max_len=len(p) + 20, pool=pool, attention="torch-exact") for p in PROMPTS[:4]]
+    alone = [TargetSequence(model, p, max_len=len(p) + 20, attention="torch-exact") for p in PROMPTS[:4]]
+    for s in seqs + alone:
+        s.prefill()
+    for _ in range(6):
+        together = run_batch(model, pool, TorchVerifier(), [Decode(s.seq) for s in seqs], "torch-exact")
+        for out, s in zip(together, alone):
+            assert out.committed == s.decode().committed
+
+
+def test_the_service_turns_it_on_for_bf16_dense_targets(model):
+    import argparse
+    from target_service.server import attention_mode
+    args = argparse.Namespace(batch_invariant="auto", attention_backend="torch", tensor_parallel_size=1)
+    assert attention_mode(args, model) == "torch-exact"
+    model_f32 = type(model).__new__(type(model))
+    torch.nn.Module.__init__(model_f32)
+    model_f32.cfg = model.cfg
+    model_f32.register_parameter("w", torch.nn.Parameter(torch.zeros(1)))
+    assert attention_mode(args, model_f32) == "torch"
+    args.batch_invariant = "off"
+    assert attention_mode(args, model) == "torch"
