@@ -154,6 +154,35 @@ def estimate(path: str | Path, *, world: int = 1, dtype: str = "bfloat16", kv_bu
     return mem
 
 
+def rss_bytes() -> int:
+    """This process's resident memory now (Linux /proc; 0 where there is none)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def plateau(mem: RankMemory, *, device: str | torch.device = "cpu", features_mb: int = 0,
+            baseline: int | None = None) -> dict:
+    """The memory a rank settles at, stated at start-up as the `memory_plateau` event: the
+    preflight's total (weights, the whole KV budget, KDA state slots, the runtime reserve) plus
+    the prefix cache's tap-row arena (--prefix-cache-hidden-mb, taken whole when the first rows
+    come); on a CPU also the process's resident memory before loading (interpreter, libraries),
+    so that `plateau_bytes` is what the process's RSS stays under. The KV pool reaches its budget
+    only when that many blocks were held at once (kv_pool.py: touched blocks are reused first)."""
+    cpu = torch.device(device).type == "cpu"
+    base = (rss_bytes() if baseline is None else baseline) if cpu else 0
+    parts = dict(baseline_bytes=base, weights_bytes=mem.experts + mem.trunk, kv_budget_bytes=mem.kv,
+                 state_bytes=mem.state, features_bytes=features_mb * 2 ** 20, reserve_bytes=mem.reserve)
+    total = sum(parts.values())
+    return dict(plateau_bytes=total, plateau_gib=round(total / GIB, 3),
+                of="host RSS" if cpu else "device memory per rank", **parts)
+
+
 def device_memory(device: str | torch.device, world: int = 1) -> tuple[int, str]:
     """(bytes one rank may use, a description): a CUDA device's free memory, or this host's
     available memory shared by the `world` ranks of this node."""

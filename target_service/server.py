@@ -517,6 +517,8 @@ def _load(args: argparse.Namespace):
     logs.get_logger().info("memory_preflight", per_rank_gib=round(mem.total / preflight.GIB, 3),
                            experts_gib=round(mem.experts / preflight.GIB, 3), trunk_gib=round(mem.trunk / preflight.GIB, 3),
                            kv_gib=round(mem.kv / preflight.GIB, 3), device=mem.device_name)
+    logs.get_logger().info("memory_plateau", **preflight.plateau(mem, device=device, features_mb=0 if getattr(
+        args, "disable_radix_cache", True) else args.prefix_cache_hidden_mb))
     if getattr(args, "tensor_parallel_size", 1) > 1:
         from . import tp_worker
         model = tp_worker.start(args.model_path, args.tensor_parallel_size, dtype=parse_dtype(dtype), device=device,
