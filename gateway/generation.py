@@ -20,10 +20,22 @@ class Tokens(list):
     them. A list of ids first, so the consumers of plain token lists (the request's history, the
     n-gram index, the draft's owed tokens) take it as is."""
 
-    def __init__(self, ids, logprobs=(), prompt_logprobs=()):
+    def __init__(self, ids, logprobs=(), prompt_logprobs=(), sources=()):
         super().__init__(ids)
         self.logprobs = list(logprobs)            # common_pb2.TokenLogprob, one per id (or none)
         self.prompt_logprobs = list(prompt_logprobs)
+        self.sources = list(sources)              # gateway_pb2.TokenSource, one per id (or none: unknown)
+
+
+TARGET = gateway_pb2.TOKEN_SOURCE_TARGET
+_DRAFTED = {"dflash": gateway_pb2.TOKEN_SOURCE_DFLASH, "ngram": gateway_pb2.TOKEN_SOURCE_NGRAM}
+
+
+def step_sources(method: str, accepted: int, committed: int) -> list[int]:
+    """Who proposed each token of one step: its first `accepted` tokens are the drafter's (those
+    the target accepted from it), the rest the target's own (the bonus, grammar-forced tokens)."""
+    accepted = max(0, min(accepted, committed))
+    return [_DRAFTED.get(method, TARGET)] * accepted + [TARGET] * (committed - accepted)
 
 
 @dataclass
@@ -50,6 +62,11 @@ class Stats:
     steps_by_method: dict[str, int] = field(default_factory=dict)
     started: float = field(default_factory=time.perf_counter)   # when the request arrived
     trace: object = field(default=None, repr=False)   # splitspec.tracing.RequestTrace when traced
+
+    def progress(self) -> gateway_pb2.SpeculativeProgress:
+        return gateway_pb2.SpeculativeProgress(verify_steps=self.verify_steps, committed=self.committed,
+                                               draft_ms=self.draft_ms, verify_ms=self.verify_ms,
+                                               wire_ms=self.wire_ms)
 
     def to_pb(self) -> gateway_pb2.SpeculativeStats:
         return gateway_pb2.SpeculativeStats(
@@ -90,6 +107,7 @@ async def stream_response(req: Request, steps: AsyncIterator[list[int]], tokeniz
         ids, text = [], []
         lps = getattr(tokens, "logprobs", [])
         prompt_lps = getattr(tokens, "prompt_logprobs", [])
+        sources = getattr(tokens, "sources", None) or [gateway_pb2.TOKEN_SOURCE_UNSPECIFIED] * len(tokens)
         if req.prompt_only:
             yield gateway_pb2.GenerateResponse(chunk=gateway_pb2.Chunk(prompt_logprobs=prompt_lps))
             break
@@ -107,16 +125,20 @@ async def stream_response(req: Request, steps: AsyncIterator[list[int]], tokeniz
                 finish = "length"
             if finish:
                 break
+        lengths = [len(piece) for piece in text]      # one per token, before the flush below
         if finish and not stops.stopped:
             text.append(stops.feed(detok.flush()))
             if not stops.stopped:
                 text.append(stops.flush())
             if stops.stopped:
                 finish = "stop"      # a stop string held back behind a longer candidate
+            if lengths:
+                lengths[-1] += sum(len(piece) for piece in text[len(lengths):])
         if not stats.time_to_first_token_ms:
             stats.time_to_first_token_ms = (time.perf_counter() - stats.started) * 1e3
         yield gateway_pb2.GenerateResponse(chunk=gateway_pb2.Chunk(
-            token_ids=ids, text="".join(text), logprobs=lps[:len(ids)], prompt_logprobs=prompt_lps))
+            token_ids=ids, text="".join(text), logprobs=lps[:len(ids)], prompt_logprobs=prompt_lps,
+            sources=sources[:len(ids)], text_lengths=lengths, progress=stats.progress()))
         if finish:
             break
     if finish is None:   # the source ended on its own: only at the context limit

@@ -28,7 +28,7 @@ from splitspec.v1 import common_pb2
 
 from .backends import DraftSession, TargetSession
 from .cost_model import Choice
-from .generation import Stats, Tokens
+from .generation import TARGET, Stats, Tokens, step_sources
 from .policy import AutoPolicy, FixedPolicy, Measurements, Offer
 from .request import Request
 from .speculative import concat_rows, depths, is_chain, record_step, tree_trials, trim_tree
@@ -128,7 +128,7 @@ class SpeculativeLoop:
         stats.hidden_state_bytes += len(opened.hidden.data)
         b0 = opened.first_token_id
         yield Tokens([b0], [opened.first_logprob] if opened.HasField("first_logprob") else (),
-                     opened.prompt_logprobs)
+                     opened.prompt_logprobs, sources=[TARGET])
         if req.prompt_only:
             return
         generated, length = 1, opened.length
@@ -195,7 +195,7 @@ class SpeculativeLoop:
             self._committed(committed, verified.hidden)
             length = verified.length
             generated += len(committed)
-            yield Tokens(committed, verified.logprobs)
+            yield Tokens(committed, verified.logprobs, sources=step_sources(choice.method, own, len(committed)))
 
     # -- one step -----------------------------------------------------------------------------
     def _choose(self, remaining: int) -> tuple[Choice, common_pb2.TokenTree | None, int]:
@@ -291,6 +291,8 @@ class SpeculativeLoop:
             self.m.decode_gap(ms, tok.forward_ms, first)
             first = False
             ids = [tok.token_id, *tok.more_token_ids]
+            # the accepted lookup tokens are the target's own n-gram drafter's, the last its own
+            sources = step_sources("ngram", tok.accepted if tok.drafted else 0, len(ids))
             if tok.drafted:         # the target's own prompt lookup verified a chain in this forward
                 record_step(stats, "ngram", tok.drafted, tok.accepted, len(ids), depth=tok.drafted)
             else:
@@ -313,7 +315,7 @@ class SpeculativeLoop:
                     pending, left = pending + more, left - more
                 else:
                     self.early = choice
-            yield Tokens(ids, [tok.logprob, *tok.more_logprobs] if tok.HasField("logprob") else ())
+            yield Tokens(ids, [tok.logprob, *tok.more_logprobs] if tok.HasField("logprob") else (), sources=sources)
             t = time.perf_counter()
 
     def _committed(self, ids: list[int], hidden: common_pb2.Tensor | None) -> None:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from splitspec.v1 import common_pb2 as splitspec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1asplitspec/v1/gateway.proto\x12\x0csplitspec.v1\x1a\x19splitspec/v1/common.proto\"\x91\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.splitspec.v1.TokenIdsH\x00\x12*\n\x04\x63hat\x18\x07 \x01(\x0b\x32\x1a.splitspec.v1.ChatMessagesH\x00\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.splitspec.v1.SamplingParams\x12\x34\n\x0bspeculative\x18\x05 \x01(\x0b\x32\x1f.splitspec.v1.SpeculativeParams\x12\x12\n\ncache_salt\x18\x06 \x01(\tB\x07\n\x05input\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.splitspec.v1.ChatMessage\"\x8b\x01\n\x05\x43hunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12,\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1a.splitspec.v1.TokenLogprob\x12\x33\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32\x1a.splitspec.v1.TokenLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\x9b\x04\n\x10SpeculativeStats\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x14\n\x0cverify_steps\x18\x02 \x01(\x05\x12\x15\n\raccept_length\x18\x03 \x01(\x02\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x04 \x03(\x03\x12\x14\n\x0c\x64raft_tokens\x18\x05 \x01(\x05\x12\x10\n\x08\x64raft_ms\x18\x06 \x01(\x01\x12\x11\n\tverify_ms\x18\x07 \x01(\x01\x12\x0f\n\x07wire_ms\x18\x08 \x01(\x01\x12\x1a\n\x12hidden_state_bytes\x18\t \x01(\x03\x12\x17\n\x0f\x64raft_fallbacks\x18\n \x01(\x05\x12\x18\n\x10target_failovers\x18\x0b \x01(\x05\x12\x1e\n\x16time_to_first_token_ms\x18\x0c \x01(\x01\x12\x10\n\x08queue_ms\x18\r \x01(\x01\x12J\n\x0fsteps_by_method\x18\x0e \x03(\x0b\x32\x31.splitspec.v1.SpeculativeStats.StepsByMethodEntry\x12,\n\x05steps\x18\x0f \x03(\x0b\x32\x1d.splitspec.v1.SpeculativeStep\x12\x13\n\x0b\x64\x65\x63ode_runs\x18\x10 \x01(\x05\x12\x19\n\x11\x64\x65\x63ode_extensions\x18\x11 \x01(\x05\x1a\x34\n\x12StepsByMethodEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\"M\n\x0fSpeculativeStep\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\t\n\x01k\x18\x02 \x01(\x05\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\x05\x12\r\n\x05\x64\x65pth\x18\x04 \x01(\x05\"t\n\x08\x43omplete\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\"\n\x05usage\x18\x02 \x01(\x0b\x32\x13.splitspec.v1.Usage\x12-\n\x05stats\x18\x03 \x01(\x0b\x32\x1e.splitspec.v1.SpeculativeStats\"p\n\x10GenerateResponse\x12$\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x13.splitspec.v1.ChunkH\x00\x12*\n\x08\x63omplete\x18\x02 \x01(\x0b\x32\x16.splitspec.v1.CompleteH\x00\x42\n\n\x08response\"\x15\n\x13GetModelInfoRequest\"\xde\x01\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x13\n\x0bmax_context\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x16\n\x0e\x64raft_model_id\x18\x05 \x01(\t\x12\x1a\n\x12speculative_method\x18\x06 \x01(\t\x12\x18\n\x10num_draft_tokens\x18\x07 \x01(\x05\x12\x1a\n\x12max_new_tokens_cap\x18\x08 \x01(\x05\x12\x15\n\rchat_template\x18\t \x01(\x08\x32\xa5\x01\n\nGeneration\x12K\n\x08Generate\x12\x1d.splitspec.v1.GenerateRequest\x1a\x1e.splitspec.v1.GenerateResponse0\x01\x12J\n\x0cGetModelInfo\x12!.splitspec.v1.GetModelInfoRequest\x1a\x17.splitspec.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1asplitspec/v1/gateway.proto\x12\x0csplitspec.v1\x1a\x19splitspec/v1/common.proto\"\x91\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.splitspec.v1.TokenIdsH\x00\x12*\n\x04\x63hat\x18\x07 \x01(\x0b\x32\x1a.splitspec.v1.ChatMessagesH\x00\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.splitspec.v1.SamplingParams\x12\x34\n\x0bspeculative\x18\x05 \x01(\x0b\x32\x1f.splitspec.v1.SpeculativeParams\x12\x12\n\ncache_salt\x18\x06 \x01(\tB\x07\n\x05input\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.splitspec.v1.ChatMessage\"\x82\x02\n\x05\x43hunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12,\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1a.splitspec.v1.TokenLogprob\x12\x33\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32\x1a.splitspec.v1.TokenLogprob\x12*\n\x07sources\x18\x05 \x03(\x0e\x32\x19.splitspec.v1.TokenSource\x12\x14\n\x0ctext_lengths\x18\x06 \x03(\x05\x12\x33\n\x08progress\x18\x07 \x01(\x0b\x32!.splitspec.v1.SpeculativeProgress\"t\n\x13SpeculativeProgress\x12\x14\n\x0cverify_steps\x18\x01 \x01(\x05\x12\x11\n\tcommitted\x18\x02 \x01(\x05\x12\x10\n\x08\x64raft_ms\x18\x03 \x01(\x02\x12\x11\n\tverify_ms\x18\x04 \x01(\x02\x12\x0f\n\x07wire_ms\x18\x05 \x01(\x02\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\x9b\x04\n\x10SpeculativeStats\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x14\n\x0cverify_steps\x18\x02 \x01(\x05\x12\x15\n\raccept_length\x18\x03 \x01(\x02\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x04 \x03(\x03\x12\x14\n\x0c\x64raft_tokens\x18\x05 \x01(\x05\x12\x10\n\x08\x64raft_ms\x18\x06 \x01(\x01\x12\x11\n\tverify_ms\x18\x07 \x01(\x01\x12\x0f\n\x07wire_ms\x18\x08 \x01(\x01\x12\x1a\n\x12hidden_state_bytes\x18\t \x01(\x03\x12\x17\n\x0f\x64raft_fallbacks\x18\n \x01(\x05\x12\x18\n\x10target_failovers\x18\x0b \x01(\x05\x12\x1e\n\x16time_to_first_token_ms\x18\x0c \x01(\x01\x12\x10\n\x08queue_ms\x18\r \x01(\x01\x12J\n\x0fsteps_by_method\x18\x0e \x03(\x0b\x32\x31.splitspec.v1.SpeculativeStats.StepsByMethodEntry\x12,\n\x05steps\x18\x0f \x03(\x0b\x32\x1d.splitspec.v1.SpeculativeStep\x12\x13\n\x0b\x64\x65\x63ode_runs\x18\x10 \x01(\x05\x12\x19\n\x11\x64\x65\x63ode_extensions\x18\x11 \x01(\x05\x1a\x34\n\x12StepsByMethodEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\"M\n\x0fSpeculativeStep\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\t\n\x01k\x18\x02 \x01(\x05\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\x05\x12\r\n\x05\x64\x65pth\x18\x04 \x01(\x05\"t\n\x08\x43omplete\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\"\n\x05usage\x18\x02 \x01(\x0b\x32\x13.splitspec.v1.Usage\x12-\n\x05stats\x18\x03 \x01(\x0b\x32\x1e.splitspec.v1.SpeculativeStats\"p\n\x10GenerateResponse\x12$\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x13.splitspec.v1.ChunkH\x00\x12*\n\x08\x63omplete\x18\x02 \x01(\x0b\x32\x16.splitspec.v1.CompleteH\x00\x42\n\n\x08response\"\x15\n\x13GetModelInfoRequest\"\xde\x01\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x13\n\x0bmax_context\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x16\n\x0e\x64raft_model_id\x18\x05 \x01(\t\x12\x1a\n\x12speculative_method\x18\x06 \x01(\t\x12\x18\n\x10num_draft_tokens\x18\x07 \x01(\x05\x12\x1a\n\x12max_new_tokens_cap\x18\x08 \x01(\x05\x12\x15\n\rchat_template\x18\t \x01(\x08*u\n\x0bTokenSource\x12\x1c\n\x18TOKEN_SOURCE_UNSPECIFIED\x10\x00\x12\x17\n\x13TOKEN_SOURCE_TARGET\x10\x01\x12\x17\n\x13TOKEN_SOURCE_DFLASH\x10\x02\x12\x16\n\x12TOKEN_SOURCE_NGRAM\x10\x03\x32\xa5\x01\n\nGeneration\x12K\n\x08Generate\x12\x1d.splitspec.v1.GenerateRequest\x1a\x1e.splitspec.v1.GenerateResponse0\x01\x12J\n\x0cGetModelInfo\x12!.splitspec.v1.GetModelInfoRequest\x1a\x17.splitspec.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,6 +34,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SPECULATIVESTATS_STEPSBYMETHODENTRY']._loaded_options = None
   _globals['_SPECULATIVESTATS_STEPSBYMETHODENTRY']._serialized_options = b'8\001'
+  _globals['_TOKENSOURCE']._serialized_start=2016
+  _globals['_TOKENSOURCE']._serialized_end=2133
   _globals['_GENERATEREQUEST']._serialized_start=72
   _globals['_GENERATEREQUEST']._serialized_end=345
   _globals['_CHATMESSAGE']._serialized_start=347
@@ -41,23 +43,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGES']._serialized_start=393
   _globals['_CHATMESSAGES']._serialized_end=452
   _globals['_CHUNK']._serialized_start=455
-  _globals['_CHUNK']._serialized_end=594
-  _globals['_USAGE']._serialized_start=596
-  _globals['_USAGE']._serialized_end=676
-  _globals['_SPECULATIVESTATS']._serialized_start=679
-  _globals['_SPECULATIVESTATS']._serialized_end=1218
-  _globals['_SPECULATIVESTATS_STEPSBYMETHODENTRY']._serialized_start=1166
-  _globals['_SPECULATIVESTATS_STEPSBYMETHODENTRY']._serialized_end=1218
-  _globals['_SPECULATIVESTEP']._serialized_start=1220
-  _globals['_SPECULATIVESTEP']._serialized_end=1297
-  _globals['_COMPLETE']._serialized_start=1299
-  _globals['_COMPLETE']._serialized_end=1415
-  _globals['_GENERATERESPONSE']._serialized_start=1417
-  _globals['_GENERATERESPONSE']._serialized_end=1529
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1531
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1552
-  _globals['_MODELINFO']._serialized_start=1555
-  _globals['_MODELINFO']._serialized_end=1777
-  _globals['_GENERATION']._serialized_start=1780
-  _globals['_GENERATION']._serialized_end=1945
+  _globals['_CHUNK']._serialized_end=713
+  _globals['_SPECULATIVEPROGRESS']._serialized_start=715
+  _globals['_SPECULATIVEPROGRESS']._serialized_end=831
+  _globals['_USAGE']._serialized_start=833
+  _globals['_USAGE']._serialized_end=913
+  _globals['_SPECULATIVESTATS']._serialized_start=916
+  _globals['_SPECULATIVESTATS']._serialized_end=1455
+  _globals['_SPECULATIVESTATS_STEPSBYMETHODENTRY']._serialized_start=1403
+  _globals['_SPECULATIVESTATS_STEPSBYMETHODENTRY']._serialized_end=1455
+  _globals['_SPECULATIVESTEP']._serialized_start=1457
+  _globals['_SPECULATIVESTEP']._serialized_end=1534
+  _globals['_COMPLETE']._serialized_start=1536
+  _globals['_COMPLETE']._serialized_end=1652
+  _globals['_GENERATERESPONSE']._serialized_start=1654
+  _globals['_GENERATERESPONSE']._serialized_end=1766
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1768
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1789
+  _globals['_MODELINFO']._serialized_start=1792
+  _globals['_MODELINFO']._serialized_end=2014
+  _globals['_GENERATION']._serialized_start=2136
+  _globals['_GENERATION']._serialized_end=2301
 # @@protoc_insertion_point(module_scope)

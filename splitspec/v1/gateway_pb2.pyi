@@ -1,11 +1,23 @@
 from splitspec.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class TokenSource(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TOKEN_SOURCE_UNSPECIFIED: _ClassVar[TokenSource]
+    TOKEN_SOURCE_TARGET: _ClassVar[TokenSource]
+    TOKEN_SOURCE_DFLASH: _ClassVar[TokenSource]
+    TOKEN_SOURCE_NGRAM: _ClassVar[TokenSource]
+TOKEN_SOURCE_UNSPECIFIED: TokenSource
+TOKEN_SOURCE_TARGET: TokenSource
+TOKEN_SOURCE_DFLASH: TokenSource
+TOKEN_SOURCE_NGRAM: TokenSource
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "chat", "sampling", "speculative", "cache_salt")
@@ -40,16 +52,36 @@ class ChatMessages(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class Chunk(_message.Message):
-    __slots__ = ("token_ids", "text", "logprobs", "prompt_logprobs")
+    __slots__ = ("token_ids", "text", "logprobs", "prompt_logprobs", "sources", "text_lengths", "progress")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    TEXT_LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
+    sources: _containers.RepeatedScalarFieldContainer[TokenSource]
+    text_lengths: _containers.RepeatedScalarFieldContainer[int]
+    progress: SpeculativeProgress
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., sources: _Optional[_Iterable[_Union[TokenSource, str]]] = ..., text_lengths: _Optional[_Iterable[int]] = ..., progress: _Optional[_Union[SpeculativeProgress, _Mapping]] = ...) -> None: ...
+
+class SpeculativeProgress(_message.Message):
+    __slots__ = ("verify_steps", "committed", "draft_ms", "verify_ms", "wire_ms")
+    VERIFY_STEPS_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_MS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_MS_FIELD_NUMBER: _ClassVar[int]
+    WIRE_MS_FIELD_NUMBER: _ClassVar[int]
+    verify_steps: int
+    committed: int
+    draft_ms: float
+    verify_ms: float
+    wire_ms: float
+    def __init__(self, verify_steps: _Optional[int] = ..., committed: _Optional[int] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., wire_ms: _Optional[float] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens")
