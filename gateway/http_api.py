@@ -58,7 +58,7 @@ from splitspec import logs
 from splitspec.security import UNAUTHENTICATED_MESSAGE, ApiKeys
 from splitspec.v1 import gateway_pb2
 
-from . import inproc
+from . import inproc, web_page
 from .chat import ChatTemplate, ChatTemplateError
 from .openai_answer import Choice, Job, final
 from .openai_errors import ApiError, bad, from_validation, too_large
@@ -119,7 +119,8 @@ class Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        if self.keys and scope["path"] not in self.OPEN_PATHS and not self.keys.check(headers.get("authorization")):
+        if (self.keys and scope["path"] not in self.OPEN_PATHS and not web_page.is_page(scope["path"])
+                and not self.keys.check(headers.get("authorization"))):
             error = ApiError(401, UNAUTHENTICATED_MESSAGE, "authentication_error", code="invalid_api_key")
             return await error.response()(scope, receive, send)
         if scope["method"] != "POST":
@@ -298,7 +299,7 @@ class OpenAIApi:
                 raise
             opts = body.get("stream_options") or {}
             return EventStream(events(job, streams, firsts, bool(opts.get("include_usage")), self.token_text(),
-                                      self._error))
+                                      self._error, token_sources_wanted=bool(opts.get("token_sources"))))
         tasks = [asyncio.ensure_future(self._collect(job, i, s)) for i, s in enumerate(streams)]
         gone = asyncio.ensure_future(_until_disconnect(request))
         try:
@@ -413,6 +414,7 @@ def create_app(servicer, keys: ApiKeys, chat_template: str | None = None,
     async def chat_completions(request: Request, body: ChatCompletionRequest = Body()) -> Response:
         return await api.chat(request, body)
 
+    web_page.add_page(app)
     app.add_exception_handler(ApiError, lambda _, exc: exc.response())
     app.add_exception_handler(RequestValidationError, lambda _, exc: from_validation(exc.errors()).response())
     app.add_exception_handler(ChatTemplateError, lambda _, exc: bad(str(exc), "messages").response())

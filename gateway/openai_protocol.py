@@ -67,6 +67,9 @@ class _Body(BaseModel):
 class StreamOptions(_Body):
     include_usage: bool | None = None
     continuous_usage_stats: bool | None = None
+    # splitspec's extension: each chunk also carries a "splitspec" object with every token's text
+    # and who proposed it, and the speculation's running totals (gateway/openai_stream.py)
+    token_sources: bool | None = None
 
 
 class Speculative(BaseModel):

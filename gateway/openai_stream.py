@@ -10,6 +10,8 @@ from typing import Callable
 
 from starlette.responses import StreamingResponse
 
+from splitspec.v1 import gateway_pb2
+
 from . import inproc, structured
 from .openai_answer import FINISH, Choice, Job, spec_stats, usage
 from .openai_errors import ApiError
@@ -43,8 +45,28 @@ class EventStream(StreamingResponse):
                 await self.body_iterator.aclose()
 
 
+SOURCE_NAMES = {gateway_pb2.TOKEN_SOURCE_TARGET: "target", gateway_pb2.TOKEN_SOURCE_DFLASH: "dflash",
+                gateway_pb2.TOKEN_SOURCE_NGRAM: "ngram"}
+
+
+def token_sources(chunk: gateway_pb2.Chunk) -> dict:
+    """stream_options.token_sources: the chunk's text cut into its tokens' pieces, each with who
+    proposed it, and the running totals a live display shows (tau, Propose / Verify / wire).
+    An extra field of the chunk event, which OpenAI clients ignore."""
+    pieces, at = [], 0
+    for source, n in zip(chunk.sources, chunk.text_lengths):
+        pieces.append([SOURCE_NAMES.get(source, ""), chunk.text[at:at + n]])
+        at += n
+    if at < len(chunk.text):        # text with no token of its own (the tail a stop string released)
+        pieces.append(["", chunk.text[at:]])
+    p = chunk.progress
+    return {"pieces": pieces, "progress": {
+        "verify_steps": p.verify_steps, "committed": p.committed, "draft_ms": round(p.draft_ms, 3),
+        "verify_ms": round(p.verify_ms, 3), "wire_ms": round(p.wire_ms, 3)}}
+
+
 async def events(job: Job, streams, firsts, include_usage: bool, text: TokenText,
-                 error: Callable[[Job, int, inproc.LocalRpcError], ApiError]):
+                 error: Callable[[Job, int, inproc.LocalRpcError], ApiError], token_sources_wanted: bool = False):
     """The SSE body. `firsts` holds each stream's first message (already awaited, so a refused
     request got its HTTP status before this starts)."""
     kind = "chat.completion.chunk" if job.chat else "text_completion"
@@ -134,6 +156,8 @@ async def events(job: Job, streams, firsts, include_usage: bool, text: TokenText
                     choice = {"index": c.index, "delta": {"content": piece}, "finish_reason": None, "logprobs": lps}
                 else:
                     choice = {"index": c.index, "text": piece, "finish_reason": None, "logprobs": lps}
+                if token_sources_wanted:
+                    choice["splitspec"] = token_sources(chunk)     # per choice: n > 1 interleaves them
                 yield sse(event(choice))
                 continue
             complete = item.complete
