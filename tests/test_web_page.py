@@ -30,6 +30,20 @@ def url(target_dir, tmp_path_factory):
         yield f"http://127.0.0.1:{port}"
 
 
+def test_a_steps_sources_and_a_chunks_pieces():
+    from gateway.generation import step_sources
+    from gateway.openai_stream import token_sources
+    from splitspec.v1 import gateway_pb2 as pb
+
+    # a verify that accepted 2 of its drafter's tokens, then the bonus; a target-only decode
+    assert step_sources("dflash", 2, 3) == [pb.TOKEN_SOURCE_DFLASH] * 2 + [pb.TOKEN_SOURCE_TARGET]
+    assert step_sources("none", 0, 1) == [pb.TOKEN_SOURCE_TARGET]
+    chunk = pb.Chunk(token_ids=[5, 6, 7], text="héllo!", text_lengths=[2, 0, 3],
+                     sources=[pb.TOKEN_SOURCE_NGRAM, pb.TOKEN_SOURCE_DFLASH, pb.TOKEN_SOURCE_TARGET])
+    # the second token's bytes were held back (its text came with the third); "!" has no token
+    assert token_sources(chunk)["pieces"] == [["ngram", "hé"], ["dflash", ""], ["target", "llo"], ["", "!"]]
+
+
 def post_stream(url: str, body: dict) -> list[dict]:
     req = urllib.request.Request(url + "/v1/completions", data=json.dumps({**body, "stream": True}).encode(),
                                  headers={"content-type": "application/json", "authorization": f"Bearer {KEY}"})
