@@ -6,6 +6,14 @@ resident memory at the start and at the end and its open sessions after the run.
 
     splitspec loadtest --gateway 127.0.0.1:50050 --target 127.0.0.1:50051 --draft 127.0.0.1:50052 \
         --streams 64 --duration-s 300
+
+A mixed soak (issue 54): --schema-share P sends that share of the requests as JSON-schema
+constrained answers (eos honoured) whose prompts all start with one --shared-prefix-tokens
+prefix, so the target's prefix cache hits and its grammars run beside the random streams;
+--memory-every-s S samples every service's resident memory every S seconds (memory_series).
+
+    splitspec loadtest --target 127.0.0.1:50051 --streams 24 --duration-s 900 --schema-share 0.25 \
+        --memory-every-s 30 --json
 """
 from __future__ import annotations
 
@@ -94,6 +102,12 @@ def wait_sessions_closed(services: dict[str, tuple[str, str]], timeout_s: float 
 
 
 # -- the load -----------------------------------------------------------------------------------
+# The constrained requests of a mixed soak: a small record, so answers finish within a few dozen tokens.
+SOAK_SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                                "count": {"type": "integer", "minimum": 0, "maximum": 99},
+                                                "ok": {"type": "boolean"}},
+               "required": ["name", "count", "ok"], "additionalProperties": False}
+
 @dataclass
 class Report:
     streams: int
@@ -111,6 +125,8 @@ class Report:
     draft_fallbacks: int = 0
     target_failovers: int = 0
     memory_mb: dict[str, dict[str, float | None]] = field(default_factory=dict)   # service -> start/warm/end
+    memory_series: dict[str, list[list[float]]] = field(default_factory=dict)   # service -> [[s, MB], ...]
+    schema_requests: int = 0        # of the requests, JSON-schema constrained on the shared prefix
     open_sessions_after: dict[str, int | None] = field(default_factory=dict)
 
     def summary(self) -> str:
@@ -122,6 +138,8 @@ class Report:
                  f"draft fallbacks {self.draft_fallbacks}, target failovers {self.target_failovers}",
                  f"resident memory: {mem or 'n/a'}",
                  f"open sessions after the run: {self.open_sessions_after or 'n/a'}"]
+        for name, series in self.memory_series.items():
+            lines.append(f"{name} RSS over time (s: MB): " + ", ".join(f"{t:.0f}: {mb:.0f}" for t, mb in series))
         if self.failures:
             lines.append("failures: " + "; ".join(f"{n} x {k}" for k, n in self.failures.items()))
         return "\n".join(lines)
@@ -144,13 +162,16 @@ def _percentile(values: list[float], q: float) -> float:
 def run_load(gateway: str, *, streams: int = 16, duration_s: float = 20.0, max_requests: int = 0,
              max_new_tokens: int = 32, cancel_prob: float = 0.1, methods=("",), prompt_len=(4, 32),
              vocab: int = 0, seed: int = 0, timeout_s: float = 120.0, warmup_s: float = 0.0,
-             services: dict[str, tuple[str, str]] | None = None) -> Report:
+             services: dict[str, tuple[str, str]] | None = None, memory_every_s: float = 0.0,
+             schema_share: float = 0.0, shared_prefix_tokens: int = 256) -> Report:
     """Run the load. `services` maps a name to (kind, address), kind in gateway/target/draft,
-    for memory and session figures; `vocab` 0 asks the gateway's GetModelInfo."""
+    for memory and session figures; `vocab` 0 asks the gateway's GetModelInfo. schema_share:
+    the share of requests sent JSON-schema constrained after one shared prompt prefix of
+    shared_prefix_tokens; memory_every_s > 0: RSS samples every so many seconds."""
     import grpc
 
     from splitspec.client import build_request
-    from splitspec.v1 import gateway_pb2, gateway_pb2_grpc
+    from splitspec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
     services = dict(services or {})
     services.setdefault("gateway", ("gateway", gateway))
@@ -164,6 +185,9 @@ def run_load(gateway: str, *, streams: int = 16, duration_s: float = 20.0, max_r
     max_new_tokens = min(max_new_tokens, info.max_new_tokens_cap or max_new_tokens)
     lock = threading.Lock()
     latencies, ttfts = [], []
+    prefix_rng = random.Random(seed - 1)
+    shared_prefix = [prefix_rng.randrange(3, vocab) for _ in range(shared_prefix_tokens)]
+    schema = common_pb2.Constraint(json_schema=json.dumps(SOAK_SCHEMA), strict=True)
     t0 = time.monotonic()
     end = t0 + duration_s
 
@@ -185,8 +209,13 @@ def run_load(gateway: str, *, streams: int = 16, duration_s: float = 20.0, max_r
                     kw["top_p"] = rng.choice([0.8, 0.95])
                 if rng.random() < 0.3:
                     kw["top_k"] = rng.choice([5, 50])
-            req = build_request(prompt, max_new_tokens=rng.randint(1, max_new_tokens), ignore_eos=rng.random() < 0.5,
-                                method=rng.choice(list(methods)), **kw)
+            constrained = rng.random() < schema_share
+            if constrained:
+                prompt = shared_prefix + prompt
+            req = build_request(prompt, max_new_tokens=rng.randint(1, max_new_tokens),
+                                ignore_eos=not constrained and rng.random() < 0.5, method=rng.choice(list(methods)), **kw)
+            if constrained:
+                req.sampling.constraint.CopyFrom(schema)
             cancel_after = rng.randint(1, 4) if rng.random() < cancel_prob else None
             started = time.monotonic()
             call = stub.Generate(req, timeout=timeout_s)
@@ -213,6 +242,7 @@ def run_load(gateway: str, *, streams: int = 16, duration_s: float = 20.0, max_r
                     outcome = f"{exc.code().name}: {(exc.details() or '')[:120]}"
             now = time.monotonic()
             with lock:
+                report.schema_requests += constrained
                 report.tokens += tokens
                 if outcome == "completed":
                     report.completed += 1
@@ -235,13 +265,31 @@ def run_load(gateway: str, *, streams: int = 16, duration_s: float = 20.0, max_r
         for name, pid in pids.items():
             report.memory_mb[name]["warm"] = rss_mb(pid)
 
+    done = threading.Event()
+
+    def sample_series() -> None:
+        while True:
+            t = round(time.monotonic() - t0, 1)
+            for name, pid in pids.items():
+                mb = rss_mb(pid)
+                if mb is not None:
+                    report.memory_series.setdefault(name, []).append([t, round(mb, 1)])
+            if done.wait(memory_every_s):
+                return
+
     threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(streams)]
     if 0 < warmup_s < duration_s:
         threading.Thread(target=sample_warm, daemon=True).start()
+    sampler = threading.Thread(target=sample_series, daemon=True) if memory_every_s > 0 else None
+    if sampler is not None:
+        sampler.start()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    done.set()
+    if sampler is not None:
+        sampler.join()
     elapsed = time.monotonic() - t0
     channel.close()
     report.duration_s = elapsed
@@ -272,6 +320,11 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     a("--timeout-s", type=float, default=120.0, help="deadline of each request")
     a("--warmup-s", type=float, default=30.0,
       help="when to take the 'after warm-up' memory sample that growth is measured from (0: none)")
+    a("--memory-every-s", type=float, default=0.0,
+      help="sample every service's resident memory this often into memory_series (0: start, warm-up and end only)")
+    a("--schema-share", type=float, default=0.0,
+      help="share of requests sent JSON-schema constrained (eos honoured) after one shared prompt prefix")
+    a("--shared-prefix-tokens", type=int, default=256, help="tokens of the constrained requests' shared prefix")
     a("--json", action="store_true", help="print the report as JSON")
     return apply_env(p)
 
@@ -282,12 +335,16 @@ def main(args: argparse.Namespace) -> int:
             raise SystemExit(f"splitspec loadtest: --{name.replace('_', '-')} must be positive")
     if not 0 <= args.cancel_prob <= 1:
         raise SystemExit("splitspec loadtest: --cancel-prob must be in [0, 1]")
+    if not 0 <= args.schema_share <= 1:
+        raise SystemExit("splitspec loadtest: --schema-share must be in [0, 1]")
     services = {f"target{i}" if len(args.target) > 1 else "target": ("target", a) for i, a in enumerate(args.target)}
     services.update({f"draft{i}" if len(args.draft) > 1 else "draft": ("draft", a) for i, a in enumerate(args.draft)})
     methods = tuple(m.strip() for m in args.methods.split(",")) if args.methods else ("",)
     report = run_load(args.gateway, streams=args.streams, duration_s=args.duration_s, max_requests=args.max_requests,
                       max_new_tokens=args.max_new_tokens, cancel_prob=args.cancel_prob, methods=methods,
-                      seed=args.seed, timeout_s=args.timeout_s, warmup_s=args.warmup_s, services=services)
+                      seed=args.seed, timeout_s=args.timeout_s, warmup_s=args.warmup_s, services=services,
+                      memory_every_s=args.memory_every_s, schema_share=args.schema_share,
+                      shared_prefix_tokens=args.shared_prefix_tokens)
     print(json.dumps(asdict(report), indent=2) if args.json else report.summary())
     return 0 if report.failed == 0 else 1
 
