@@ -12,16 +12,22 @@ from splitspec.engine.prefix_cache import PrefixCache
 from .state_pool import StatePool
 
 DEFAULT_ROLLBACK = "snapshot"
-PREFAULT_AHEAD_BYTES = 256 * 2**20
+# Of the KV budget, what the prefix cache keeps of its own in touched memory before a new block
+# is touched rather than a cached one evicted (kv_pool.py): the 256 MiB the touch-ahead kept
+# mapped ahead before issue 54, a conversation's next turn or a tenant's system prompt after a
+# pause (65,536 tokens of the bundled code target in bfloat16).
+CACHE_RESERVE_BYTES = 256 * 2**20
 
 
 def make_pool(model, *, block_size: int = 16, num_blocks: int | None = None, budget_bytes: int | None = None,
               max_sessions: int = 1, rollback: str = DEFAULT_ROLLBACK, prefix_cache: bool = False,
-              feature_budget_bytes: int = 0, state_checkpoints: int = 0) -> KVPool:
+              feature_budget_bytes: int = 0, state_checkpoints: int = 0,
+              cache_reserve_bytes: int = CACHE_RESERVE_BYTES) -> KVPool:
     """num_blocks, or as many as `budget_bytes` holds (KV only: the state slots come on top, sized
     by max_sessions, and are reported apart). prefix_cache: published blocks are kept and found
     again, with up to feature_budget_bytes of tap rows and, for a recurrent target,
-    state_checkpoints extra state slots (checkpoints at block boundaries)."""
+    state_checkpoints extra state slots (checkpoints at block boundaries), and keeps up to
+    cache_reserve_bytes of unheld cached blocks before it touches new memory rather than evict."""
     cfg = model.cfg
     p = next(model.parameters())
     dtype, device = p.dtype, p.device
@@ -56,9 +62,11 @@ def make_pool(model, *, block_size: int = 16, num_blocks: int | None = None, bud
     if prefix_cache:
         slots = pool.states.reserve(checkpoints) if pool.states is not None else []
         pool.cache = PrefixCache(block_size, feature_budget_bytes=feature_budget_bytes, state_slots=slots)
-        # Cached blocks keep new sessions on never-touched memory until the budget is used once:
-        # map it ahead of them, off the engine thread.
-        pool.prefault_ahead(PREFAULT_AHEAD_BYTES)
+        # Cached blocks nobody holds beyond this reserve are reused before never-touched blocks
+        # (kv_pool.py), so the touched memory stays within the most blocks held at once plus the
+        # reserve. No touch-ahead (prefault.py) any more: new sessions meet first touches only
+        # while that grows, as without the cache (issue 54).
+        pool.cache_reserve = cache_reserve_bytes // pool.bytes_per_block
     if hasattr(model, "attach_pool"):       # tensor parallel: the workers build the same blocks
         model.attach_pool(pool)
     return pool

@@ -346,8 +346,8 @@ def build_parser() -> argparse.ArgumentParser:
       help="prompt tokens per forward, all prompts together, while other sessions are decoding, so "
            "prompts do not stall them (with no one decoding, prompts take the whole --max-num-batched-tokens)")
     a("--kv-cache-budget-mb", type=int, default=4096,
-      help="size of the paged KV pool for all sessions (on CPU, pages are mapped only as blocks are used; "
-           "with the prefix cache on, 256 MiB ahead of use by a background thread)")
+      help="size of the paged KV pool for all sessions (on CPU, pages are mapped only as blocks are used, "
+           "and blocks already used are reused first: see --prefix-cache-reserve-mb)")
     a("--kv-block-size", type=int, default=16, help="tokens per KV block")
     a("--disable-radix-cache", action="store_true",
       help="turn the prefix cache off: every prompt is computed in full (by default full KV blocks of committed "
@@ -355,6 +355,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--prefix-cache-hidden-mb", type=int, default=256,
       help="memory for the target tap rows stored with cached blocks, so a drafter opened on a prefix hit gets "
            "the features it reads (a hit is shortened where they are missing); 0: none stored")
+    a("--prefix-cache-reserve-mb", type=int, default=256,
+      help="on CPU, the cached blocks nobody holds that the pool keeps in resident memory: past this, such a block "
+           "is reused before a never-touched one, so RSS settles at the most KV held at once plus this; up to "
+           "--kv-cache-budget-mb: a bigger cache, RSS growing toward the budget (on a GPU the cache uses the pool)")
     a("--prefix-cache-state-slots", type=int, default=32,
       help="recurrent (KDA) targets: state checkpoints kept at block boundaries (each prompt's last full "
            "block and chunk ends), one state slot each; a hit ends at the deepest checkpoint")
@@ -445,7 +449,7 @@ def check_args(args: argparse.Namespace) -> None:
                  "kv_block_size", "max_message_mb"):
         if getattr(args, name) <= 0:
             raise SystemExit(f"--{name.replace('_', '-')} must be positive")
-    for name in ("prefix_cache_hidden_mb", "prefix_cache_state_slots"):
+    for name in ("prefix_cache_hidden_mb", "prefix_cache_state_slots", "prefix_cache_reserve_mb"):
         if getattr(args, name) < 0:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 0")
     if args.max_context < 0:
@@ -579,7 +583,8 @@ async def serve(args: argparse.Namespace, *, load=_load, started=None, share: Ho
                          max_sessions=args.max_running_requests, rollback=args.kda_rollback,
                          prefix_cache=not args.disable_radix_cache,
                          feature_budget_bytes=args.prefix_cache_hidden_mb * 1024 * 1024,
-                         state_checkpoints=args.prefix_cache_state_slots)
+                         state_checkpoints=args.prefix_cache_state_slots,
+                         cache_reserve_bytes=args.prefix_cache_reserve_mb * 1024 * 1024)
         sched = Scheduler(model, verifier=verifier, pool=pool, max_running=args.max_running_requests,
                           max_queued=args.max_queued_requests, max_batched_tokens=args.max_num_batched_tokens,
                           chunked_prefill_size=args.chunked_prefill_size, max_context=max_context, engine=engine,

@@ -72,12 +72,13 @@ def test_refcounts_keep_shared_blocks_and_lru_evicts_oldest_tail_first():
     assert pool.free_blocks == 8 and pool.used_blocks == 0
     assert list(pool.cache.idle) == got[::-1]               # the tail waits first in line
     c = BlockTable(pool)
-    c.ensure(6 * BS)                        # 5 free + 1 evicted: the tail block
-    assert pool.cache.cached_blocks == 2 and got[2] in c.blocks
+    c.ensure(1 * BS)                        # no touched free block: the LRU cached one, the tail
+    assert pool.cache.cached_blocks == 2 and c.blocks == [got[2]]
     with pool.lock:
         assert pool.cache.longest(keys, 0, 3) == got[:2]
+    c.ensure(6 * BS)                        # the other two cached blocks, then 3 never touched
+    assert pool.cache.cached_blocks == 0 and pool.cache.evictions == 3 and pool.touched_blocks == 6
     c.ensure(8 * BS)
-    assert pool.cache.cached_blocks == 0 and pool.cache.evictions == 3
     with pytest.raises(PoolExhausted):
         BlockTable(pool).ensure(1)
 
@@ -146,9 +147,10 @@ def test_blocks_are_never_lost_or_double_owned(ops):
         assert pool.cache.refs[b] == shared.count(b)
     private = [b for b in held if b not in pool.cache.key_of]
     assert len(private) == len(set(private))
-    everything = set(held) | set(pool.cache.idle) | set(pool._free)
+    untouched = set(range(pool.touched_blocks + 1, 17))
+    everything = set(held) | set(pool.cache.idle) | set(pool._free) | untouched
     assert everything == set(range(1, 17))
-    assert len(set(held)) + len(pool.cache.idle) + len(pool._free) == 16
+    assert len(set(held)) + len(pool.cache.idle) + len(pool._free) + len(untouched) == 16
 
 
 # --- through the scheduler ----------------------------------------------------------------

@@ -8,8 +8,26 @@ Nothing is copied to grow. Block 0 is never handed out: it stays zero so that pa
 is `torch.empty`, so untouched blocks cost no resident memory on CPU.
 
 With a prefix cache (`pool.cache`, splitspec/engine/prefix_cache.py) published blocks may be
-held by several tables; one nobody holds stays cached and counts as free until the free list
-runs dry and it is evicted."""
+held by several tables; one nobody holds stays cached and counts as free until it is evicted.
+
+Which free block goes next (`allocate`), cheapest first:
+1. a touched free block (freed by a table, or evicted earlier): last freed, first reused;
+2. the least recently used cached block nobody holds, evicted, while more than `cache_reserve`
+   of them are cached;
+3. a never-touched block, lowest id first;
+4. the least recently used cached block nobody holds, evicted (the pool is touched whole).
+On CPU a never-touched block costs resident memory for good (the process never gives it back)
+and a page fault per 4 KiB on first write; a cached block costs only a hit that might come. Taking
+never-touched blocks before cached ones (as first built) made a cache-on target's RSS walk with
+the traffic's volume, not its concurrency, toward the whole --kv-cache-budget-mb (issue 54: 0.97 to
+2.26 GB in 10 minutes). Evicting every cached block before touching a new one would bound the
+cache by how far the live sessions' blocks fall below their peak, which is nothing under steady
+load: a conversation's next turn, a tenant's system prompt after a pause, would miss. So the
+cache keeps `cache_reserve` blocks of its own in touched memory; the touched blocks never exceed
+the most blocks held at once plus the reserve (a fixed, stated bound), and among the cached
+blocks LRU decides as before. On a device whose pool is resident from allocation (CUDA) every
+block counts as touched, so the cache keeps the whole pool and is evicted only when no free block
+is left."""
 from __future__ import annotations
 
 import threading
@@ -37,13 +55,22 @@ class KVPool:
         self.v = torch.empty(shape[:-1] + (v_dim,), dtype=dtype, device=device)
         self.k[:, :block_size].zero_()
         self.v[:, :block_size].zero_()
-        # A stack popped from the end: low ids first, and a freed block is the next one reused,
-        # so the memory a long run touches stays as small as its peak use.
-        self._free = list(range(num_blocks - 1, 0, -1))
+        # Free blocks come in two kinds. `_free`: touched ones, a stack popped from the end, so a
+        # freed block is the next one reused. Never-touched ones: ids [_untouched, num_blocks),
+        # handed out lowest first, so the touched ones stay one run of ids [1, _untouched).
+        # A pool not on the CPU is resident (mapped) whole from here on: all its blocks count as
+        # touched, low ids first.
+        if torch.device(device).type == "cpu":
+            self._free, self._untouched = [], 1
+        else:
+            self._free, self._untouched = list(range(num_blocks - 1, 0, -1)), num_blocks
         # Blocks come and go on the engine thread, but a closing session hands its blocks back
         # from the server's thread at once.
         self._lock = threading.Lock()
         self.cache = None       # a PrefixCache, when prefix caching is on
+        # Unheld cached blocks the pool keeps before it evicts one rather than touch a new block
+        # (the order above); 0 with no cache.
+        self.cache_reserve = 0
         # Per-session fixed-size state (a recurrent target's KDA state), one slot per table; None
         # for attention-only models.
         self.states = None
@@ -85,8 +112,18 @@ class KVPool:
 
     @property
     def free_blocks(self) -> int:
-        """Blocks a sequence could take now: the free list and the cached blocks nobody holds."""
-        return len(self._free) + (len(self.cache.idle) if self.cache is not None else 0)
+        """Blocks a sequence could take now: free ones (touched or not) and the cached blocks nobody holds."""
+        return len(self._free) + self.untouched_blocks + (len(self.cache.idle) if self.cache is not None else 0)
+
+    @property
+    def untouched_blocks(self) -> int:
+        """Blocks never handed out on a CPU pool (no resident memory yet); 0 elsewhere."""
+        return self.num_blocks - self._untouched
+
+    @property
+    def touched_blocks(self) -> int:
+        """Blocks ever handed out (on a CPU pool, the ones holding resident memory), the zero block aside."""
+        return self._untouched - 1
 
     @property
     def used_blocks(self) -> int:
@@ -100,17 +137,27 @@ class KVPool:
         return -(-tokens // self.block_size)
 
     def allocate(self, n: int) -> list[int]:
+        """n blocks, cheapest first (the module docstring): touched free blocks, then cached
+        blocks nobody holds beyond the reserve (least recently used first), then never-touched
+        ones, then the reserve. PoolExhausted, and no change, when fewer than n are free."""
         with self._lock:
-            short = n - len(self._free)
-            if short > 0 and self.cache is not None and len(self.cache.idle) >= short:
-                self._free[:0] = self.cache.evict(short)[::-1]     # taken last, after the free list
-            if n > len(self._free):
-                raise PoolExhausted(f"the KV pool has {len(self._free)} free blocks of {self.block_size} tokens; "
-                                    f"{n} are needed (--kv-cache-budget-mb)")
-            out = self._free[len(self._free) - n:][::-1]
-            del self._free[len(self._free) - n:]
-        if self.prefault is not None and out:
-            self.prefault.need(max(out))
+            idle = len(self.cache.idle) if self.cache is not None else 0
+            if n > len(self._free) + idle + self.untouched_blocks:
+                raise PoolExhausted(f"the KV pool has {len(self._free) + idle + self.untouched_blocks} free blocks "
+                                    f"of {self.block_size} tokens; {n} are needed (--kv-cache-budget-mb)")
+            take = min(n, len(self._free))
+            out = self._free[len(self._free) - take:][::-1]
+            del self._free[len(self._free) - take:]
+            if len(out) < n and idle > self.cache_reserve:
+                out += self.cache.evict(min(n - len(out), idle - self.cache_reserve))
+            fresh = min(n - len(out), self.untouched_blocks)
+            if fresh:
+                out += range(self._untouched, self._untouched + fresh)
+                self._untouched += fresh
+            if len(out) < n:
+                out += self.cache.evict(n - len(out))
+        if self.prefault is not None and fresh:
+            self.prefault.need(self._untouched - 1)
         return out
 
     def copy_slots(self, frm: torch.Tensor, to: torch.Tensor) -> None:

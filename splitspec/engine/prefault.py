@@ -1,7 +1,11 @@
 """Touch-ahead for a CPU KV pool: a thread maps the pool's pages in before the engine writes
 to them, so first touches (page faults) stay off the forward path.
 
-Why a prefix-cache pool needs it: without the cache a freed block is the next one reused, so a
+Not used by the served pools since issue 54: the pool now reuses touched blocks, cached ones
+included, before never-touched ones, so a prefix-cache pool first-touches memory only while its
+most blocks held at once grows, as a plain pool does, and mapping ahead would only add resident
+memory. `populate` still maps the prefix cache's tap-row arena whole. What it was for (issue 40):
+without the cache a freed block is the next one reused, so a
 long run touches only its peak use. With the cache, freed blocks stay cached and new sessions
 take never-touched blocks until the whole budget has been used once; on a VM (Firecracker here)
 each first touch of a 4 KiB page costs ~3 µs, which made a cache-on target 5–9 % slower on
