@@ -151,6 +151,18 @@ class Session:
         return self.seq.length if self.seq is not None else 0
 
 
+def exact_chunk_end(prefilled: int, n: int, prompt_len: int, span: int = 16) -> int:
+    """Batch-invariant prefill chunks end on multiples of `span`, the KV block size (or at the
+    prompt's end), where `attention.exact_queries` cuts its spans: a chunk ending mid-span
+    would compute that span's tokens in two calls, and differ in the last bit from a prefill
+    that ran them in one (as a later prefix-cache hit, always whole blocks, would)."""
+    end = prefilled + n
+    if end >= prompt_len:
+        return prompt_len
+    aligned = end // span * span
+    return aligned if aligned > prefilled else min(prompt_len, (prefilled // span + 1) * span)
+
+
 class Scheduler:
     def __init__(self, model: CausalLM, *, verifier, pool: KVPool, max_running: int, max_queued: int,
                  max_batched_tokens: int, chunked_prefill_size: int, max_context: int, engine: EngineLoop,
@@ -505,6 +517,9 @@ class Scheduler:
         """The runner's step for one picked session (lock held)."""
         session, w = r.session, r.work
         if w.kind == "prefill":
+            if self.attention == "torch-exact":
+                r.n = exact_chunk_end(session.seq.prefilled, r.n, len(session.seq.prompt),
+                                      self.pool.block_size) - session.seq.prefilled
             r.step = Prefill(session.seq, session.seq.prefilled + r.n)
         elif w.kind == "decode":
             r.step = Decode(session.seq)

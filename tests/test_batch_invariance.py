@@ -106,3 +106,29 @@ def test_the_service_turns_it_on_for_bf16_dense_targets(model):
     assert attention_mode(args, model_f32) == "torch"
     args.batch_invariant = "off"
     assert attention_mode(args, model) == "torch"
+
+
+def test_prefill_chunking_does_not_change_a_bit(model):
+    """A prefix-cache hit resumes a prompt at a block boundary: the prompt's tokens, prefilled
+    in chunks ending on any multiples of 16, give the same bits as one chunk."""
+    prompt = PROMPTS[5]
+    rows, restore = _lm_head_inputs(model)
+    try:
+        seen = []
+        for chunk in (512, 16, 48):
+            s = TargetSequence(model, prompt, max_len=len(prompt) + 20, attention="torch-exact", prefill_chunk=chunk)
+            rows.clear()
+            tokens = [s.prefill().committed[0]] + [s.decode().committed[0] for _ in range(6)]
+            seen.append((tokens, torch.cat(rows)[-7:]))
+        for tokens, bits in seen[1:]:
+            assert tokens == seen[0][0] and torch.equal(bits, seen[0][1])
+    finally:
+        restore()
+
+
+@pytest.mark.parametrize("prefilled,n,prompt_len,end", [
+    (0, 512, 1000, 512), (0, 500, 1000, 496), (0, 1000, 150, 150), (96, 10, 150, 112), (100, 10, 150, 112),
+    (100, 30, 150, 128), (144, 3, 150, 150), (0, 7, 150, 16)])
+def test_exact_prefill_chunks_end_on_span_boundaries(prefilled, n, prompt_len, end):
+    from target_service.scheduler import exact_chunk_end
+    assert exact_chunk_end(prefilled, n, prompt_len) == end

