@@ -133,3 +133,22 @@ def test_the_target_service_refuses_a_bad_file_at_start_up(tmp_path):
     out = subprocess.run([sys.executable, "-m", "target_service.server", "--model-path", str(tmp_path / "bad.gguf"),
                           "--port", "0"], capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "bad.gguf" in out.stderr and "GGUF" in out.stderr, out.stderr[-2000:]
+
+
+def test_a_draft_loads_against_a_gguf_target_and_a_mismatched_one_is_refused(tmp_path, tok_dir):
+    """The draft service reads the target's embedding and head from the GGUF file (dequantized,
+    tied here); a draft built for another target is refused naming what differs."""
+    from draft_service.architectures import load_draft
+    from draft_service.dflash import new_draft, save_draft
+    from target_service.config import ConfigError
+    hf = build_tiny_hf_model("llama", vocab_size=VOCAB, tie_word_embeddings=True, seed=6)
+    expected = save_tiny_gguf(tmp_path / "t.gguf", hf, tok_dir / "tokenizer.json", qtype="Q8_0")
+    target = load_model(tmp_path / "t.gguf")
+    save_draft(new_draft(target.cfg, num_layers=1, mask_token_id=1, target_layer_ids=[0, 1]), tmp_path / "draft")
+    draft = load_draft(tmp_path / "draft", tmp_path / "t.gguf")
+    for part in ("embed", "lm_head"):      # tied: the head is the embedding
+        assert torch.equal(draft._target[part].float(), expected["model.embed_tokens.weight"])
+    other = build_tiny_hf_model("llama", vocab_size=VOCAB, hidden_size=128, seed=7)
+    save_tiny_gguf(tmp_path / "other.gguf", other, tok_dir / "tokenizer.json", qtype="Q8_0")
+    with pytest.raises(ConfigError, match="hidden"):
+        load_draft(tmp_path / "draft", tmp_path / "other.gguf")

@@ -276,8 +276,11 @@ class Bench:
         self.llamacpp = None
         if "llamacpp" in self.configs:
             import torch
+            from target_service.gguf import source_of
             from .llamacpp import LlamaCppRunner, to_gguf
-            path = Path(a.out) / "llamacpp" / f"{self.target_path.name}-f32.gguf"
+            # A GGUF target runs in llama.cpp as its own file (its native quantization, Q4_1 for
+            # SmolLM2); a Hugging Face folder is converted to an f32 GGUF first.
+            path = source_of(self.target_path) or Path(a.out) / "llamacpp" / f"{self.target_path.name}-f32.gguf"
             if not path.is_file():
                 to_gguf(self.target_path, path, "f32")
             n_ctx = max(len(p) for p in self.prompt_ids) + a.max_new_tokens + 8
