@@ -37,6 +37,7 @@ import numpy as np
 import structlog
 import torch
 
+from splitspec.engine.loop import settle
 from splitspec.engine.tree import Tree
 
 log = structlog.get_logger(__name__)
@@ -100,7 +101,7 @@ class CompilePool:
                 result, error = job.fn(), None
             except BaseException as exc:  # noqa: BLE001 - delivered to the waiter
                 result, error = None, exc
-            job.loop.call_soon_threadsafe(_settle, job.done, result, error)
+            job.loop.call_soon_threadsafe(settle, job.done, result, error)
             with self._lock:
                 job.finished = True
                 if job.abandoned:
@@ -138,15 +139,6 @@ class CompilePool:
         log.warning("grammar_compile_abandoned", abandoned=self.abandoned, replaced=replace)
         if replace:
             self._spawn()
-
-
-def _settle(fut: asyncio.Future, result, error) -> None:
-    if fut.done():
-        return
-    if error is not None:
-        fut.set_exception(error)
-    else:
-        fut.set_result(result)
 
 
 def _ebnf_string(s: str) -> str:

@@ -32,7 +32,8 @@ class WorkItem:
     loop: asyncio.AbstractEventLoop | None
 
 
-def _complete(fut: asyncio.Future, result, error) -> None:
+def settle(fut: asyncio.Future, result, error) -> None:
+    """Give `fut` its result or error unless it is done already (on the future's own loop)."""
     if fut.done():
         return
     if error is not None:
@@ -44,7 +45,7 @@ def _complete(fut: asyncio.Future, result, error) -> None:
 def resolve(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, result=None, error=None) -> None:
     """Complete `fut` from the engine thread (no-op if it is done or its event loop is gone)."""
     try:
-        loop.call_soon_threadsafe(_complete, fut, result, error)
+        loop.call_soon_threadsafe(settle, fut, result, error)
     except RuntimeError:
         pass            # the event loop has closed (shutdown); nobody is waiting
 
@@ -58,7 +59,7 @@ class Deliveries:
         self._calls: dict[asyncio.AbstractEventLoop, list] = {}
 
     def resolve(self, loop, fut: asyncio.Future, result=None, error=None) -> None:
-        self._calls.setdefault(loop, []).append((_complete, fut, result, error))
+        self._calls.setdefault(loop, []).append((settle, fut, result, error))
 
     def put(self, loop, q: asyncio.Queue, item) -> None:
         self._calls.setdefault(loop, []).append((q.put_nowait, item))
