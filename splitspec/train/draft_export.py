@@ -126,8 +126,7 @@ Target layer taps: {m['taps_reason']}
 
 ## Data
 
-The target's own continuations of training-corpus prompts (Python standard library, train split of
-`splitspec.train.corpus`; the held-out files are never used): {args.prompt_len}-token prompt windows
+The target's own continuations of {_prompt_source(args)}: {args.prompt_len}-token prompt windows
 continued by the target to {args.seq_len} tokens, {args.gen_batch} rows per batched forward,
 {args.greedy_frac:.0%} of the rows at temperature 0 and {1 - args.greedy_frac - args.raw_frac:.0%} at
 temperature {args.regen_temperature} (top_p {args.regen_top_p}){f', {args.raw_frac:.0%} raw corpus windows' if args.raw_frac else ''}.
@@ -213,6 +212,16 @@ Candidate selector on the same held-out continuations (teacher-forced predecesso
 | selector accuracy (its pick = gold) | {_fmt_acc(ev['tf_selector_acc'])} |
 | unary argmax accuracy (what DFlash would draft) | {_fmt_acc(ev['tf_unary_acc'])} |
 """
+
+
+def _prompt_source(args) -> str:
+    if getattr(args, "data", "code") == "chat":
+        return ("chat prompts (`--data chat`, `splitspec/train/chat_data.py`: instructions, code completions, "
+                "explanations and multi-turn exchanges built from the documented functions of the Python standard "
+                "library's train split, rendered with the target's chat template; the held-out files are never "
+                "used), each the last tokens of a rendered prompt, ending at the assistant's header")
+    return ("training-corpus prompts (Python standard library, train split of `splitspec.train.corpus`; the "
+            "held-out files are never used)")
 
 
 def _cached_note(data, args) -> str:
