@@ -98,7 +98,8 @@ def _post(port, body):
 
 def test_chat_completions_stop_at_the_turn_end_and_refuse_a_prompt_past_the_context(stack):
     _, port = stack
-    status, body = _post(port, {"messages": [{"role": "user", "content": CHAT[0]}], "max_tokens": 48})
+    status, body = _post(port, {"messages": [{"role": "user", "content": CHAT[0]}], "max_tokens": 48,
+                                "temperature": 0})
     assert status == 200, body
     choice = body["choices"][0]
     assert "Paris" in choice["message"]["content"] and choice["finish_reason"] == "stop"

@@ -126,13 +126,14 @@ def _terminate(proc: subprocess.Popen) -> None:
 
 
 def start_up(args, logs: Path) -> Services:
-    """`splitspec up` as a user runs it (its defaults), with the addresses read from what it prints."""
+    """`splitspec up` as a user runs it (its defaults but the models), with the addresses read from
+    what it prints. The models are named: up's own default target is SmolLM2 when it is installed,
+    and this bench's grids are the bundled code pair's unless --model-path says otherwise."""
+    from splitspec.defaults import DEFAULT_DRAFT, DEFAULT_TARGET, model_dir
     logs.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "splitspec.cli", "up", "--gateway-port", "0", "--log-dir", str(logs)]
-    if args.model_path:
-        cmd += ["--model-path", args.model_path]
-    if args.draft_model_path:
-        cmd += ["--draft-model-path", args.draft_model_path]
+    cmd = [sys.executable, "-m", "splitspec.cli", "up", "--gateway-port", "0", "--log-dir", str(logs),
+           "--model-path", str(model_dir(args.model_path, DEFAULT_TARGET)),
+           "--draft-model-path", str(model_dir(args.draft_model_path, DEFAULT_DRAFT))]
     out = open(logs / "up.log", "w")
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     svc = Services("up", "", procs=[proc], description="splitspec up " + " ".join(shlex.quote(c) for c in cmd[4:]))
