@@ -10,8 +10,8 @@ from pathlib import Path
 import structlog
 import torch
 
-from target_service.config import ConfigError, ModelConfig
-from target_service.loader import load_state, model_folder, open_weights, parse_dtype, resolve_device, weight_files
+from splitspec.models.config import ConfigError, ModelConfig
+from splitspec.models.loader import load_state, model_folder, open_weights, parse_dtype, resolve_device, weight_files
 
 from .dflash import DFlashConfig, DFlashDraft
 from .dflash2 import DFlash2Config, DFlash2Draft

@@ -26,9 +26,9 @@ from safetensors.torch import save_file
 from torch import nn
 
 from splitspec.engine.kv_pool import BlockTable, KVPool
-from target_service.config import ConfigError, ModelConfig
-from target_service.models.fused import fused, transposed
-from target_service.models.dense import MLP, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
+from splitspec.models.config import ConfigError, ModelConfig
+from splitspec.models.fused import fused, transposed
+from splitspec.models.dense import MLP, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
 
 log = structlog.get_logger(__name__)
 

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from splitspec.engine.sample import sample_from_probs
-from target_service.config import ConfigError
+from splitspec.models.config import ConfigError
 
 from .dflash import DFlashConfig, DFlashDraft, DraftLayer, mlp
 
@@ -188,7 +188,7 @@ class DFlash2Draft(DFlashDraft):
              generator: torch.Generator | None = None, guide=None) -> tuple[list[int], torch.Tensor | None]:
         """The chain of n tokens one block drafts, and q [n, V] when sampled.
         h [B-1, H] final normed hidden and unary [B-1, V] logits of the mask slots.
-        guide: a structured-output grammar (target_service.grammar.Guide): each position chooses
+        guide: a structured-output grammar (splitspec.grammar.Guide): each position chooses
         among the candidates it allows after the chain so far (q renormalised over them, which is
         what the token is drawn from, so the verifier's test stays exact); the chain stops where
         none is allowed or the grammar ends. The guide's state is left as it was."""

@@ -100,7 +100,7 @@ class DFlashProposer(_Tokens):
         self.generator = make_generator(sampling.seed if sampling else None, device)
         self.cache = DraftCache(model, max_len, pool)
         self.tokens: list[int] = []
-        self.guide = None       # structured output: a target_service.grammar.Guide over the output so far
+        self.guide = None       # structured output: a splitspec.grammar.Guide over the output so far
 
     @property
     def context_window(self) -> int:

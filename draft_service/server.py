@@ -26,18 +26,16 @@ from splitspec.colocation import start as start_share
 from splitspec.flags import apply_env
 from splitspec.metrics import add_metrics_flag, serve_engine_metrics
 from splitspec.security import add_tls_flags, server_credentials
-from splitspec.serving import (ProtocolError, Server, add_connection_age_flags, add_lenient_servicer,
-                               end_session_with, read_message, run_main)
+from splitspec.serving import (AdmissionError, DrainingError, ProtocolError, Server, add_connection_age_flags,
+                               add_lenient_servicer, end_session_with, read_message, run_main, status_for)
 from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from splitspec.wire import (WireError, check_token_ids, dtype_name, dtype_to_pb, sampling_from_pb, tensor_from_pb,
                             tensor_to_pb)
-from target_service.config import ConfigError, ModelConfig
-from target_service.loader import CheckpointError, model_folder, parse_dtype, resolve_device, resolve_dtype, tokenizer_hash
+from splitspec.models.config import ConfigError, ModelConfig
+from splitspec.models.loader import CheckpointError, model_folder, parse_dtype, resolve_device, resolve_dtype, tokenizer_hash
 from splitspec.engine.kv_pool import KVPool, PoolExhausted
 from splitspec.engine.tree import MAX_DRAFT_NODES
 from splitspec.engine.loop import EngineLoop
-from target_service.scheduler import AdmissionError, DrainingError
-from target_service.server import status_for
 
 from .architectures import load_draft
 from .dflash import BLOCK_SIZE_MEANINGS
@@ -60,7 +58,8 @@ def draft_status(exc: BaseException) -> grpc.StatusCode:
         return grpc.StatusCode.FAILED_PRECONDITION
     if isinstance(exc, PoolExhausted):
         return grpc.StatusCode.RESOURCE_EXHAUSTED
-    return status_for(exc)
+    from splitspec.grammar import GrammarBusy
+    return status_for(exc, [(GrammarBusy, grpc.StatusCode.RESOURCE_EXHAUSTED)])
 
 
 @dataclass
@@ -75,7 +74,7 @@ class DraftState:
     pool: KVPool | None = None
     active: int = 0
     accepting: bool = True
-    grammars: object = None         # target_service.grammar.Grammars (the target's tokenizer), for constraints
+    grammars: object = None         # splitspec.grammar.Grammars (the target's tokenizer), for constraints
 
     @property
     def block_size(self) -> int:
@@ -267,7 +266,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
             # Drafts that respect the request's grammar (a chain: the target masks and prunes
             # whatever it gets; this only saves it rejected drafts). The output so far has
             # already moved the grammar on.
-            from target_service.grammar import Guide
+            from splitspec.grammar import Guide
             p.guide = Guide(await st.grammars.compile_async(msg.sampling.constraint), st.vocab_size)
             if msg.generated_tokens:
                 p.guide.advance(prompt[-msg.generated_tokens:])
@@ -367,7 +366,7 @@ def metrics_state(state: DraftState) -> dict:
 
 
 def check_args(args: argparse.Namespace) -> None:
-    if args.target_model_path:      # a .gguf target: the folder built from its metadata (target_service/gguf.py)
+    if args.target_model_path:      # a .gguf target: the folder built from its metadata (splitspec/models/gguf.py)
         try:
             args.target_model_path = str(model_folder(args.target_model_path))
         except CheckpointError as exc:
@@ -421,7 +420,7 @@ async def serve(args: argparse.Namespace, *, started=None, share: HostShare | No
     target_cfg = ModelConfig.from_dir(target_path) if target_path else None
     state = DraftState(args, args.method, target_cfg, tokenizer_hash(target_path) if target_path else "")
     if target_path is not None and (target_path / "tokenizer.json").is_file():
-        from target_service.grammar import Grammars
+        from splitspec.grammar import Grammars
         state.grammars = Grammars(target_path, target_cfg.vocab_size, target_cfg.eos_token_ids)
     server = Server([SERVICE], max_message_mb=args.max_message_mb, credentials=server_credentials(args),
                     max_connection_age_s=args.max_connection_age_s,

@@ -32,6 +32,32 @@ class UnparsableError(ValueError):
     """A session message protobuf could not parse (garbage on the wire): INVALID_ARGUMENT."""
 
 
+class AdmissionError(Exception):
+    """The service is full (waiting queue, open sessions, or a request the KV pool can never
+    hold): RESOURCE_EXHAUSTED."""
+
+
+class DrainingError(Exception):
+    """The service is shutting down and takes no new sessions: UNAVAILABLE."""
+
+
+# What any server raises -> the status a client can act on. A server puts its own first.
+STATUS = [
+    (ProtocolError, grpc.StatusCode.FAILED_PRECONDITION),
+    (IdleError, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (AdmissionError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (DrainingError, grpc.StatusCode.UNAVAILABLE),
+    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),     # WireError, TreeError, UnparsableError too
+]
+
+
+def status_for(exc: BaseException, own: list = ()) -> grpc.StatusCode:
+    for cls, code in (*own, *STATUS):
+        if isinstance(exc, cls):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
 class Unparsable:
     """What a lenient deserializer returns for bytes protobuf cannot parse, so that the handler
     answers INVALID_ARGUMENT with the parser's message instead of gRPC's bare INTERNAL."""

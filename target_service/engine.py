@@ -1,4 +1,4 @@
-"""The target in process: the one small API that tools (`splitspec/train`, `splitspec/bench`),
+"""The target in process: the one small API that tools (`splitspec_tools/train`, `splitspec_tools/bench`),
 tests and the one-process speculative loop use, all through the runner and pools the service
 batches with, so each model family has exactly one forward path.
 
@@ -19,14 +19,14 @@ from splitspec.engine.kv_pool import BlockTable, KVPool
 from splitspec.engine.sample import SamplingParams, make_generator
 from splitspec.engine.tree import Tree
 
-from .loader import load_model as _load_model
-from .loader import load_tokenizer, parse_dtype, resolve_device, tokenizer_hash  # noqa: F401 - the API's
-from .models.dense import CausalLM, PagedBatch
-from .pools import make_pool
-from .runner import Decode, Prefill, Sequence, StepOutput, Verify, check_hidden_stream, run_batch
-from .state_pool import StatePlan, StateRow
-from .torch_verifier import TorchVerifier
-from .verify import check_draft_probs
+from splitspec.models.loader import load_model as _load_model
+from splitspec.models.loader import load_tokenizer, parse_dtype, resolve_device, tokenizer_hash  # noqa: F401 - the API's
+from splitspec.models.dense import CausalLM, PagedBatch
+from target_service.pools import make_pool
+from target_service.runner import Decode, Prefill, Sequence, StepOutput, Verify, check_hidden_stream, run_batch
+from splitspec.engine.state_pool import StatePlan, StateRow
+from target_service.torch_verifier import TorchVerifier
+from target_service.verify import check_draft_probs
 
 DEFAULT_PREFILL_CHUNK = 512
 
@@ -37,7 +37,7 @@ def load_model(path, *, dtype="float32", device="cpu", tensor_parallel_size: int
     drives like a plain model; `close_model` stops the ranks."""
     if tensor_parallel_size <= 1:
         return _load_model(path, dtype=dtype, device=device)
-    from . import tp_worker
+    from target_service import tp_worker
     return tp_worker.start(str(path), tensor_parallel_size, dtype=parse_dtype(dtype),
                            device=resolve_device(str(device)), timeout_s=timeout_s)
 

@@ -13,8 +13,8 @@ import torch
 from splitspec.engine.flashinfer_attention import require_flashinfer
 from splitspec.engine.sample import SamplingParams, probs_from_logits
 from splitspec.engine.tree import Tree
-from .torch_verifier import TorchVerifier
-from .verify import VerifyResult, verify_tree
+from target_service.torch_verifier import TorchVerifier
+from target_service.verify import VerifyResult, verify_tree
 
 
 class BackendError(RuntimeError):

@@ -1,4 +1,4 @@
 """Target-only in-process generation (`generate`), re-exported for callers that want just that."""
-from .engine import generate
+from target_service.engine import generate
 
 __all__ = ["generate"]

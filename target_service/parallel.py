@@ -27,8 +27,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .config import ConfigError, ModelConfig
-from .models.dense import CausalLM
+from splitspec.models.config import ConfigError, ModelConfig
+from splitspec.models.dense import CausalLM
 
 
 class TensorParallelError(RuntimeError):
@@ -271,9 +271,9 @@ def _shard_kda(p: str, a, layout: Layout, sl: _Slices) -> None:
 def shard_hybrid(model, layout: Layout) -> tuple[nn.Module, _Slices]:
     """An MLA + MoE (DeepSeek-V3 / Kimi-K2 shaped) HybridLM cut for `layout`, and the slice of
     every sharded parameter."""
-    from .models.kda import KimiDeltaAttention
-    from .models.mla import MLAttention
-    from .models.moe import GLU, MoE
+    from splitspec.models.kda import KimiDeltaAttention
+    from splitspec.models.mla import MLAttention
+    from splitspec.models.moe import GLU, MoE
     cfg, h = model.cfg, model.cfg.hybrid
     H = cfg.hidden_size
     sl = _Slices()
@@ -386,9 +386,9 @@ def _cut(t: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
 
 
 def _load_hybrid(path: Path, cfg: ModelConfig, layout: Layout, dtype: torch.dtype, device: torch.device):
-    from .models.hybrid import HybridLM
-    from .hybrid_weights import adapt_tensor, checkpoint_name, ignored
-    from .loader import load_state, pack_fp4, quantization_scheme, stored_head_wins, weight_files
+    from splitspec.models.hybrid import HybridLM
+    from splitspec.models.hybrid_weights import adapt_tensor, checkpoint_name, ignored
+    from splitspec.models.loader import load_state, pack_fp4, quantization_scheme, stored_head_wins, weight_files
     quant = quantization_scheme(path)
     files = weight_files(path)
     cfg = stored_head_wins(cfg, files)
@@ -425,7 +425,7 @@ def _load_hybrid(path: Path, cfg: ModelConfig, layout: Layout, dtype: torch.dtyp
 def load_sharded(path: str | Path, layout_world: int, rank: int, *, dtype: torch.dtype,
                  device: torch.device) -> tuple[CausalLM, Layout]:
     """Build and load rank `rank`'s shard of the checkpoint at `path`."""
-    from .loader import load_state, quantization_scheme, read_eos_ids, weight_files
+    from splitspec.models.loader import load_state, quantization_scheme, read_eos_ids, weight_files
     path = Path(path)
     cfg = ModelConfig.from_dir(path)
     eos = read_eos_ids(path) or cfg.eos_token_ids

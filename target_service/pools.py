@@ -9,7 +9,7 @@ import torch
 from splitspec.engine.kv_pool import KVPool
 from splitspec.engine.prefix_cache import PrefixCache
 
-from .state_pool import StatePool
+from splitspec.engine.state_pool import StatePool
 
 DEFAULT_ROLLBACK = "snapshot"
 # Of the KV budget, what the prefix cache keeps of its own in touched memory before a new block

@@ -18,7 +18,7 @@ import torch
 
 from splitspec.engine.prefix_cache import block_keys, namespace_key
 
-from .runner import Sequence
+from target_service.runner import Sequence
 
 
 @dataclass

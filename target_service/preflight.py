@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from .config import ModelConfig
-from .hybrid_weights import ignored
-from .loader import model_folder, parse_dtype, weight_files
+from splitspec.models.config import ModelConfig
+from splitspec.models.hybrid_weights import ignored
+from splitspec.models.loader import model_folder, parse_dtype, weight_files
 
 # safetensors dtype names -> bytes per element
 ELEMENT_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
@@ -51,7 +51,7 @@ def read_header(file: Path) -> dict[str, dict]:
     GGUF file, each tensor's shape under our names (its size is counted in the serving dtype,
     which is what dequantizing at load makes of it)."""
     if Path(file).suffix == ".gguf":
-        from .loader import open_weights
+        from splitspec.models.loader import open_weights
         with open_weights(file) as w:
             return {name: {"dtype": t.tensor_type.name, "shape": [int(d) for d in reversed(t.shape.tolist())]}
                     for name, t in w.tensors.items()}

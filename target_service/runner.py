@@ -19,11 +19,11 @@ from splitspec.engine.penalties import TokenLogprob, path_tokens, process_logits
 from splitspec.engine.sample import SamplingParams, sample
 from splitspec.engine.tree import Tree
 
-from .grammar import mask_rows
-from .models.dense import CausalLM, PagedBatch
-from .parallel import TensorParallelError
-from .state_pool import StatePlan, StateRow
-from .verify import VerifyResult
+from splitspec.grammar import mask_rows
+from splitspec.models.dense import CausalLM, PagedBatch
+from target_service.parallel import TensorParallelError
+from splitspec.engine.state_pool import StatePlan, StateRow
+from target_service.verify import VerifyResult
 
 
 @dataclass

@@ -42,23 +42,20 @@ from splitspec.engine.kv_pool import BlockTable, KVPool
 from splitspec.engine.loop import Deliveries, EngineLoop
 from splitspec.engine.sample import SamplingParams, make_generator
 from splitspec.metrics import step_kind
+from splitspec.serving import AdmissionError, DrainingError  # noqa: F401  (raised here, mapped in serving)
 from splitspec.engine.tree import Tree
 
-from . import prefix
-from .grammar import rewrite_tree
-from .lookahead import Lookahead, SessionLookahead
-from .models.dense import CausalLM
-from .parallel import TensorParallelError
-from .runner import Decode, Prefill, Sequence, StepOutput, Verify, check_hidden_stream, run_batch
+from target_service import prefix
+from splitspec.grammar import rewrite_tree
+from target_service.lookahead import Lookahead, SessionLookahead
+from splitspec.models.dense import CausalLM
+from target_service.parallel import TensorParallelError
+from target_service.runner import Decode, Prefill, Sequence, StepOutput, Verify, check_hidden_stream, run_batch
 
 log = structlog.get_logger(__name__)
 
 # How long after a drafted hit found tap rows missing sessions without a draft keep storing them.
 STORE_TAPS_S = 600.0
-
-
-class AdmissionError(Exception):
-    """The service is full (waiting queue, or a request the KV pool can never hold): RESOURCE_EXHAUSTED."""
 
 
 class ContextError(ValueError):
@@ -67,10 +64,6 @@ class ContextError(ValueError):
 
 class StaleError(ValueError):
     """A Verify built on a length the session no longer has: ABORTED."""
-
-
-class DrainingError(Exception):
-    """The service is shutting down and takes no new sessions: UNAVAILABLE."""
 
 
 class ClosedError(Exception):

@@ -17,7 +17,7 @@ from pathlib import Path
 import grpc
 import torch
 
-from splitspec import logs, tracing
+from splitspec import logs, serving, tracing
 from splitspec.colocation import HostShare, add_core_sharing_flag
 from splitspec.colocation import follow as follow_share
 from splitspec.colocation import start as start_share
@@ -30,51 +30,39 @@ from splitspec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from splitspec.wire import (WireError, check_token_ids, dtype_from_pb, logprob_to_pb, sampling_from_pb,
                             tensor_from_pb, tensor_to_pb, tree_from_pb)
 
-from .flashinfer_backend import BackendError, make_verifier
-from .loader import (cpu_has_native_bf16, load_model, model_folder, parse_dtype, resolve_device, resolve_dtype,
+from target_service.flashinfer_backend import BackendError, make_verifier
+from splitspec.models.loader import (cpu_has_native_bf16, load_model, model_folder, parse_dtype, resolve_device, resolve_dtype,
                      tokenizer_hash)
-from .config import ConfigError
-from .loader import CheckpointError
-from .scheduler import AdmissionError, ClosedError, ContextError, DrainingError, Scheduler, StaleError, StepFailed
+from splitspec.models.config import ConfigError
+from splitspec.models.loader import CheckpointError
+from target_service.scheduler import AdmissionError, ClosedError, ContextError, DrainingError, Scheduler, StaleError, StepFailed
 from splitspec.engine.flashinfer_attention import AttentionBackendError
 from splitspec.engine.flashinfer_attention import check_available as check_attention_backend
-from . import preflight
-from .grammar import GrammarBusy, Grammars, Guide
-from .verify import check_draft_probs
-from .pools import make_pool
-from .parallel import TensorParallelError
+from target_service import preflight
+from splitspec.grammar import GrammarBusy, Grammars, Guide
+from target_service.verify import check_draft_probs
+from target_service.pools import make_pool
+from target_service.parallel import TensorParallelError
 from splitspec.engine.loop import EngineLoop
 from splitspec.engine.tree import TreeError
 
 SERVICE = "splitspec.v1.Target"
 MAX_TREE_NODES = 256
 
-# Exceptions from the scheduler and engine -> the status a client can act on.
+# The target's own exceptions -> the status a client can act on (splitspec.serving.STATUS has
+# the ones every server shares).
 _STATUS = [
-    (AdmissionError, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (DrainingError, grpc.StatusCode.UNAVAILABLE),
     (TensorParallelError, grpc.StatusCode.UNAVAILABLE),
     (StepFailed, grpc.StatusCode.INTERNAL),     # the gateway resumes the request (gateway/failover.py)
     (GrammarBusy, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (ClosedError, grpc.StatusCode.CANCELLED),
     (ContextError, grpc.StatusCode.OUT_OF_RANGE),
     (StaleError, grpc.StatusCode.ABORTED),
-    (WireError, grpc.StatusCode.INVALID_ARGUMENT),
-    (UnparsableError, grpc.StatusCode.INVALID_ARGUMENT),
-    (TreeError, grpc.StatusCode.INVALID_ARGUMENT),
-    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
 ]
 
 
 def status_for(exc: BaseException) -> grpc.StatusCode:
-    if isinstance(exc, ProtocolError):
-        return grpc.StatusCode.FAILED_PRECONDITION
-    if isinstance(exc, IdleError):
-        return grpc.StatusCode.DEADLINE_EXCEEDED
-    for cls, code in _STATUS:
-        if isinstance(exc, cls):
-            return code
-    return grpc.StatusCode.INTERNAL
+    return serving.status_for(exc, _STATUS)
 
 
 class TargetState:
@@ -467,7 +455,7 @@ def check_args(args: argparse.Namespace) -> None:
                              f"{args.nnodes}: every node holds the same number of ranks")
         if not args.dist_init_addr:
             raise SystemExit("--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address)")
-        from .tp_worker import auth_key, split_addr
+        from target_service.tp_worker import auth_key, split_addr
         try:
             split_addr(args.dist_init_addr)
             args.dist_auth_key = auth_key(args.dist_auth_key, args.dist_auth_key_file, args.nnodes).decode()
@@ -478,7 +466,7 @@ def check_args(args: argparse.Namespace) -> None:
     if args.tp_timeout_s <= 0:
         raise SystemExit("--tp-timeout-s must be positive")
     # A .gguf file (or a folder holding one) becomes the folder of JSON files built from its
-    # metadata, once, here: everything after reads a folder (target_service/gguf.py).
+    # metadata, once, here: everything after reads a folder (splitspec/models/gguf.py).
     try:
         args.model_path = str(model_folder(args.model_path))
     except CheckpointError as exc:
@@ -524,7 +512,7 @@ def _load(args: argparse.Namespace):
     logs.get_logger().info("memory_plateau", **preflight.plateau(mem, device=device, features_mb=0 if getattr(
         args, "disable_radix_cache", True) else args.prefix_cache_hidden_mb))
     if getattr(args, "tensor_parallel_size", 1) > 1:
-        from . import tp_worker
+        from target_service import tp_worker
         model = tp_worker.start(args.model_path, args.tensor_parallel_size, dtype=parse_dtype(dtype), device=device,
                                 timeout_s=args.tp_timeout_s, torch_threads=args.torch_threads,
                                 nnodes=getattr(args, "nnodes", 1) or 1, dist_init_addr=getattr(args, "dist_init_addr", None),
@@ -633,7 +621,7 @@ def main(argv=None) -> None:
     tracing.configure("target", args, logs.get_logger())
     if args.node_rank > 0:
         # Another node of a multi-node group: no gRPC; its ranks join node 0's and serve its forwards.
-        from . import tp_worker
+        from target_service import tp_worker
         device = resolve_device(args.device)
         dtype = resolve_dtype(args.dtype, device)
         sys.exit(tp_worker.launch_node(args.model_path, args.tensor_parallel_size, nnodes=args.nnodes,

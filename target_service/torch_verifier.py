@@ -4,7 +4,7 @@ Kept apart from `flashinfer_backend.py` so that the default backend never sits i
 whose purpose is an optional CUDA dependency."""
 from __future__ import annotations
 
-from .verify import VerifyResult, verify_tree
+from target_service.verify import VerifyResult, verify_tree
 
 
 class TorchVerifier:

@@ -52,8 +52,8 @@ import torch.distributed as dist
 from splitspec.engine.attention import AttentionPlan, Group
 from splitspec.engine.kv_pool import KVPool
 
-from .parallel import CommStats, Layout, TensorParallelError, load_sharded
-from .state_pool import StatePlan, StatePool, StateRow
+from target_service.parallel import CommStats, Layout, TensorParallelError, load_sharded
+from splitspec.engine.state_pool import StatePlan, StatePool, StateRow
 
 log = structlog.get_logger(__name__)
 
@@ -255,7 +255,7 @@ def worker_main(rank: int, world: int, port: int, spec: dict, conn) -> None:
                         else:
                             pool.states.conv[:, event[1]].zero_()
                             pool.states.rec[:, event[1]].zero_()
-                from .models.dense import PagedBatch
+                from splitspec.models.dense import PagedBatch
                 plan = _plan_from_wire(msg["plan"], device)
                 states = None
                 if msg.get("states") is not None:
@@ -429,8 +429,8 @@ def start(model_path: str, world: int, *, dtype: torch.dtype, device: torch.devi
     """Node 0: spawn its local ranks 1..world/nnodes-1, accept the other nodes' ranks on the
     control port, join the group as rank 0, load every shard; returns rank 0's driver once every
     rank has its weights (or raises with the failing rank's error)."""
-    from .config import ModelConfig
-    from .parallel import make_layout
+    from splitspec.models.config import ModelConfig
+    from target_service.parallel import make_layout
     make_layout(ModelConfig.from_dir(model_path), world)    # a shape that does not divide fails before any spawn
     local = world // nnodes
     host, port = ("127.0.0.1", free_port()) if nnodes == 1 else split_addr(dist_init_addr)

@@ -75,7 +75,7 @@ def tiny_qwen3(tiny_model_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_qwen3_model(tiny_qwen3):
-    from target_service.loader import load_model
+    from splitspec.models.loader import load_model
     return load_model(tiny_qwen3)
 
 
@@ -171,7 +171,7 @@ def target_dir(request):
 @pytest.fixture(scope="module")
 def model(target_dir):
     """`target_dir` loaded in process: the reference the services must equal."""
-    from target_service.loader import load_model
+    from splitspec.models.loader import load_model
     return load_model(target_dir)
 
 

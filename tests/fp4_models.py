@@ -12,7 +12,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
-from target_service.models.fp4 import (FORMAT, NV_FORMAT, dequantize_mxfp4, dequantize_nvfp4, quantize_mxfp4,
+from splitspec.models.fp4 import (FORMAT, NV_FORMAT, dequantize_mxfp4, dequantize_nvfp4, quantize_mxfp4,
                                        quantize_nvfp4)
 
 EXPERT = re.compile(r".*\.experts\.\d+\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight")

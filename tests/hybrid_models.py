@@ -109,8 +109,8 @@ K3_CONFIG = {
 def save_tiny_k3(path, *, seed: int = 0, tokenizer: bool = False, **changes) -> Path:
     from safetensors.torch import save_file
 
-    from target_service.config import ModelConfig
-    from target_service.models.hybrid import HybridLM
+    from splitspec.models.config import ModelConfig
+    from splitspec.models.hybrid import HybridLM
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     raw = {**K3_CONFIG, **changes}

@@ -28,7 +28,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hybrid_models import save_tiny_k3
-from target_service.models.fp4 import dequantize_mxfp4, quantize_mxfp4
+from splitspec.models.fp4 import dequantize_mxfp4, quantize_mxfp4
 
 TEXT_PREFIX = "language_model."
 EXPERT = re.compile(r"model\.layers\.\d+\.block_sparse_moe\.experts\.\d+\.w[123]\.weight")

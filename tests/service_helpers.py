@@ -17,7 +17,7 @@ from pathlib import Path
 
 import grpc
 
-from splitspec.ops.launch import ServiceProcess, start_service
+from splitspec_tools.ops.launch import ServiceProcess, start_service
 from splitspec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, target_pb2, target_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -123,7 +123,7 @@ def wait_not_serving(address: str, timeout_s: float = 30) -> None:
     """Health turns NOT_SERVING (2) within timeout_s."""
     import time
 
-    from splitspec.ops.launch import health_status
+    from splitspec_tools.ops.launch import health_status
     deadline = time.monotonic() + timeout_s
     while health_status(address) != 2 and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -155,7 +155,7 @@ def sampled_runs(stub, prompt: list[int], n: int, samples: int, *, method: str, 
     for the distribution tests; `speculative` sets further SpeculativeParams fields."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from splitspec.client import build_request
+    from splitspec_tools.client import build_request
 
     def run(seed):
         req = build_request(prompt, max_new_tokens=n, ignore_eos=True, temperature=1.0, top_k=3, seed=seed,

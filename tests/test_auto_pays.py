@@ -13,7 +13,7 @@ import pytest
 from draft_service.dflash import new_draft, save_draft
 from gateway.policy import REOPEN_EVERY, AutoPolicy, Measurements
 from service_helpers import collect, fixed_prices, inproc_gateway, running_draft, running_target
-from splitspec.client import build_request
+from splitspec_tools.client import build_request
 from splitspec.v1 import gateway_pb2_grpc
 from target_service.engine import generate
 

@@ -15,7 +15,7 @@ from draft_service.dflash import new_draft, save_draft
 from gateway.policy import sampling_bucket
 from service_helpers import (collect, fixed_prices, gateway_stub, inproc_gateway, repeating_prompts, running_stack,
                              target_info)
-from splitspec.client import build_request
+from splitspec_tools.client import build_request
 from splitspec.engine.sample import SamplingParams, probs_from_logits
 from splitspec.v1 import gateway_pb2
 from target_service.engine import forward_sequences, generate

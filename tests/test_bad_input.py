@@ -12,8 +12,8 @@ import pytest
 
 from service_helpers import (collect, garbage_error, gateway_stub, running_gateway, running_target, target_info,
                              target_stub, tiny_target_dir)
-from splitspec.client import build_request
-from splitspec.ops.launch import health_status
+from splitspec_tools.client import build_request
+from splitspec_tools.ops.launch import health_status
 from splitspec.v1 import common_pb2, gateway_pb2, target_pb2
 from splitspec.wire import tensor_to_pb
 

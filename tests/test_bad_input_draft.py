@@ -14,10 +14,10 @@ import torch
 from draft_service.architectures import load_draft
 from draft_service.dflash import new_draft, save_draft
 from service_helpers import garbage_error, running_draft, tiny_target_dir
-from splitspec.ops.launch import health_status
+from splitspec_tools.ops.launch import health_status
 from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from splitspec.wire import tensor_to_pb
-from target_service.loader import load_model
+from splitspec.models.loader import load_model
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 IDLE_S = 2

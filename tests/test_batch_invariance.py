@@ -13,7 +13,7 @@ import torch
 from splitspec.engine.sample import SamplingParams
 from splitspec.engine.tree import Tree
 from target_service.engine import TargetSequence
-from target_service.loader import load_model
+from splitspec.models.loader import load_model
 from target_service.pools import make_pool
 from target_service.runner import Decode, run_batch
 from target_service.torch_verifier import TorchVerifier

@@ -25,7 +25,7 @@ from splitspec.engine.sample import SamplingParams
 from splitspec.engine.tree import Tree
 from target_service.engine import TargetSequence, forward_sequences, generate
 from target_service.torch_verifier import TorchVerifier
-from target_service.loader import load_model
+from splitspec.models.loader import load_model
 from target_service.runner import Decode, Prefill, Verify, run_batch
 from test_dflash import chi_square_pvalue, exact_joint, make_draft, one_thread  # noqa: F401 - a fixture
 
@@ -199,7 +199,7 @@ def test_speculative_sampling_with_many_sessions_per_batch_is_the_targets(tiny_m
 def test_batched_greedy_equals_one_at_a_time_on_the_bench_prompts():
     """The default target, the benchmark's held-out prompts, 24 new tokens each: all sessions decode
     in one batch per step. A difference is allowed only at a near-tie of the one-at-a-time logits."""
-    from splitspec.bench.prompts import default_prompts
+    from splitspec_tools.bench.prompts import default_prompts
     from tokenizers import Tokenizer
     model_dir = ROOT / "models" / "splitspec-code-target"
     model = load_model(model_dir)

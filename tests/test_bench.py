@@ -11,11 +11,11 @@ import pytest
 
 from draft_service.dflash import new_draft, save_draft
 from service_helpers import tiny_target_dir
-from splitspec.bench.prompts import OWN, default_prompts, load_jsonl
-from splitspec.bench.configs import Sample
-from splitspec.bench.report import FORMATS, split_gaps, token_gaps
-from splitspec.bench.run import main
-from target_service.loader import load_model
+from splitspec_tools.bench.prompts import OWN, default_prompts, load_jsonl
+from splitspec_tools.bench.configs import Sample
+from splitspec_tools.bench.report import FORMATS, split_gaps, token_gaps
+from splitspec_tools.bench.run import main
+from splitspec.models.loader import load_model
 
 MAX_NEW = 12
 CONFIGS = ["target", "dflash-grpc", "dflash-inproc", "ngram-grpc", "hf-pld"]
@@ -191,7 +191,7 @@ def test_mixed_run(bench_run):
 
 
 def test_a_sweep_point_reports_medians_of_its_repeats_and_paired_ratios():
-    from splitspec.bench.run import median_point
+    from splitspec_tools.bench.run import median_point
     runs = [{"tokens_per_s": 100.0, "x": 1}, {"tokens_per_s": 140.0, "x": 2}]
     target = [{"tokens_per_s": 100.0}, {"tokens_per_s": 70.0}]
     p = median_point(runs, target)

@@ -10,9 +10,9 @@ import types
 
 import pytest
 
-from splitspec.bench.auto import (Cell, Result, drafter_tau, fit, grid, main, markdown, method_share, min_requests,
+from splitspec_tools.bench.auto import (Cell, Result, drafter_tau, fit, grid, main, markdown, method_share, min_requests,
                                   requests_for, step_prices)
-from splitspec.defaults import DEFAULT_DRAFT, DEFAULT_TARGET, model_dir
+from splitspec_tools.defaults import DEFAULT_DRAFT, DEFAULT_TARGET, model_dir
 
 
 def stats(steps=(), by_method=None, verify_steps=0, draft_ms=0.0, verify_ms=0.0, wire_ms=0.0, queue_ms=0.0):

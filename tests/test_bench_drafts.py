@@ -13,10 +13,10 @@ import torch
 from draft_service.dflash import new_draft, save_draft
 from draft_service.dflash2 import new_dflash2
 from service_helpers import tiny_target_dir
-from splitspec.bench import drafts as drafts_bench
-from splitspec.bench.drafts import main, markdown
+from splitspec_tools.bench import drafts as drafts_bench
+from splitspec_tools.bench.drafts import main, markdown
 from target_service.engine import generate
-from target_service.loader import load_model
+from splitspec.models.loader import load_model
 
 B = 6
 

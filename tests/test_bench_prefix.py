@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 from service_helpers import bench_smoke
 
-from splitspec.bench.configs import Sample
-from splitspec.bench.prefix import WORKLOADS, Result, main, set_ideal
-from splitspec.defaults import DEFAULT_DRAFT, DEFAULT_TARGET, model_dir
+from splitspec_tools.bench.configs import Sample
+from splitspec_tools.bench.prefix import WORKLOADS, Result, main, set_ideal
+from splitspec_tools.defaults import DEFAULT_DRAFT, DEFAULT_TARGET, model_dir
 
 
 def _result(key, prompt, tokens, start, wall):

@@ -10,9 +10,9 @@ import json
 import pytest
 from service_helpers import bench_smoke
 
-from splitspec.bench.structured import (CHOICES, FLAT, IDENTIFIER, NESTED, VERSION, check_output, main, make_job,
+from splitspec_tools.bench.structured import (CHOICES, FLAT, IDENTIFIER, NESTED, VERSION, check_output, main, make_job,
                                         schema_errors, signature)
-from splitspec.defaults import DEFAULT_TARGET, model_dir
+from splitspec_tools.defaults import DEFAULT_TARGET, model_dir
 
 DFLASH = "models/splitspec-code-draft-dflash"
 

@@ -23,7 +23,7 @@ from gateway.http_api import create_app
 from gateway.openai_answer import usage
 from gateway.server import Backends, GenerationServicer, add_servicer
 from splitspec import logs
-from splitspec.client import build_request
+from splitspec_tools.client import build_request
 from splitspec.security import ApiKeys
 from splitspec.v1 import gateway_pb2, gateway_pb2_grpc, target_pb2, target_pb2_grpc
 

@@ -1,4 +1,4 @@
-"""The accept-length ceiling of a target (splitspec.bench.ceiling) on tiny random targets, against
+"""The accept-length ceiling of a target (splitspec_tools.bench.ceiling) on tiny random targets, against
 cases whose answer is known in closed form."""
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from splitspec.bench.ceiling import ceiling, context_ceiling, main
-from target_service.loader import load_model
+from splitspec_tools.bench.ceiling import ceiling, context_ceiling, main
+from splitspec.models.loader import load_model
 from splitspec.engine.sample import SamplingParams, probs_from_logits
 from tiny_models import save_tiny_model
 from target_service.engine import forward_sequences
@@ -96,7 +96,7 @@ def test_cli_writes_json(target_dir, tmp_path, capsys):
 
 
 def test_splitspec_ceiling_subcommand(capsys):
-    from splitspec.cli import main as cli_main
+    from splitspec_tools.cli import main as cli_main
     with pytest.raises(SystemExit) as e:
         cli_main(["ceiling", "--help"])
     assert e.value.code == 0 and "--num-paths" in capsys.readouterr().out

@@ -11,9 +11,9 @@ import sys
 import pytest
 
 from service_helpers import ROOT, tiny_target_dir
-from splitspec import cli
+from splitspec_tools import cli
 from splitspec.flags import PREFIX, ListFlag, apply_env, env_name
-from splitspec.ops.launch import free_port
+from splitspec_tools.ops.launch import free_port
 from target_service import server as target_server
 from gateway import server as gateway_server
 from draft_service import server as draft_server
@@ -21,11 +21,11 @@ from draft_service import server as draft_server
 
 def test_up_with_prompt_streams_the_target_only_generation(tmp_path):
     from target_service.engine import generate
-    from target_service.loader import load_checkpoint
+    from splitspec.models.loader import load_checkpoint
     model = tiny_target_dir()
     prompt = "def fibonacci(n):"
     proc = subprocess.run(
-        [sys.executable, "-m", "splitspec.cli", "up", "--model-path", str(model), "--prompt", prompt,
+        [sys.executable, "-m", "splitspec_tools.cli", "up", "--model-path", str(model), "--prompt", prompt,
          "--max-new-tokens", "24", "--ignore-eos", "--gateway-port", "0", "--log-dir", str(tmp_path)],
         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
@@ -37,8 +37,8 @@ def test_up_with_prompt_streams_the_target_only_generation(tmp_path):
 
 
 def test_random_fallback_model_is_servable(tmp_path):
-    from target_service.loader import load_checkpoint
-    from splitspec.random_model import ensure_random_model
+    from splitspec.models.loader import load_checkpoint
+    from splitspec_tools.random_model import ensure_random_model
     assert cli._model_dir(None, "models/no-such-model") is None
     path = ensure_random_model(tmp_path / "random")
     ck = load_checkpoint(path)
@@ -48,7 +48,7 @@ def test_random_fallback_model_is_servable(tmp_path):
 
 
 def test_health_command_reports_unreachable():
-    proc = subprocess.run([sys.executable, "-m", "splitspec.cli", "health", f"127.0.0.1:{free_port()}",
+    proc = subprocess.run([sys.executable, "-m", "splitspec_tools.cli", "health", f"127.0.0.1:{free_port()}",
                            "--timeout-s", "0.5"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and proc.stdout.strip() == "UNREACHABLE"
 

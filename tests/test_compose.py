@@ -132,8 +132,8 @@ def test_tls_override_sets_real_flags_for_services_and_their_health_checks(tmp_p
     the same environment), and its files are the ones `splitspec certs` writes."""
     import argparse
 
-    from splitspec import cli
-    from splitspec.ops import certs
+    from splitspec_tools import cli
+    from splitspec_tools.ops import certs
     from splitspec.flags import apply_env, env_name
     override = yaml.safe_load((ROOT / "compose.tls.yaml").read_text())["services"]
     assert set(override) == set(SERVICES)

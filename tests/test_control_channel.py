@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from service_helpers import tiny_target_dir
-from splitspec.ops.launch import free_port
+from splitspec_tools.ops.launch import free_port
 from target_service import server
 from target_service import tp_worker
 

@@ -21,8 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from draft_service.dflash import new_draft, save_draft
 from service_helpers import ROOT, collect, gateway_stub, repeating_prompts, running
-from splitspec.client import build_request
-from splitspec.ops.launch import free_port
+from splitspec_tools.client import build_request
+from splitspec_tools.ops.launch import free_port
 
 DASHBOARD = ROOT / "deploy" / "grafana" / "splitspec.json"
 METRIC = re.compile(r"splitspec:[a-z0-9_]+")

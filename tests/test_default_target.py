@@ -1,5 +1,5 @@
 """The committed default target (models/splitspec-code-target, trained by
-`splitspec.train.target`) loads with our loader and with transformers, and greedy generation is
+`splitspec_tools.train.target`) loads with our loader and with transformers, and greedy generation is
 identical token for token between the two."""
 from __future__ import annotations
 
@@ -11,14 +11,14 @@ import torch
 
 from target_service.engine import forward_sequences
 from target_service.generate import generate
-from target_service.loader import load_model, load_tokenizer
+from splitspec.models.loader import load_model, load_tokenizer
 
 MODEL = Path(__file__).resolve().parent.parent / "models" / "splitspec-code-target"
 PROMPT = 'def read_lines(path):\n    """Return the lines of the file at path."""\n'
 
 pytestmark = pytest.mark.skipif(
     not (MODEL / "model.safetensors").is_file(),
-    reason=f"{MODEL} has not been trained yet (python -m splitspec.train.target)")
+    reason=f"{MODEL} has not been trained yet (python -m splitspec_tools.train.target)")
 
 
 @pytest.fixture(scope="module")

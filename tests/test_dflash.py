@@ -15,10 +15,10 @@ from draft_service.dflash import (DFlashConfig, DraftCache, default_target_layer
                                  new_pool, save_draft)
 from draft_service.proposer import DFlashProposer, NgramProposer, ProposerError
 from splitspec.ngram import lookup
-from splitspec.speculate import speculative_generate
-from target_service.config import ConfigError
+from splitspec_tools.speculate import speculative_generate
+from splitspec.models.config import ConfigError
 from target_service.engine import TargetSequence, forward_sequences, generate
-from target_service.loader import load_model
+from splitspec.models.loader import load_model
 from splitspec.engine.sample import SamplingParams, probs_from_logits
 
 

@@ -16,10 +16,10 @@ from draft_service.dflash2 import (DFlash2Config, DFlash2Draft, GroupedDynamicCo
                                    new_dflash2)
 from draft_service.proposer import DFlashProposer
 from splitspec.engine.sample import SamplingParams, make_generator
-from splitspec.speculate import speculative_generate
-from target_service.config import ConfigError
+from splitspec_tools.speculate import speculative_generate
+from splitspec.models.config import ConfigError
 from target_service.engine import TargetSequence, generate
-from target_service.loader import load_model
+from splitspec.models.loader import load_model
 
 from test_dflash import chi_square_pvalue, exact_joint, one_thread  # noqa: F401 - fixture
 

@@ -13,7 +13,7 @@ import torch
 from draft_service.dflash import new_draft, save_draft
 from draft_service.dflash2 import new_dflash2
 from service_helpers import collect, running_stack, sampled_runs
-from splitspec.client import build_request
+from splitspec_tools.client import build_request
 from splitspec.engine.sample import SamplingParams
 from splitspec.v1 import common_pb2, draft_pb2_grpc
 from target_service.engine import generate

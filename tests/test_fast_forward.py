@@ -12,9 +12,9 @@ from splitspec.engine.attention import Row, plan_attention
 from splitspec.engine.kv_pool import BlockTable
 from splitspec.engine.sample import SamplingParams, make_generator
 from splitspec.engine.tree import Tree
-from target_service.models.fused import fused, transposed
-from target_service.loader import load_model
-from target_service.models.dense import apply_rope, rms_norm, rope_cos_sin, rope_rows
+from splitspec.models.fused import fused, transposed
+from splitspec.models.loader import load_model
+from splitspec.models.dense import apply_rope, rms_norm, rope_cos_sin, rope_rows
 from target_service.pools import make_pool
 from target_service.runner import Decode, Prefill, Sequence, Verify, run_batch
 from target_service.torch_verifier import TorchVerifier
@@ -148,7 +148,7 @@ def test_rms_norm_and_table_rope_equal_the_plain_formulas(shape):
     plain = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
     assert torch.allclose(rms_norm(x, w, 1e-6), plain, atol=1e-6, rtol=1e-5)
     # rope_rows over flat tokens against apply_rope over [B, heads, T, D].
-    from target_service.models.dense import rope_table
+    from splitspec.models.dense import rope_table
     D, N, H = 32, 9, 3
     inv = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
     pos = torch.tensor([0, 5, 17, 17, 300, 2, 1, 64, 99])

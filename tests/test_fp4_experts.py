@@ -18,7 +18,7 @@ import torch
 from fp4_models import save_packed_twin
 from hybrid_models import save_tiny_deepseek
 from target_service.engine import forward_sequences, generate, load_model
-from target_service.models.fp4 import (FORMAT, NV_FORMAT, PackedLinear, dequantize_mxfp4, dequantize_nvfp4,
+from splitspec.models.fp4 import (FORMAT, NV_FORMAT, PackedLinear, dequantize_mxfp4, dequantize_nvfp4,
                                        quantize_nvfp4)
 
 PROMPTS = [[5, 6, 7, 8, 9], [40, 3, 3, 17, 90, 2, 61]]
@@ -158,7 +158,7 @@ def test_services_on_a_packed_target_equal_transformers_and_follow_its_distribut
     from transformers import AutoModelForCausalLM
 
     from service_helpers import collect, gateway_stub, running_stack
-    from splitspec.client import build_request
+    from splitspec_tools.client import build_request
     from splitspec.engine.sample import SamplingParams
     from test_auto_services import exact_joint
     from test_dflash import chi_square_pvalue

@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 from proto_strategies import messages
 from service_helpers import collect, gateway_stub, running, running_gateway, tiny_target_dir
 
-from splitspec.client import build_request
-from splitspec.ops.launch import health_status
+from splitspec_tools.client import build_request
+from splitspec_tools.ops.launch import health_status
 from splitspec.v1 import draft_pb2, draft_pb2_grpc, gateway_pb2, gateway_pb2_grpc, target_pb2, target_pb2_grpc
 
 CALLS = int(os.environ.get("SPLITSPEC_FUZZ_CALLS", "150"))

@@ -1,4 +1,4 @@
-"""GGUF checkpoints (target_service/gguf.py): tiny files written the way llama.cpp's converter
+"""GGUF checkpoints (splitspec/models/gguf.py): tiny files written the way llama.cpp's converter
 writes them load to the same weights and logits as the model they came from, for llama (Q/K
 rows un-permuted), qwen2 (biases) and qwen3 (q/k norms), in every quant type gguf-py can
 write; the tokenizer built from the metadata encodes as the original; bad files are refused
@@ -12,8 +12,8 @@ import torch
 
 from gguf_models import save_tiny_gguf
 from target_service.engine import forward_sequences
-from target_service.gguf import end_ids, find_gguf, open_reader
-from target_service.loader import CheckpointError, load_model, load_tokenizer, model_folder, tokenizer_hash
+from splitspec.models.gguf import end_ids, find_gguf, open_reader
+from splitspec.models.loader import CheckpointError, load_model, load_tokenizer, model_folder, tokenizer_hash
 from tiny_models import build_tiny_hf_model, save_tiny_tokenizer
 
 VOCAB = 512
@@ -140,7 +140,7 @@ def test_a_draft_loads_against_a_gguf_target_and_a_mismatched_one_is_refused(tmp
     tied here); a draft built for another target is refused naming what differs."""
     from draft_service.architectures import load_draft
     from draft_service.dflash import new_draft, save_draft
-    from target_service.config import ConfigError
+    from splitspec.models.config import ConfigError
     hf = build_tiny_hf_model("llama", vocab_size=VOCAB, tie_word_embeddings=True, seed=6)
     expected = save_tiny_gguf(tmp_path / "t.gguf", hf, tok_dir / "tokenizer.json", qtype="Q8_0")
     target = load_model(tmp_path / "t.gguf")

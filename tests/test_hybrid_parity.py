@@ -11,7 +11,7 @@ from hybrid_models import save_tiny_deepseek, save_tiny_kimi
 from splitspec.engine.tree import Tree
 from target_service.engine import TargetSequence, forward_sequences, generate
 from target_service.torch_verifier import TorchVerifier
-from target_service.loader import load_model
+from splitspec.models.loader import load_model
 
 TOL = 1e-4
 FAMILIES = {

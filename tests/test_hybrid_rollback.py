@@ -12,9 +12,9 @@ from hybrid_models import save_tiny_deepseek, save_tiny_kimi
 from splitspec.engine.kv_pool import BlockTable
 from splitspec.engine.tree import Tree
 from target_service.engine import TargetSequence, forward_sequences, generate
-from target_service.loader import load_model
+from splitspec.models.loader import load_model
 from target_service.pools import make_pool
-from target_service.state_pool import ROLLBACKS
+from splitspec.engine.state_pool import ROLLBACKS
 
 W = 6
 STACKS = {

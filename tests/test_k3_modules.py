@@ -10,19 +10,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import target_service.models.hybrid as hybrid
+import splitspec.models.hybrid as hybrid
 import target_service.runner as runner
 from hybrid_models import K3_CONFIG, save_tiny_k3
 from splitspec.engine.attention import Row, plan_attention
 from splitspec.engine.kv_pool import BlockTable
 from splitspec.engine.tree import Tree
 from target_service.engine import TargetSequence, forward_sequences, generate
-from target_service.models.kda import kda_decay
-from target_service.loader import load_model
-from target_service.models.dense import PagedBatch
-from target_service.models.moe import situ_glu
+from splitspec.models.kda import kda_decay
+from splitspec.models.loader import load_model
+from splitspec.models.dense import PagedBatch
+from splitspec.models.moe import situ_glu
 from target_service.pools import make_pool
-from target_service.state_pool import StatePlan, StateRow
+from splitspec.engine.state_pool import StatePlan, StateRow
 
 TOL = 1e-5
 

@@ -13,10 +13,10 @@ import torch
 from structlog.testing import capture_logs
 
 from k3_release import EXPERT, IGNORE, QUANTIZATION_CONFIG, rewrite, save_k3_release
-from target_service.config import ConfigError, ModelConfig
+from splitspec.models.config import ConfigError, ModelConfig
 from target_service.engine import generate
-from target_service.loader import CheckpointError, load_model
-from target_service.models.fp4 import PackedLinear, dequantize_mxfp4, parse_quantization, quantize_mxfp4
+from splitspec.models.loader import CheckpointError, load_model
+from splitspec.models.fp4 import PackedLinear, dequantize_mxfp4, parse_quantization, quantize_mxfp4
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 

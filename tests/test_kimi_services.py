@@ -13,7 +13,7 @@ from draft_service.dflash import new_draft, save_draft
 from hybrid_models import save_tiny_kimi
 from service_helpers import (VOCAB, collect, gateway_stub, repeating_prompts, running_draft, running_gateway,
                              running_stack, target_info)
-from splitspec.client import build_request
+from splitspec_tools.client import build_request
 from splitspec.engine.sample import SamplingParams
 from target_service.engine import generate
 from test_auto_services import exact_joint

@@ -36,11 +36,11 @@ from service_helpers import ROOT
 from draft_service import server as draft_server
 from gateway import server as gateway_server
 from gateway.metrics import GatewayMetrics
-from splitspec import cli
+from splitspec_tools import cli
 from splitspec.flags import PREFIX as ENV_PREFIX
 from splitspec.flags import apply_env, env_name
 from splitspec.metrics import EngineMetrics, StateCollector, new_registry
-from splitspec.ops.certs import write_dev_certs
+from splitspec_tools.ops.certs import write_dev_certs
 from target_service import server as target_server
 
 DEPLOY = ROOT / "deploy" / "kubernetes"

@@ -10,8 +10,8 @@ import grpc
 import pytest
 
 from service_helpers import collect, gateway_stub, running_gateway, running_target, target_stub, tiny_target_dir
-from splitspec.client import build_request
-from splitspec.ops.launch import health_status
+from splitspec_tools.client import build_request
+from splitspec_tools.ops.launch import health_status
 from splitspec.v1 import gateway_pb2, target_pb2
 
 CONTEXT = 2048

@@ -1,4 +1,4 @@
-"""The bench's llama.cpp row (splitspec/bench/llamacpp.py): the GGUF conversion keeps the model
+"""The bench's llama.cpp row (splitspec_tools/bench/llamacpp.py): the GGUF conversion keeps the model
 llama.cpp runs equal to ours. The logit comparison needs the optional extra
 (`pip install -e '.[llamacpp]'`) and skips without it; the rope reordering is checked either way."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from splitspec.bench.llamacpp import _permute_rope_rows, available
+from splitspec_tools.bench.llamacpp import _permute_rope_rows, available
 from target_service.engine import forward_sequences
 
 
@@ -56,8 +56,8 @@ def test_missing_extra_is_named(monkeypatch):
 def test_llamacpp_runs_the_converted_model_with_our_logits(arch, tiny_model_factory, tmp_path):
     if available():
         pytest.skip(available())
-    from splitspec.bench.llamacpp import load, to_gguf
-    from target_service.loader import load_model
+    from splitspec_tools.bench.llamacpp import load, to_gguf
+    from splitspec.models.loader import load_model
     path = tiny_model_factory(arch, seed=31, tokenizer=True)
     gguf = to_gguf(path, tmp_path / "m.gguf", "f32")
     llm = load(gguf, threads=1, n_ctx=64, logits_all=True)
@@ -76,10 +76,10 @@ def test_llamacpp_runs_the_converted_model_with_our_logits(arch, tiny_model_fact
 def test_llamacpp_runner_greedy_tokens_equal_ours(tiny_model_factory, tmp_path):
     if available():
         pytest.skip(available())
-    from splitspec.bench.llamacpp import LlamaCppRunner, to_gguf
+    from splitspec_tools.bench.llamacpp import LlamaCppRunner, to_gguf
     from splitspec.engine.sample import SamplingParams
     from target_service.engine import generate
-    from target_service.loader import load_model
+    from splitspec.models.loader import load_model
     path = tiny_model_factory("qwen3", seed=31, tokenizer=True)
     runner = LlamaCppRunner(to_gguf(path, tmp_path / "m.gguf", "f32"), threads=1, n_ctx=64)
     model = load_model(path)

@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from target_service.config import ConfigError, ModelConfig
+from splitspec.models.config import ConfigError, ModelConfig
 from target_service.engine import TargetSequence, forward_sequences
-from target_service.loader import (CheckpointError, load_checkpoint, load_model, load_tokenizer,
+from splitspec.models.loader import (CheckpointError, load_checkpoint, load_model, load_tokenizer,
                                    parse_dtype, resolve_device, tokenizer_hash)
 from splitspec.engine.sample import SamplingParams
 from splitspec.engine.tree import Tree, TreeError

@@ -14,7 +14,7 @@ from splitspec.engine.loop import EngineLoop
 from splitspec.engine.sample import SamplingParams
 from target_service import lookahead
 from target_service.engine import generate
-from target_service.loader import load_model
+from splitspec.models.loader import load_model
 from target_service.lookahead import MIN_GAIN, MIN_TOKENS, best_k, expected_accepted
 from target_service.scheduler import Scheduler
 from target_service.torch_verifier import TorchVerifier

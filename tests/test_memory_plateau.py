@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from service_helpers import ROOT, collect, gateway_stub, running_gateway, running_target
-from splitspec.client import build_request
+from splitspec_tools.client import build_request
 from target_service import preflight
 
 CODE_TARGET = ROOT / "models" / "splitspec-code-target"

@@ -21,10 +21,10 @@ from service_helpers import (
 from draft_service.dflash import new_draft, save_draft
 from gateway.generation import Stats
 from gateway.metrics import GatewayMetrics
-from splitspec.client import build_request
-from splitspec.ops.launch import free_port
+from splitspec_tools.client import build_request
+from splitspec_tools.ops.launch import free_port
 from splitspec.metrics import new_registry
-from target_service.loader import load_model
+from splitspec.models.loader import load_model
 
 
 def parse(text: str) -> dict:

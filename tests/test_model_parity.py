@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from target_service.engine import SequenceBatch, TargetSequence, forward_sequences, generate
-from target_service.loader import load_model
+from splitspec.models.loader import load_model
 from splitspec.engine.sample import SamplingParams
 
 transformers = pytest.importorskip("transformers")

@@ -14,8 +14,8 @@ import pytest
 
 from service_helpers import (collect, finish_with_one_failover, gateway_stub, running_gateway, running_target,
                              target_info, tiny_target_dir, wait_not_serving)
-from splitspec.client import build_request
-from splitspec.ops.launch import free_port
+from splitspec_tools.client import build_request
+from splitspec_tools.ops.launch import free_port
 from target_service.engine import generate, load_model
 
 

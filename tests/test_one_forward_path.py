@@ -19,8 +19,8 @@ from draft_service.architectures import load_draft
 from draft_service.proposer import DFlashProposer
 from hybrid_models import save_tiny_deepseek, save_tiny_k3, save_tiny_kimi
 from splitspec.engine.sample import SamplingParams
-from splitspec.speculate import speculative_generate
-from splitspec.train import draft as trainer
+from splitspec_tools.speculate import speculative_generate
+from splitspec_tools.train import draft as trainer
 from target_service.engine import SequenceBatch, TargetSequence, forward_sequences, generate, load_model
 from tiny_models import save_tiny_model, save_tiny_tokenizer
 
@@ -149,7 +149,7 @@ def test_a_draft_trained_against_kimi_linear_serves_losslessly_through_the_servi
     """train-draft against a KimiLinear target, then the real target, draft and gateway services:
     greedy DFlash output equals target-only, and the draft service drafts every step."""
     from service_helpers import collect, gateway_stub, running_stack
-    from splitspec.client import build_request
+    from splitspec_tools.client import build_request
     target_dir = save_tiny_kimi(tmp_path / "kimi", vocab_size=VOCAB, tokenizer=True)
     assert trainer.main(_train_args(target_dir, tmp_path, 8)) == 0
     model = load_model(target_dir)

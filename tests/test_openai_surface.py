@@ -16,10 +16,10 @@ import torch
 
 from draft_service.dflash import new_draft, save_draft
 from service_helpers import collect, gateway_stub, running_gateway, running_stack
-from splitspec.client import build_request
+from splitspec_tools.client import build_request
 from splitspec.engine.penalties import process_logits
 from splitspec.engine.sample import SamplingParams, probs_from_logits
-from splitspec.ops.launch import free_port
+from splitspec_tools.ops.launch import free_port
 from target_service.engine import TargetSequence, forward_sequences
 from conftest import chi2_pvalue
 

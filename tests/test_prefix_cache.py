@@ -19,7 +19,7 @@ from splitspec.engine.prefix_cache import PrefixCache, block_keys, namespace_key
 from splitspec.engine.sample import SamplingParams
 from splitspec.engine.tree import Tree
 from target_service.engine import generate
-from target_service.loader import load_model
+from splitspec.models.loader import load_model
 from target_service.pools import make_pool
 from target_service.scheduler import Scheduler
 from target_service.torch_verifier import TorchVerifier

@@ -16,11 +16,11 @@ from hybrid_models import save_tiny_kimi
 import contextlib
 
 from service_helpers import VOCAB, collect, gateway_stub, running_draft, running_gateway, running_target, target_stub
-from splitspec.client import build_request
+from splitspec_tools.client import build_request
 from splitspec.engine.sample import SamplingParams
 from splitspec.v1 import common_pb2, target_pb2
 from target_service.engine import generate
-from target_service.loader import load_model
+from splitspec.models.loader import load_model
 from test_auto_services import exact_joint
 from test_dflash import chi_square_pvalue
 

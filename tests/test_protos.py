@@ -1,5 +1,5 @@
 """The committed stubs in splitspec/v1 are what protos/ generates: regenerate into a temporary
-folder and compare (run `python -m splitspec.protogen` after editing a proto).
+folder and compare (run `python -m splitspec_tools.protogen` after editing a proto).
 
 The lines that only record which generator wrote a stub (grpcio-tools' GRPC_GENERATED_VERSION,
 protoc's version banner and runtime check) are masked: the registry moves grpcio-tools forward
@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from splitspec import protogen
+from splitspec_tools import protogen
 
 STUBS = Path(protogen.ROOT) / "splitspec" / "v1"
 
@@ -30,10 +30,10 @@ def without_generator_stamps(text: bytes) -> bytes:
 def test_stubs_are_up_to_date(tmp_path):
     fresh = {p.name: p.read_bytes() for p in protogen.generate(tmp_path)}
     committed = {p.name: p.read_bytes() for p in STUBS.glob("*_pb2*.py*")}
-    assert sorted(fresh) == sorted(committed), "stub files differ: run python -m splitspec.protogen"
+    assert sorted(fresh) == sorted(committed), "stub files differ: run python -m splitspec_tools.protogen"
     stale = [name for name in fresh
              if without_generator_stamps(fresh[name]) != without_generator_stamps(committed[name])]
-    assert not stale, f"stale stubs {stale}: run python -m splitspec.protogen"
+    assert not stale, f"stale stubs {stale}: run python -m splitspec_tools.protogen"
 
 
 def test_the_mask_hides_only_generator_stamps():

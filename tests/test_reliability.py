@@ -16,9 +16,9 @@ import pytest
 
 from draft_service.dflash import new_draft, save_draft
 from service_helpers import (STARTUP_TIMEOUT_S, collect, gateway_stub, running, running_gateway, target_info)
-from splitspec.client import build_request
-from splitspec.ops.launch import start_service
-from splitspec.ops.loadtest import open_sessions, run_load
+from splitspec_tools.client import build_request
+from splitspec_tools.ops.launch import start_service
+from splitspec_tools.ops.loadtest import open_sessions, run_load
 from target_service.engine import generate
 
 MAX_CONTEXT = TARGET_CONTEXT = 1024
@@ -149,7 +149,7 @@ def test_draft_timeout_falls_back_without_losing_tokens(cluster, model):
 def test_gateway_starts_without_its_draft_and_speculates_once_it_comes(cluster, model, draft_dir):
     """The draft is down when the gateway starts: after --draft-wait-s the gateway serves
     target-only (same tokens), and once a draft answers on that address requests speculate."""
-    from splitspec.ops.launch import free_port
+    from splitspec_tools.ops.launch import free_port
     port = free_port()
     prompt = prompt_for(2)
     ref = generate(model, prompt, 30)

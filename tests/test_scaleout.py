@@ -15,9 +15,9 @@ import yaml
 from service_helpers import ROOT, tiny_target_dir
 
 from draft_service.dflash import new_draft, save_draft
-from splitspec.ops import scaleout
+from splitspec_tools.ops import scaleout
 from target_service.engine import generate
-from target_service.loader import load_model
+from splitspec.models.loader import load_model
 
 MAX_NEW = 24
 
@@ -41,7 +41,7 @@ def report(tmp_path_factory):
     save_draft(new_draft(model.cfg, num_layers=1, block_size=8, mask_token_id=2, seed=3), draft_dir)
     log_dir = tmp_path_factory.mktemp("scaleout")
     proc = subprocess.run(
-        [sys.executable, "-m", "splitspec.cli", "scaleout", "--check", "--model-path", str(target_dir),
+        [sys.executable, "-m", "splitspec_tools.cli", "scaleout", "--check", "--model-path", str(target_dir),
          "--draft-model-path", str(draft_dir), "--log-dir", str(log_dir), "--requests", "6", "--streams", "4",
          "--max-new-tokens", str(MAX_NEW), "--startup-timeout-s", "180"],
         cwd=ROOT, capture_output=True, text=True, timeout=560)

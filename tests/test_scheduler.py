@@ -15,7 +15,7 @@ from splitspec.engine.sample import SamplingParams
 from splitspec.engine.tree import Tree
 from target_service.engine import TargetSequence, generate
 from target_service.torch_verifier import TorchVerifier
-from target_service.loader import load_model
+from splitspec.models.loader import load_model
 from target_service.runner import Decode, Verify
 from target_service.scheduler import AdmissionError, ContextError, Scheduler
 

@@ -11,10 +11,10 @@ import pytest
 from tokenizers import Tokenizer
 
 from service_helpers import collect, running_gateway, running_target, target_info, tiny_target_dir
-from splitspec.client import build_request
+from splitspec_tools.client import build_request
 from splitspec.v1 import gateway_pb2
 from target_service.engine import generate
-from target_service.loader import load_model
+from splitspec.models.loader import load_model
 from splitspec.engine.sample import SamplingParams
 
 PROMPT = [5, 17, 42, 99, 300, 7, 8]

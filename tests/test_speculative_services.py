@@ -12,12 +12,12 @@ import torch
 
 from draft_service.dflash import new_draft, save_draft
 from service_helpers import collect, repeating_prompts, running_draft, running_stack
-from splitspec.client import build_request
-from splitspec.ops.launch import start_service
+from splitspec_tools.client import build_request
+from splitspec_tools.ops.launch import start_service
 from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, gateway_pb2_grpc
 from splitspec.wire import tensor_to_pb
 from target_service.engine import generate
-from target_service.loader import load_model
+from splitspec.models.loader import load_model
 
 MAX_CONTEXT = TARGET_CONTEXT = 1024
 N_PROMPTS, N_NEW = 20, 64

@@ -14,15 +14,15 @@ import pytest
 import torch
 
 from service_helpers import collect, gateway_stub, running_gateway, target_info, tiny_target_dir
-from splitspec.client import build_request
+from splitspec_tools.client import build_request
 from splitspec.engine.kv_pool import KVPool
 from splitspec.engine.loop import EngineLoop
 from splitspec.engine.sample import SamplingParams
 from splitspec.engine.tree import Tree
-from splitspec.ops.launch import free_port
+from splitspec_tools.ops.launch import free_port
 from target_service import server as target_server
 from target_service.engine import generate
-from target_service.loader import load_model
+from splitspec.models.loader import load_model
 from target_service.scheduler import Scheduler, StepFailed
 from target_service.torch_verifier import TorchVerifier
 

@@ -8,7 +8,7 @@ matches its regex, is one of the choices, is a sentence of the grammar, or is to
 valid JSON arguments. An answer cut by max_tokens (finish_reason length) is counted and not
 judged; most must complete. At T = 0 every method gives the same answer as target-only.
 
-Needs the target side (target_service/grammar.py, xgrammar) and the bundled models."""
+Needs the target side (splitspec/grammar.py, xgrammar) and the bundled models."""
 from __future__ import annotations
 
 import json
@@ -18,8 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from service_helpers import ROOT, running_stack
-from splitspec.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
-from splitspec.ops.launch import free_port
+from splitspec_tools.defaults import DEFAULT_DRAFT, DEFAULT_TARGET
+from splitspec_tools.ops.launch import free_port
 
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")

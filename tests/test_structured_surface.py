@@ -28,7 +28,7 @@ from gateway.config import GatewayConfig
 from gateway.http_api import create_app
 from gateway.server import Backends, GenerationServicer
 from splitspec import logs
-from splitspec.client import build_request
+from splitspec_tools.client import build_request
 from splitspec.security import ApiKeys
 from splitspec.v1 import common_pb2, target_pb2, target_pb2_grpc
 
@@ -275,11 +275,11 @@ def test_tools_are_chat_only():
 
 @pytest.fixture(scope="module")
 def compiler():
-    """The target's own compiler (target_service/grammar.py: xgrammar's GrammarCompiler over
+    """The target's own compiler (splitspec/grammar.py: xgrammar's GrammarCompiler over
     TokenizerInfo.from_huggingface of the default target's tokenizer, vocab 8192), so each
     constraint is compiled exactly as the target compiles it."""
     pytest.importorskip("xgrammar")
-    from target_service.grammar import Grammars
+    from splitspec.grammar import Grammars
     return Grammars(ROOT / "models" / "splitspec-code-target", 8192, [0])
 
 

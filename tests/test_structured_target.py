@@ -18,8 +18,8 @@ from splitspec.engine.sample import SamplingParams, probs_from_logits
 from splitspec.engine.tree import Tree
 from splitspec.v1 import common_pb2
 from target_service.engine import forward_sequences
-from target_service.grammar import GrammarError, Grammars, Guide, choice_grammar, rewrite_tree
-from target_service.loader import load_model, load_tokenizer
+from splitspec.grammar import GrammarError, Grammars, Guide, choice_grammar, rewrite_tree
+from splitspec.models.loader import load_model, load_tokenizer
 from target_service.pools import make_pool
 from target_service.scheduler import Scheduler
 from target_service.torch_verifier import TorchVerifier

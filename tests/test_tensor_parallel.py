@@ -22,12 +22,12 @@ import torch.multiprocessing as tmp
 from draft_service.dflash import new_draft, save_draft
 from service_helpers import (VOCAB, collect, finish_with_one_failover, gateway_stub, running_draft, running_gateway,
                              running_target, sampled_runs, target_info, tiny_target_dir, wait_not_serving)
-from splitspec.client import build_request
+from splitspec_tools.client import build_request
 from splitspec.engine.sample import SamplingParams
-from splitspec.ops.launch import free_port
+from splitspec_tools.ops.launch import free_port
 from splitspec.v1 import target_pb2, target_pb2_grpc
 from target_service.engine import TargetSequence, generate
-from target_service.loader import load_model
+from splitspec.models.loader import load_model
 from test_auto_services import exact_joint
 from test_dflash import chi_square_pvalue
 from tiny_models import save_tiny_model
@@ -54,7 +54,7 @@ def test_sharded_models_equal_unsharded_on_two_gloo_ranks(tmp_path):
 
 def test_uneven_shapes_are_refused_before_any_rank_starts(tmp_path):
     from target_service import tp_worker
-    from target_service.config import ConfigError
+    from splitspec.models.config import ConfigError
     path = save_tiny_model(tmp_path / "m", "qwen3", num_heads=4, num_kv_heads=2)
     with pytest.raises(ConfigError, match="does not divide num_attention_heads=4"):
         tp_worker.start(path, 3, dtype=torch.float32, device=torch.device("cpu"), timeout_s=10)
@@ -76,7 +76,7 @@ def test_driver_decodes_and_verifies_trees_like_one_process(tmp_path, arch):
         from hybrid_models import save_tiny_kimi
         path = save_tiny_kimi(tmp_path / "m", vocab_size=130, seed=11)
     elif arch == "default":  # the bundled target (Qwen3, 8 layers): TP=2 equals TP=1 on it too
-        from splitspec.defaults import DEFAULT_TARGET, model_dir
+        from splitspec_tools.defaults import DEFAULT_TARGET, model_dir
         path = model_dir(None, DEFAULT_TARGET)
     else:
         path = save_tiny_model(tmp_path / "m", "qwen3", vocab_size=130, num_heads=4, num_kv_heads=2, seed=11)

@@ -19,13 +19,13 @@ from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from service_helpers import ROOT, collect, running, tiny_target_dir
 
-from splitspec.ops import certs
-from splitspec.client import build_request
-from splitspec.ops.launch import free_port, health_status
+from splitspec_tools.ops import certs
+from splitspec_tools.client import build_request
+from splitspec_tools.ops.launch import free_port, health_status
 from splitspec.security import ApiKeys, channel_credentials, load_api_keys
 from splitspec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, target_pb2_grpc
 from target_service.engine import generate
-from target_service.loader import load_model
+from splitspec.models.loader import load_model
 
 KEY = "sk-tls-test-secret-4242"
 
@@ -144,10 +144,10 @@ def test_http_front_over_mtls_wants_the_key(stack, pki):
 def test_cli_clients_speak_tls(stack, pki):
     flags = ["--tls-ca", str(pki / "ca.pem"), "--tls-cert", str(pki / "client.pem"),
              "--tls-key", str(pki / "client-key.pem")]
-    health = subprocess.run([sys.executable, "-m", "splitspec.cli", "health", stack["target"].address, *flags],
+    health = subprocess.run([sys.executable, "-m", "splitspec_tools.cli", "health", stack["target"].address, *flags],
                             cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert health.returncode == 0 and health.stdout.strip() == "SERVING"
-    gen = subprocess.run([sys.executable, "-m", "splitspec.cli", "generate", "--gateway", stack["gateway"].address,
+    gen = subprocess.run([sys.executable, "-m", "splitspec_tools.cli", "generate", "--gateway", stack["gateway"].address,
                           "--token-ids", "5,6,7", "--max-new-tokens", "4", *flags],
                          cwd=ROOT, capture_output=True, text=True, timeout=60,
                          env={**os.environ, "SPLITSPEC_API_KEY": KEY})

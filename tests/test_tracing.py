@@ -19,8 +19,8 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from service_helpers import collect, gateway_stub, running, running_gateway, tiny_target_dir  # noqa: E402
 
 from splitspec import tracing  # noqa: E402
-from splitspec.client import build_request  # noqa: E402
-from splitspec.ops.launch import free_port  # noqa: E402
+from splitspec_tools.client import build_request  # noqa: E402
+from splitspec_tools.ops.launch import free_port  # noqa: E402
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_ID = "00f067aa0ba902b7"

@@ -1,4 +1,4 @@
-"""Online DFlash draft training (splitspec.train.draft, splitspec.train.draft_objective).
+"""Online DFlash draft training (splitspec_tools.train.draft, splitspec_tools.train.draft_objective).
 
 * the training forward (all anchored blocks of a sequence in one query set, dense block mask or
   factored attention) equals, position by position, the cached inference forward
@@ -20,11 +20,11 @@ import torch
 from draft_service.architectures import load_draft
 from draft_service.dflash import DraftCache, draft_block, new_draft, save_draft
 from draft_service.proposer import DFlashProposer
-from splitspec.train import draft as trainer
-from splitspec.train.draft_objective import (Anchors, Teacher, block_mask, draft_hidden, objective,
+from splitspec_tools.train import draft as trainer
+from splitspec_tools.train.draft_objective import (Anchors, Teacher, block_mask, draft_hidden, objective,
                                              position_weights, sample_anchors, soft_labels)
 from target_service.engine import TargetSequence, forward_sequences, generate
-from target_service.loader import load_model
+from splitspec.models.loader import load_model
 from splitspec.engine.sample import SamplingParams
 from tiny_models import save_tiny_model
 
@@ -255,7 +255,7 @@ def test_init_target_last_reproduces_the_targets_context_kv(target):
     """--init target-last: the first draft layer is the target's layer L-n, and its injected
     context K/V are exactly what that target layer computes at those positions."""
     from argparse import Namespace
-    from target_service.models.dense import apply_rope, rope_cos_sin
+    from splitspec.models.dense import apply_rope, rope_cos_sin
     args = Namespace(layers=1, block_size=BLOCK, intermediate_size=None, seed=0, init="target-last")
     d = trainer.new_backbone(args, target, (0, 1), 1)
     tokens, _ = sequence(target, 1, 20, seed=6)
@@ -405,9 +405,9 @@ def test_chat_prompts_are_templated_instructions_that_end_where_the_answer_start
     """--data chat: every pool row ends with the assistant's header (the template's generation
     prompt), prompts come from the stdlib's training split only, and windows() draws rows cut
     to the asked length from the end."""
-    from splitspec.train import corpus
-    from splitspec.train.chat_data import conversations, prompt_pool
-    from splitspec.train.draft_data import windows
+    from splitspec_tools.train import corpus
+    from splitspec_tools.train.chat_data import conversations, prompt_pool
+    from splitspec_tools.train.draft_data import windows
     from tokenizers import AddedToken, Tokenizer
     folder = save_tiny_model(tmp_path / "chat-target", "qwen3", vocab_size=384, tokenizer=True)
     tok = Tokenizer.from_file(str(folder / "tokenizer.json"))

@@ -1,4 +1,4 @@
-"""The target training recipe (splitspec.train): corpus selection and split, tokenizer,
+"""The target training recipe (splitspec_tools.train): corpus selection and split, tokenizer,
 schedule, evaluation helpers, and a tiny end-to-end run that writes a folder our loader loads
 and generates from; re-running the command resumes from the checkpoint instead of retraining."""
 from __future__ import annotations
@@ -11,11 +11,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from splitspec.train import corpus, evaluate
-from splitspec.train import target as trainer
-from splitspec.train.tokenizer import EOS, MASK, save_tokenizer, train_tokenizer
+from splitspec_tools.train import corpus, evaluate
+from splitspec_tools.train import target as trainer
+from splitspec_tools.train.tokenizer import EOS, MASK, save_tokenizer, train_tokenizer
 from target_service.generate import generate
-from target_service.loader import load_model, load_tokenizer
+from splitspec.models.loader import load_model, load_tokenizer
 
 TINY = ["--max-files", "8", "--vocab-size", "300", "--hidden-size", "32", "--layers", "2",
         "--heads", "2", "--kv-heads", "1", "--head-dim", "16", "--intermediate-size", "64",
@@ -166,7 +166,7 @@ def test_tiny_recipe_end_to_end_and_resume(tmp_path, capsys):
     assert cfg["eos_token_id"] == 0 and cfg["tie_word_embeddings"] is True
     card = (out / "README.md").read_text()
     assert "held-out loss" in card and "unigram baseline" in card and "ast.parse" in card
-    assert "python -m splitspec.train.target" in card
+    assert "python -m splitspec_tools.train.target" in card
 
     model = load_model(out)
     tok = load_tokenizer(out)

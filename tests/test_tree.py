@@ -13,7 +13,7 @@ from splitspec.engine.attention import Row, plan_attention
 from splitspec.engine.kv_pool import BlockTable
 from splitspec.engine.sample import SamplingParams
 from target_service.engine import TargetSequence, forward_sequences, generate
-from target_service.models.dense import PagedBatch
+from splitspec.models.dense import PagedBatch
 from target_service.pools import make_pool
 from splitspec.engine.tree import Tree, TreeError
 

@@ -14,7 +14,7 @@ import urllib.request
 import pytest
 
 from service_helpers import running_stack
-from splitspec.ops.launch import free_port
+from splitspec_tools.ops.launch import free_port
 
 KEY = "page-test-key"
 # Repeats: the n-gram drafter finds the continuation in the prompt, so the target accepts some.

@@ -14,7 +14,7 @@ import torch
 
 from draft_service.dflash import new_draft, save_draft
 from service_helpers import collect, running_stack
-from splitspec.client import build_request
+from splitspec_tools.client import build_request
 from splitspec.colocation import HostShare, divide
 from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2
 from splitspec.wire import WireError, tensor_from_pb, tensor_to_pb

@@ -6,8 +6,8 @@ import torch
 import torch.distributed as dist
 
 from target_service.engine import forward_sequences
-from target_service.loader import load_model
-from target_service.models.dense import rope_cos_sin
+from splitspec.models.loader import load_model
+from splitspec.models.dense import rope_cos_sin
 from target_service.parallel import load_sharded
 
 

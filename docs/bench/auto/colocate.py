@@ -8,9 +8,9 @@ from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
-from splitspec.ops.launch import start_service
-from splitspec.client import build_request, stream
-from splitspec.bench.prompts import default_prompts
+from splitspec_tools.ops.launch import start_service
+from splitspec_tools.client import build_request, stream
+from splitspec_tools.bench.prompts import default_prompts
 from tokenizers import Tokenizer
 
 T = str(ROOT / "models/splitspec-code-target"); D = str(ROOT / "models/splitspec-code-draft")

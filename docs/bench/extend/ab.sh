@@ -11,7 +11,7 @@ for r in $(seq 1 "$rounds"); do
     dir=$([ $side = old ] && echo "$old" || echo "$new")
     for len in 64 512; do
       n=$([ $len = 64 ] && echo 8 || echo 3)
-      (cd "$dir" && PYTHONPATH="$dir" "$py" -m splitspec.bench --configs target,auto-grpc --num-prompts $n \
+      (cd "$dir" && PYTHONPATH="$dir" "$py" -m splitspec_tools.bench --configs target,auto-grpc --num-prompts $n \
         --max-new-tokens $len --max-prompt-tokens 512 --temperatures 1.0 --draft-sampling greedy --repeats 1 \
         --concurrency 16 --sweep-configs target,auto-grpc --sweep-temperatures 1.0 \
         --out "$out/r$r-$side-$len" --no-plots) > "$out/r$r-$side-$len.log" 2>&1

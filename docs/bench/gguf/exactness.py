@@ -15,11 +15,11 @@ import time
 
 import torch
 
-from splitspec.bench.prompts import chat_prompts, humaneval_prompts
-from splitspec.defaults import real_target
+from splitspec_tools.bench.prompts import chat_prompts, humaneval_prompts
+from splitspec_tools.defaults import real_target
 from splitspec.engine.tree import Tree
 from target_service.engine import TargetSequence, load_model, load_tokenizer
-from target_service.loader import model_folder
+from splitspec.models.loader import model_folder
 
 
 def mismatches(model, prompts, new_tokens: int, width: int, attention: str) -> list[str]:

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from splitspec.defaults import real_target
+from splitspec_tools.defaults import real_target
 from splitspec.engine.tree import Tree
 from target_service.engine import TargetSequence, load_model
 from target_service.pools import make_pool

@@ -21,9 +21,9 @@ ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
-from target_service.models.fused import fused, transposed  # noqa: E402
-from target_service.loader import load_model  # noqa: E402
-from target_service.models.dense import rms_norm, rope_rows  # noqa: E402
+from splitspec.models.fused import fused, transposed  # noqa: E402
+from splitspec.models.loader import load_model  # noqa: E402
+from splitspec.models.dense import rms_norm, rope_rows  # noqa: E402
 
 torch.set_num_threads(1)
 m = load_model(ROOT / "models" / "splitspec-code-target")

@@ -31,7 +31,7 @@ sys.path.insert(0, sys.argv[1])
 import torch
 torch.set_num_threads(1)
 models = sys.argv[2]
-from target_service.loader import load_model
+from splitspec.models.loader import load_model
 from target_service.engine import TargetSequence
 from target_service.pools import make_pool
 from target_service.runner import Decode, Prefill, Verify, run_batch

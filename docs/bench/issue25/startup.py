@@ -21,7 +21,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
-from splitspec.ops.launch import start_service  # noqa: E402
+from splitspec_tools.ops.launch import start_service  # noqa: E402
 
 MODELS = ROOT / "models"
 

@@ -41,7 +41,7 @@ def run_setting(name: str, root: Path, tflags: list[str], dflags: list[str], out
                                                  "--target-model-path", str(MODELS / "splitspec-code-target"),
                                                  "--port", str(dport), *dflags], out / "draft.log")
     try:
-        bench = [sys.executable, "-m", "splitspec.cli", "bench", "--target", f"127.0.0.1:{tport}",
+        bench = [sys.executable, "-m", "splitspec_tools.cli", "bench", "--target", f"127.0.0.1:{tport}",
                  "--draft", f"127.0.0.1:{dport}", "--configs", "target,dflash-grpc", "--temperatures", "0",
                  "--num-prompts", str(a.prompts), "--max-new-tokens", str(a.tokens), "--concurrency", a.concurrency,
                  "--sweep-configs", "target,dflash-grpc", "--sweep-requests", "8", "--sweep-repeats",

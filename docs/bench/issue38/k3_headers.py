@@ -45,8 +45,8 @@ DTYPE = {torch.bfloat16: "BF16", torch.float32: "F32", torch.uint8: "U8"}
 def tensors(raw: dict) -> dict[str, tuple[str, list[int]]]:
     """name -> (safetensors dtype, shape) of every tensor of the checkpoint: the model built on the
     meta device with two experts, expert 0's tensors then repeated for all 896."""
-    from target_service.config import ModelConfig
-    from target_service.models.hybrid import HybridLM
+    from splitspec.models.config import ModelConfig
+    from splitspec.models.hybrid import HybridLM
     small = {**raw, "num_experts": 2, "num_experts_per_token": 2}
     small.pop("quantization_config")
     with torch.device("meta"):

@@ -23,7 +23,7 @@ CHILD = r"""
 import json, sys, time, torch
 sys.path.insert(0, {root!r})
 torch.set_num_threads(1)
-from splitspec.train.draft_data import load_target, regenerate, features_of, windows, corpus_streams
+from splitspec_tools.train.draft_data import load_target, regenerate, features_of, windows, corpus_streams
 from pathlib import Path
 model = load_target({target!r}, dtype="bfloat16")
 g = torch.Generator().manual_seed(0)

@@ -1,6 +1,6 @@
 """A tiny KimiLinear target (3 KDA layers + 1 MLA layer, MoE) that has learnt something: made
 with transformers' own `KimiLinearForCausalLM` and trained briefly on the draft corpus (the
-Python standard library, `splitspec.train.corpus`) with the default target's tokenizer, so a
+Python standard library, `splitspec_tools.train.corpus`) with the default target's tokenizer, so a
 drafter has structure to learn. A random-weight tiny model continues prompts with tokens no
 drafter can predict (τ ≈ 1.0 after 400 steps, measured), which says nothing about the trainer.
 
@@ -33,7 +33,7 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     from transformers import KimiLinearConfig, KimiLinearForCausalLM
 
-    from splitspec.train.draft_data import corpus_streams
+    from splitspec_tools.train.draft_data import corpus_streams
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     for f in ("tokenizer.json", "tokenizer_config.json"):

@@ -12,7 +12,7 @@ import time
 
 from splitspec.engine.loop import EngineLoop
 from splitspec.engine.sample import SamplingParams
-from target_service.loader import load_model
+from splitspec.models.loader import load_model
 from target_service.torch_verifier import TorchVerifier
 from target_service.scheduler import Scheduler
 from target_service.pools import make_pool

@@ -33,10 +33,10 @@ from pathlib import Path
 import grpc
 from tokenizers import Tokenizer
 
-from splitspec.bench.prompts import default_prompts
-from splitspec.bench.structured import StructuredRunner, make_job
+from splitspec_tools.bench.prompts import default_prompts
+from splitspec_tools.bench.structured import StructuredRunner, make_job
 from splitspec.engine.sample import SamplingParams
-from splitspec.ops.launch import start_service
+from splitspec_tools.ops.launch import start_service
 from splitspec.v1 import common_pb2, target_pb2_grpc
 
 TARGET = "models/splitspec-code-target"

@@ -27,9 +27,9 @@ from pathlib import Path
 import grpc
 from tokenizers import Tokenizer
 
-from splitspec.bench.auto import (build_parser, drafter_tau, fit, make_prompts, method_share, request, run_batch,
+from splitspec_tools.bench.auto import (build_parser, drafter_tau, fit, make_prompts, method_share, request, run_batch,
                                   start_hand)
-from splitspec.defaults import DEFAULT_TARGET, model_dir
+from splitspec_tools.defaults import DEFAULT_TARGET, model_dir
 from splitspec.v1 import gateway_pb2, gateway_pb2_grpc
 
 

@@ -21,7 +21,7 @@ echo "$TP $DP $GP" > $OUT/pids
 python - <<PY
 import time, sys
 sys.path.insert(0, "$ROOT")
-from splitspec.ops.launch import health_status
+from splitspec_tools.ops.launch import health_status
 for a in ("127.0.0.1:$P", "127.0.0.1:$((P+1))", "127.0.0.1:$((P+2))"):
     t = time.time()
     while health_status(a) != 1:

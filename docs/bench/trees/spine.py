@@ -15,10 +15,10 @@ import torch
 
 import draft_service.proposer as proposer
 from draft_service.architectures import load_draft
-from splitspec.bench.trees import prompts_of_length, run_generation
+from splitspec_tools.bench.trees import prompts_of_length, run_generation
 from splitspec.engine.sample import SamplingParams
-from splitspec.train.draft_data import target_tokenizer
-from target_service.loader import load_model
+from splitspec_tools.train.draft_data import target_tokenizer
+from splitspec.models.loader import load_model
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--draft", action="append")

@@ -1,0 +1,598 @@
+"""`splitspec bench-auto`: the default method (`auto`) against target-only, cell by cell, and the
+per-step prices that decide whether drafting pays (issue 42).
+
+Cells: T in {0, 1 / top_p 0.95} x streams {1, 8, 16} x new tokens {64, 512} x prompts {short,
+long}. Short prompts are held-out function cuts of fewer than 256 tokens; long ones are longer
+cuts kept to their last ~2,000 tokens (fewer where the prompt and the generation would not fit
+the target's context: prompt + new tokens + one verify width). Every request carries token ids,
+ignores eos (so both methods do the same work) and names only its method, the way a client using
+the gateway's defaults would. In a cell, each repeat sends the same requests once with
+`method=none` and once with `method=auto` to the same gateway, the order alternating per repeat
+(none auto, auto none, ...), `streams` requests in flight at a time; tok/s = tokens ÷ the batch's
+wall time, and "auto ×" is the median over repeats of the paired ratios. At T=0 every auto output
+is compared with none's (they must be equal). A cell first times one unmeasured run of `none`
+and, where it is shorter than `--min-run-s`, sends more requests per run (whole waves of
+`streams`): the same requests run twice can read 0.8x or 1.2x of each other in a 2-second run on
+a busy host, and a longer run averages that out.
+
+Services: `--launch up` starts them with `splitspec up` itself (a subprocess, its defaults);
+`--launch hand` starts the three services bare (`splitspec-target --model-path M`,
+`splitspec-draft --model-path D --target-model-path M`, `splitspec-gateway --target T --draft D`:
+their own defaults); `--launch up,hand` runs the grid on each in turn; `--gateway ADDR` measures
+running services (add `--target ADDR` for the forward prices).
+
+Prices (`--price-streams`, on the first launch): at each load L, the requests of L streams run
+with method none, ngram, dflash (a chain of 8) and dflash trees of 16 and 32 nodes, at T=0 on
+short prompts. From the gateway's per-request stats: a step's time, a Propose round trip, a
+Verify round trip (its wire share), τ, and the break-even τ = step ms ÷ a target-only token's ms
+at the same load, printed next to the τ measured. With the target's address it also reads the
+target's own forward_ms of a decode and of a verify of 8 / 16 / 32 nodes while L - 1 other
+streams decode: what a verify's extra rows cost in a shared batch.
+
+    splitspec bench-auto                                   # full grid with `splitspec up`, ~40 min on 2 cores
+    splitspec bench-auto --launch up,hand --repeats 3
+    splitspec bench-auto --smoke                           # one tiny cell and one load, ~1 min
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import grpc
+
+from splitspec_tools.client import build_request
+from splitspec.v1 import gateway_pb2_grpc
+
+from .prompts import default_prompts, digest
+from .report import fmt, machine_line, metadata, table, write_json
+from .run import csv_items, log
+
+TOP_P = 0.95
+SHORT_MAX = 255
+# Price configurations: (label, method, topk, verify width); topk 1 = a chain.
+PRICE_CONFIGS = (("none", "none", 1, 0), ("ngram", "ngram", 1, 8), ("dflash", "dflash", 1, 8),
+                 ("dflash tree 16", "dflash", 4, 16), ("dflash tree 32", "dflash", 4, 32))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="splitspec bench-auto", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = p.add_argument
+    a("--launch", default="up", help="how the services start: up, hand, or both (up,hand); ignored with --gateway")
+    a("--gateway", default=None, help="measure a running gateway instead of starting services")
+    a("--target", default=None, help="with --gateway: the target's address, for its forward prices")
+    a("--model-path", default=None, help="target model folder (default: the bundled target)")
+    a("--draft-model-path", default=None, help="draft model folder (default: the bundled draft)")
+    a("--temperatures", default="0,1", help=f"temperatures of the grid (T > 0 runs with top_p {TOP_P})")
+    a("--streams", default="1,8,16", help="requests in flight")
+    a("--max-new-tokens", default="64,512", help="new tokens per request")
+    a("--prompt-kinds", default="short,long", help="short (< 256 tokens) and/or long (~--long-tokens)")
+    a("--long-tokens", type=int, default=2000, help="tokens of a long prompt (capped by the context)")
+    a("--min-requests", default="64:8,512:2",
+      help="NEW:N: at least N requests per batch for that generation length (a batch has max(N, streams))")
+    a("--repeats", type=int, default=2, help="paired runs per cell (none and auto, order alternating)")
+    a("--min-run-s", type=float, default=8.0,
+      help="a cell's runs last this long at least: an unmeasured run of none, timed first, scales its request "
+           "count up (in whole waves of `streams`, at most 8x); 0: --min-requests alone")
+    a("--price-streams", default="1,8,16", help="loads of the price table ('' to skip it)")
+    a("--price-new-tokens", type=int, default=64, help="new tokens of the price table's requests")
+    a("--price-repeats", type=int, default=2, help="runs per price configuration and load (medians)")
+    a("--seed", type=int, default=0, help="request i of repeat r uses seed + 1000 r + i at T > 0")
+    a("--out", default="bench-auto", help="folder for results.json, results.md and the services' logs")
+    a("--timeout-s", type=float, default=900.0, help="deadline per request")
+    a("--startup-timeout-s", type=float, default=600.0)
+    a("--smoke", action="store_true", help="one small cell per temperature and one load: a quick end-to-end check")
+    return p
+
+
+# ------------------------------------------------------------------------------ services
+
+@dataclass
+class Services:
+    name: str                      # up | hand | running
+    gateway: str
+    target: str | None = None
+    procs: list = field(default_factory=list)
+    description: str = ""
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            if hasattr(p, "stop"):
+                p.stop()
+            else:
+                _terminate(p)
+        self.procs.clear()
+
+
+def _terminate(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def start_up(args, logs: Path) -> Services:
+    """`splitspec up` as a user runs it (its defaults but the models), with the addresses read from
+    what it prints. The models are named: up's own default target is SmolLM2 when it is installed,
+    and this bench's grids are the bundled code pair's unless --model-path says otherwise."""
+    from splitspec_tools.defaults import DEFAULT_DRAFT, DEFAULT_TARGET, model_dir
+    logs.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "splitspec_tools.cli", "up", "--gateway-port", "0", "--log-dir", str(logs),
+           "--model-path", str(model_dir(args.model_path, DEFAULT_TARGET)),
+           "--draft-model-path", str(model_dir(args.draft_model_path, DEFAULT_DRAFT))]
+    out = open(logs / "up.log", "w")
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    svc = Services("up", "", procs=[proc], description="splitspec up " + " ".join(shlex.quote(c) for c in cmd[4:]))
+    deadline = time.monotonic() + 2 * args.startup_timeout_s
+    while time.monotonic() < deadline:
+        text = (logs / "up.log").read_text(errors="replace")
+        target = re.search(r"^target\s+(\S+)\s+loading", text, re.M)
+        gateway = re.search(r"^gateway\s+(\S+)\s+serving", text, re.M)
+        if target and gateway:
+            svc.target, svc.gateway = target.group(1), gateway.group(1)
+            return svc
+        if proc.poll() is not None:
+            raise RuntimeError(f"splitspec up exited with {proc.returncode}:\n{text[-2000:]}")
+        time.sleep(0.5)
+    svc.stop()
+    raise TimeoutError("splitspec up did not serve in time")
+
+
+def start_hand(args, logs: Path) -> Services:
+    """The three services with nothing but the flags they cannot do without."""
+    from splitspec_tools.defaults import DEFAULT_DRAFT, DEFAULT_TARGET, model_dir
+    from splitspec_tools.ops.launch import start_service
+    model = model_dir(args.model_path, DEFAULT_TARGET)
+    draft = model_dir(args.draft_model_path, DEFAULT_DRAFT)
+    svc = Services("hand", "")
+    try:
+        target = start_service("target", ["--model-path", str(model)], log_dir=logs / "target")
+        svc.procs.append(target)
+        drafter = start_service("draft", ["--model-path", str(draft), "--target-model-path", str(model)],
+                                log_dir=logs / "draft")
+        svc.procs.append(drafter)
+        target.wait_healthy(args.startup_timeout_s)
+        drafter.wait_healthy(args.startup_timeout_s)
+        gateway = start_service("gateway", ["--target", target.address, "--draft", drafter.address],
+                                log_dir=logs / "gateway")
+        svc.procs.append(gateway)
+        gateway.wait_healthy(args.startup_timeout_s)
+    except BaseException:
+        svc.stop()
+        raise
+    svc.gateway, svc.target = gateway.address, target.address
+    svc.description = (f"splitspec-target --model-path {model}; splitspec-draft --model-path {draft} "
+                       f"--target-model-path {model}; splitspec-gateway --target T --draft D")
+    return svc
+
+
+# ------------------------------------------------------------------------------ requests
+
+@dataclass
+class Result:
+    tokens: list[int]
+    start: float
+    end: float
+    ttft: float
+    stats: object                  # gateway_pb2.SpeculativeStats
+
+    @property
+    def steps(self) -> int:
+        return self.stats.verify_steps or max(1, len(self.tokens) - 1)
+
+
+def request(prompt: list[int], method: str, max_new: int, temperature: float, seed: int,
+            topk: int = 1, width: int = 0, salt: str = "", depth: int = 7):
+    """salt: the prefix-cache namespace of the request's run; every run gets its own, so no run
+    reuses a prompt another run (the other method's, say) left in the target's cache."""
+    req = build_request(prompt, max_new_tokens=max_new, ignore_eos=True, method=method,
+                        temperature=temperature, top_p=TOP_P if temperature > 0 else None,
+                        seed=seed if temperature > 0 else None, cache_salt=salt)
+    if width:
+        # Only the price table sets the draft's shape; the grid's requests take the gateway's defaults.
+        req.speculative.num_draft_tokens = width
+        req.speculative.topk = topk
+        req.speculative.num_steps = min(width - 1, depth)
+    return req
+
+
+def send(stub, req, timeout_s: float) -> Result:
+    tokens, ttft, stats = [], None, None
+    t0 = time.perf_counter()
+    for resp in stub.Generate(req, timeout=timeout_s):
+        if resp.HasField("chunk"):
+            if resp.chunk.token_ids and ttft is None:
+                ttft = time.perf_counter() - t0
+            tokens.extend(resp.chunk.token_ids)
+        else:
+            stats = resp.complete.stats
+    if stats is None or ttft is None:
+        raise RuntimeError("Generate ended without tokens or without Complete")
+    return Result(tokens, t0, time.perf_counter(), ttft, stats)
+
+
+def run_batch(stub, reqs: list, streams: int, timeout_s: float) -> tuple[list[Result], float]:
+    """The requests with `streams` in flight; the batch's wall time."""
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(streams) as pool:
+        out = list(pool.map(lambda r: send(stub, r, timeout_s), reqs))
+    return out, time.perf_counter() - t0
+
+
+class Background:
+    """streams - 1 target-only requests decoding while the target's forward prices are read."""
+
+    def __init__(self, stub, prompts: list[list[int]], n: int, max_new: int):
+        self.calls = [stub.Generate(request(prompts[i % len(prompts)], "none", max_new, 0.0, 0)) for i in range(n)]
+        self.threads = [threading.Thread(target=self._drain, args=(c,), daemon=True) for c in self.calls]
+        for t in self.threads:
+            t.start()
+
+    @staticmethod
+    def _drain(call) -> None:
+        try:
+            for _ in call:
+                pass
+        except grpc.RpcError:
+            pass             # cancelled when the measure is done
+
+    def stop(self) -> None:
+        for c in self.calls:
+            c.cancel()
+        for t in self.threads:
+            t.join(10)
+
+
+# ------------------------------------------------------------------------------ prompts
+
+def make_prompts(tokenizer, max_context: int, args) -> dict[str, list[list[int]]]:
+    """short: held-out cuts of fewer than 256 tokens; long: cuts of more than --long-tokens,
+    kept to their last --long-tokens (the request then continues the function body)."""
+    short = []
+    for p in default_prompts(64, max_chars=700):
+        ids = tokenizer.encode(p.text).ids
+        if 16 <= len(ids) <= SHORT_MAX:
+            short.append(ids)
+    long = []
+    for p in default_prompts(96, max_chars=12000):
+        ids = tokenizer.encode(p.text).ids
+        if len(ids) >= args.long_tokens:
+            long.append(ids[-args.long_tokens:])
+    return {"short": short, "long": long}
+
+
+def fit(prompt: list[int], max_new: int, max_context: int, width: int = 8) -> list[int]:
+    """The prompt's tail that leaves room for the generation (and a verify past its end)."""
+    room = max_context - max_new - width - 1
+    return prompt[-room:] if len(prompt) > room else prompt
+
+
+# ------------------------------------------------------------------------------ the grid
+
+@dataclass(frozen=True)
+class Cell:
+    temperature: float
+    streams: int
+    max_new: int
+    kind: str
+
+    @property
+    def label(self) -> str:
+        t = "0" if self.temperature == 0 else f"{self.temperature:g} / top_p {TOP_P}"
+        return f"T={t}, {self.streams} streams, {self.max_new} tokens, {self.kind} prompts"
+
+
+def _tok_s(results: list[Result], wall: float) -> float:
+    return sum(len(r.tokens) for r in results) / wall
+
+
+def _median(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def method_share(results: list[Result]) -> dict[str, float]:
+    counts: dict[str, int] = {}
+    for r in results:
+        for m, n in r.stats.steps_by_method.items():
+            counts[m] = counts.get(m, 0) + n
+    total = sum(counts.values()) or 1
+    return {m: n / total for m, n in sorted(counts.items())}
+
+
+def drafter_tau(results: list[Result], method: str) -> float | None:
+    """Committed tokens per verify of the given drafter's steps (the accepted drafts + 1)."""
+    steps = [s for r in results for s in r.stats.steps if s.method == method]
+    return (sum(s.accepted for s in steps) / len(steps) + 1.0) if steps else None
+
+
+MAX_SIZE_UP = 8          # --min-run-s scales a cell's requests up this many times at most
+
+
+def requests_for(n: int, streams: int, wall_s: float, min_run_s: float) -> int:
+    """Requests per run for a cell whose run of n requests took wall_s: enough whole waves of
+    `streams` that a run lasts min_run_s (at most MAX_SIZE_UP x n). On this host one wave of 16
+    short requests lasts ~1.7 s, and the same requests run twice read 0.76-1.21x of each other
+    (docs/benchmarks.md, the A/A runs); a longer run averages the host's swings out."""
+    if min_run_s <= 0 or wall_s >= min_run_s or n <= 0:
+        return n
+    want = min(n * min_run_s / max(wall_s, 1e-3), MAX_SIZE_UP * n)      # > n: the run was short
+    return math.ceil(want / streams) * streams
+
+
+def size_cell(stub, cell: Cell, prompts: list[list[int]], n: int, min_run_s: float, seed: int,
+              timeout_s: float) -> tuple[int, float]:
+    """(requests per run, the timing run's seconds): one run of `none` with n requests, timed and
+    not counted (it also warms the cell's shapes up)."""
+    if min_run_s <= 0:
+        return n, 0.0
+    _, wall = run_batch(stub, cell_requests(cell, prompts, "none", n, seed + 10 ** 6), cell.streams, timeout_s)
+    return requests_for(n, cell.streams, wall, min_run_s), wall
+
+
+def cell_requests(cell: Cell, prompts: list[list[int]], method: str, n: int, seed: int) -> list:
+    """n requests of the cell, request i on prompt i (cycling) with seed + i, one fresh cache salt
+    for them all (each run starts cold)."""
+    salt = uuid.uuid4().hex
+    return [request(prompts[i % len(prompts)], method, cell.max_new, cell.temperature, seed + i, salt=salt)
+            for i in range(n)]
+
+
+def run_cell(stub, cell: Cell, prompts: list[list[int]], n_requests: int, repeats: int, seed: int,
+             timeout_s: float) -> dict:
+    ratios, rates, mismatches, runs = [], {"none": [], "auto": []}, 0, []
+    for rep in range(repeats):
+        order = ("none", "auto") if rep % 2 == 0 else ("auto", "none")
+        got = {}
+        for method in order:
+            got[method] = run_batch(stub, cell_requests(cell, prompts, method, n_requests, seed + 1000 * rep),
+                                    cell.streams, timeout_s)
+        for method, (res, wall) in got.items():
+            rates[method].append(_tok_s(res, wall))
+        ratios.append(rates["auto"][-1] / rates["none"][-1])
+        if cell.temperature == 0:
+            mismatches += sum(a.tokens != b.tokens for a, b in zip(got["auto"][0], got["none"][0]))
+        runs.append(got)
+    auto_all = [r for got in runs for r in got["auto"][0]]
+    none_all = [r for got in runs for r in got["none"][0]]
+    return {"temperature": cell.temperature, "streams": cell.streams, "max_new_tokens": cell.max_new,
+            "prompts": cell.kind, "requests": n_requests, "repeats": repeats,
+            "prompt_tokens_mean": round(statistics.mean(len(prompts[i % len(prompts)]) for i in range(n_requests)), 1),
+            "none_tok_s": _median(rates["none"]), "auto_tok_s": _median(rates["auto"]),
+            "ratio": _median(ratios), "ratios": [round(x, 3) for x in ratios],
+            "ttft_ms_none": 1e3 * _median([r.ttft for r in none_all]),
+            "ttft_ms_auto": 1e3 * _median([r.ttft for r in auto_all]),
+            "auto_steps": method_share(auto_all), "auto_dflash_tau": drafter_tau(auto_all, "dflash"),
+            "auto_ngram_tau": drafter_tau(auto_all, "ngram"),
+            "greedy_mismatches": mismatches if cell.temperature == 0 else None}
+
+
+def grid(args) -> list[Cell]:
+    return [Cell(float(t), int(s), int(n), k) for t in csv_items(args.temperatures) for k in csv_items(args.prompt_kinds)
+            for n in csv_items(args.max_new_tokens) for s in csv_items(args.streams)]
+
+
+def min_requests(spec: str) -> dict[int, int]:
+    out = {}
+    for part in csv_items(spec):
+        new, _, n = part.partition(":")
+        out[int(new)] = int(n)
+    return out
+
+
+# ------------------------------------------------------------------------------ prices
+
+def step_prices(results: list[Result]) -> dict:
+    """Per step, medians over the requests: a step's time (after the first token), a Propose
+    round trip, a Verify round trip, the wire's share of them, and τ pooled."""
+    steps = sum(r.steps for r in results)
+    per = lambda f: sum(f(r.stats) for r in results) / steps
+    return {"step_ms": _median([1e3 * (r.end - r.start - r.ttft) / r.steps for r in results]),
+            "propose_ms": per(lambda s: s.draft_ms), "verify_ms": per(lambda s: s.verify_ms),
+            "wire_ms": per(lambda s: s.wire_ms), "queue_ms": per(lambda s: s.queue_ms),
+            "tau": sum(len(r.tokens) - 1 for r in results) / steps, "steps": steps}
+
+
+def forward_prices(target: str, stub, prompts: list[list[int]], load: int, vocab: int) -> dict:
+    """The target's own forward_ms for a decode and for verifies of 8 / 16 / 32 nodes of one
+    session, while load - 1 other streams decode through the gateway."""
+    from .configs import service_step_times
+    bg = Background(stub, prompts, load - 1, 1500) if load > 1 else None
+    try:
+        if bg is not None:
+            time.sleep(1.0)          # their prefills are done; they decode in every forward
+        ms = service_step_times(target, prompts[:2], [8, 16, 32], vocab, n_rounds=6)
+    finally:
+        if bg is not None:
+            bg.stop()
+    return {str(w): round(v, 3) for w, v in ms.items()}
+
+
+def run_prices(stub, svc: Services, prompts: list[list[int]], args, vocab: int | None, depth: int) -> list[dict]:
+    """depth: the deepest branch the draft makes (its block size - 1): trees are that deep at most."""
+    rows = []
+    for load in [int(x) for x in csv_items(args.price_streams)]:
+        n = max(load, 4)
+        got: dict[str, list[dict]] = {c[0]: [] for c in PRICE_CONFIGS}
+        for rep in range(args.price_repeats):
+            configs = PRICE_CONFIGS if rep % 2 == 0 else PRICE_CONFIGS[::-1]
+            for label, method, topk, width in configs:
+                salt = uuid.uuid4().hex
+                reqs = [request(prompts[i % len(prompts)], method, args.price_new_tokens, 0.0, 0, topk, width, salt, depth)
+                        for i in range(n)]
+                res, wall = run_batch(stub, reqs, load, args.timeout_s)
+                got[label].append({**step_prices(res), "tok_s": _tok_s(res, wall)})
+        med = {label: {k: _median([x[k] for x in xs]) for k in xs[0]} for label, xs in got.items()}
+        decode_ms = med["none"]["step_ms"]
+        for label, method, topk, width in PRICE_CONFIGS:
+            m = med[label]
+            row = {"streams": load, "config": label, "width": width, **{k: m[k] for k in m},
+                   "tok_s_vs_none": m["tok_s"] / med["none"]["tok_s"]}
+            if method != "none":
+                row["break_even_tau"] = m["step_ms"] / decode_ms
+            rows.append(row)
+        if svc.target and vocab:
+            fwd = forward_prices(svc.target, stub, prompts, load, vocab)
+            rows.append({"streams": load, "config": "target forward_ms", "forward_ms": fwd})
+        log(f"prices at {load} streams: " + ", ".join(
+            f"{r['config']} {fmt(r.get('step_ms'), '{:.1f}')} ms" for r in rows if r["streams"] == load and "step_ms" in r))
+    return rows
+
+
+# ------------------------------------------------------------------------------ report
+
+def markdown(res: dict) -> str:
+    meta = res["meta"]
+    out = ["# splitspec bench-auto", "",
+           f"- command: `{meta['command']}`", f"- git revision: {meta['git_revision']}",
+           f"- machine: {machine_line(meta)}; load average at start {meta['machine'].get('load_average')}",
+           f"- started {res['started']}, took {res['took_s']:.0f} s",
+           f"- prompts: short {res['prompts']['short']}, long {res['prompts']['long']}", ""]
+    for run in res["runs"]:
+        out += [f"## Services: {run['services']}", "", f"`{run['description']}`", ""]
+        rows = []
+        for c in run["cells"]:
+            steps = " / ".join(f"{m} {v:.0%}" for m, v in c["auto_steps"].items())
+            rows.append([fmt(c["temperature"], "{:g}"), str(c["streams"]), str(c["max_new_tokens"]),
+                         f"{c['prompts']} ({c['prompt_tokens_mean']:.0f})", str(c["requests"]),
+                         fmt(c["none_tok_s"], "{:.1f}"), fmt(c["auto_tok_s"], "{:.1f}"),
+                         ("**" if c["ratio"] < 0.95 else "") + fmt(c["ratio"]) + ("**" if c["ratio"] < 0.95 else ""),
+                         " ".join(f"{x:.2f}" for x in c["ratios"]), steps, fmt(c["auto_dflash_tau"]),
+                         fmt(c["auto_ngram_tau"]),
+                         "–" if c["greedy_mismatches"] is None else f"{c['requests'] * c['repeats'] - c['greedy_mismatches']}"
+                         f"/{c['requests'] * c['repeats']}"])
+        out += table(["T", "streams", "new", "prompts (tokens)", "requests", "none tok/s", "auto tok/s", "auto ×",
+                      "per repeat", "auto steps", "τ dflash", "τ ngram", "= none"], rows)
+        ratios = [c["ratio"] for c in run["cells"]]
+        if ratios:
+            out += ["", f"auto × none: min {min(ratios):.2f}, median {statistics.median(ratios):.2f}; "
+                        f"{sum(r >= 0.95 for r in ratios)}/{len(ratios)} cells ≥ 0.95, "
+                        f"{sum(r >= 1.0 for r in ratios)}/{len(ratios)} ≥ 1.0", ""]
+        if run.get("prices"):
+            out += price_markdown(run["prices"])
+    out += ["auto × = median over repeats of (auto tok/s ÷ none tok/s), each pair run back to back in "
+            "alternating order on the same gateway; requests = per run (sized by --min-run-s); auto steps = "
+            "its steps by what ran; τ dflash / ngram = committed tokens per verify of auto's steps by that "
+            "drafter; = none: greedy auto outputs equal to none's."]
+    return "\n".join(out) + "\n"
+
+
+def price_markdown(prices: list[dict]) -> list[str]:
+    out = ["### Prices per step (T=0, short prompts)", ""]
+    rows = []
+    for r in prices:
+        if "step_ms" not in r:
+            continue
+        rows.append([str(r["streams"]), r["config"], fmt(r["step_ms"], "{:.2f}"),
+                     fmt(r["propose_ms"], "{:.2f}") if r["config"] != "none" else "–",
+                     fmt(r["verify_ms"], "{:.2f}") if r["config"] != "none" else "–",
+                     fmt(r["wire_ms"], "{:.2f}"), fmt(r["queue_ms"], "{:.2f}"),
+                     fmt(r["tau"]), fmt(r.get("break_even_tau")), fmt(r["tok_s_vs_none"])])
+    out += table(["streams", "step", "ms a step", "Propose ms", "Verify ms", "wire ms", "queue ms", "τ",
+                  "break-even τ", "tok/s × none"], rows)
+    fwd = [r for r in prices if "forward_ms" in r]
+    if fwd:
+        out += ["", "The target's forward_ms for one session's step while streams − 1 others decode:", ""]
+        widths = sorted({int(w) for r in fwd for w in r["forward_ms"]})
+        out += table(["streams", *[("decode" if w == 1 else f"verify {w}") for w in widths],
+                      *[f"verify {w} ÷ decode" for w in widths if w > 1]],
+                     [[str(r["streams"]), *[fmt(r["forward_ms"].get(str(w)), "{:.2f}") for w in widths],
+                       *[fmt(r["forward_ms"][str(w)] / r["forward_ms"]["1"]) for w in widths if w > 1]]
+                      for r in fwd])
+    out += ["", "ms a step: a request's time after its first token ÷ its steps (median over requests; for "
+            "none a step is one token); Propose / Verify / wire / queue: the gateway's per-request totals ÷ "
+            "steps; break-even τ = ms a step ÷ none's ms a step at the same load: the drafter pays where its τ "
+            "is above it.", ""]
+    return out
+
+
+# ------------------------------------------------------------------------------ main
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    if args.smoke:
+        args.temperatures, args.streams, args.max_new_tokens = "0,1", "2", "16"
+        args.prompt_kinds, args.long_tokens, args.repeats = "short,long", 400, 1
+        args.price_streams, args.price_new_tokens, args.price_repeats = "2", 16, 1
+        args.min_requests, args.min_run_s = "16:2", 0.0
+    from tokenizers import Tokenizer
+
+    from splitspec_tools.defaults import DEFAULT_TARGET, model_dir
+    from splitspec.v1 import gateway_pb2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = metadata(argv)
+    meta["command"] = "splitspec bench-auto " + " ".join(shlex.quote(a) for a in argv)
+    started, t_start = datetime.now(timezone.utc).isoformat(timespec="seconds"), time.perf_counter()
+    model = model_dir(args.model_path, DEFAULT_TARGET)
+    tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
+    launches = ["running"] if args.gateway else csv_items(args.launch)
+    if set(launches) - {"up", "hand", "running"}:
+        raise SystemExit("--launch: up, hand or up,hand")
+    needed = min_requests(args.min_requests)
+    runs, prompt_info = [], {}
+    for i, how in enumerate(launches):
+        svc = (Services("running", args.gateway, args.target, description=f"gateway {args.gateway}")
+               if how == "running" else (start_up if how == "up" else start_hand)(args, out / "logs" / how))
+        try:
+            log(f"{how}: gateway {svc.gateway}, target {svc.target}")
+            channel = grpc.insecure_channel(svc.gateway)
+            stub = gateway_pb2_grpc.GenerationStub(channel)
+            info = stub.GetModelInfo(gateway_pb2.GetModelInfoRequest(), timeout=60)
+            prompts = make_prompts(tokenizer, info.max_context, args)
+            prompt_info = {k: f"{len(v)} ({digest(v)})" for k, v in prompts.items()}
+            send(stub, request(prompts["short"][0], "auto", 8, 0.0, 0), args.timeout_s)     # warm-up
+            run = {"services": how, "description": svc.description, "gateway": svc.gateway, "cells": []}
+            if i == 0 and csv_items(args.price_streams):
+                run["prices"] = run_prices(stub, svc, prompts["short"], args, info.vocab_size,
+                                           max(1, info.num_draft_tokens - 1))
+            for cell in grid(args):
+                ps = [fit(p, cell.max_new, info.max_context) for p in prompts[cell.kind]]
+                n = max(cell.streams, needed.get(cell.max_new, 1))
+                n, sized_s = size_cell(stub, cell, ps, n, args.min_run_s, args.seed, args.timeout_s)
+                row = run_cell(stub, cell, ps, n, args.repeats, args.seed, args.timeout_s)
+                row["sizing_run_s"] = round(sized_s, 2)
+                run["cells"].append(row)
+                log(f"{how}: {cell.label}: auto × none {row['ratio']:.2f} ({row['ratios']}), "
+                    f"steps {row['auto_steps']}")
+            runs.append(run)
+            channel.close()
+        finally:
+            svc.stop()
+    res = {"meta": meta, "started": started, "took_s": time.perf_counter() - t_start, "prompts": prompt_info,
+           "runs": runs}
+    write_json(res, out / "results.json")
+    (out / "results.md").write_text(markdown(res))
+    print(markdown(res))
+    return 0
+
+
+def cli_main(argv: list[str] | None = None) -> int:
+    import signal
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt        # reaches the `finally` that stops the services
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        return main(argv)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

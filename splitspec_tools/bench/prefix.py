@@ -1,0 +1,779 @@
+"""`splitspec bench-prefix`: the target's prefix cache on and off, side by side, through the real
+services (issue 40, item 7).
+
+The bench starts two targets of one model, one with its prefix cache (the default) and one with
+`--disable-radix-cache`, one draft service, and a gateway in front of each target, all with the
+same flags; with `--replicas 2`, a second cache-on target and two gateways in front of both
+cache-on targets (`--routing-policy prefix`, and `round_robin` for contrast). Every request is
+greedy (eos ignored) and carries token ids, so prompt lengths are exact, and a cache_salt of its
+own run: a run starts from a cold cache (no block of another run can be reached) without a
+restart, and every configuration gets the same token ids. The text is the held-out text the
+other benches use (splitspec_tools/bench/prompts.py: function cuts from installed third-party
+packages), tokenized with the target's tokenizer, concatenated and cut into disjoint pieces of
+exact token counts, so no two pieces start alike.
+
+Workloads (sizes scaled to a CPU):
+  shared     SGLang's generated-shared-prefix shape: G groups x Q questions, a system prompt of
+             S tokens per group and a question of U tokens, O new tokens, sent group after group
+             on C streams.
+  multiturn  K conversations x T turns: a context of P tokens per conversation, then per turn a
+             U-token user message; a turn's prompt is the conversation's transcript so far
+             (context, messages and the answers the gateway returned). Sent round robin
+             A1 B1 ... A2 B2 ... (the longest reuse distance) on C streams; a turn waits for its
+             conversation's previous answer.
+  probe      TTFT of a request whose S-token prefix was sent once just before against one whose
+             S-token prefix is fresh (same lengths), in pairs whose order alternates, one stream;
+             the median ratio cached / fresh.
+  unique     N distinct prompts of S + U tokens on C streams: nothing to reuse, the cache's cost.
+
+Every (workload, method) runs with the cache on and off in turn, the order alternating per
+repeat (on off, off on, ...); timings are medians over --repeats, τ is pooled over them. Hit rate
+= Usage.cached_tokens / Usage.prompt_tokens from the gateway's Complete, checked against the
+targets' own counters (splitspec:prefix_cache_hits / _queries) and against the ideal: the prompt
+blocks an unbounded cache could have served, from what was sent before each request.
+
+    splitspec bench-prefix                               # defaults, about 25 min on 2 cores
+    splitspec bench-prefix --smoke                       # tiny sizes, well under a minute
+    splitspec bench-prefix --methods none,dflash,auto --replicas 2 --workloads multiturn
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import shlex
+import statistics
+import sys
+import threading
+import time
+import urllib.request
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from types import SimpleNamespace
+
+from splitspec.engine.prefix_cache import block_keys
+
+from . import services
+from .configs import GatewayRunner, Sample
+from .prompts import default_prompts, digest
+from .report import fmt, machine_line, metadata, method_mix, mix_cell, percentile, table, write_json
+from .run import Bench, csv_items, log
+
+WORKLOADS = ("shared", "multiturn", "probe", "unique")
+METHODS = ("none", "dflash", "auto", "ngram")
+# Sizes: (default, --smoke). None: follows another size (see PrefixBench.sizes).
+SIZES = {"groups": (8, 2), "questions": (8, 2), "system_tokens": (1536, 128), "question_tokens": (64, 64),
+         "max_new_tokens": (64, 8), "concurrency": (8, 2), "conversations": (8, 2), "turns": (4, 2),
+         "context_tokens": (1024, 128), "probe_pairs": (6, 1), "probe_prefix_tokens": (None, None),
+         "probe_new_tokens": (8, 4), "unique_prompts": (16, 4), "unique_tokens": (None, None), "repeats": (2, 1)}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="splitspec bench-prefix", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = p.add_argument
+    a("--smoke", action="store_true", help="tiny sizes (2 groups x 2 questions, 128-token system prompt, 8 new "
+      "tokens, ...; one repeat) for a quick end-to-end check; sizes given explicitly still win")
+    a("--target-model-path", default=None, help="target model folder (default: models/splitspec-code-target)")
+    a("--draft-model-path", default=None,
+      help="DFlash draft folder (default: models/splitspec-code-draft with the default target; 'none': the draft "
+           "service runs ngram and dflash is skipped)")
+    a("--methods", default="none,dflash", help=f"speculative methods, comma-separated, from {', '.join(METHODS)}")
+    a("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, from {', '.join(WORKLOADS)}")
+    a("--groups", type=int, help="shared: groups (system prompts) [8; smoke 2]")
+    a("--questions", type=int, help="shared: questions per group [8; smoke 2]")
+    a("--system-tokens", type=int, help="shared: system prompt tokens per group [1536; smoke 128]")
+    a("--question-tokens", type=int, help="question and user-message tokens [64]")
+    a("--max-new-tokens", type=int, help="new tokens per request of shared, multiturn and unique [64; smoke 8]")
+    a("--concurrency", type=int, help="streams of shared, multiturn and unique [8; smoke 2]")
+    a("--conversations", type=int, help="multiturn: conversations [8; smoke 2]")
+    a("--turns", type=int, help="multiturn: turns per conversation [4; smoke 2]")
+    a("--context-tokens", type=int, help="multiturn: tokens of each conversation's first context [1024; smoke 128]")
+    a("--probe-pairs", type=int, help="probe: (cached, fresh) pairs per run [6; smoke 1]")
+    a("--probe-prefix-tokens", type=int, help="probe: prefix tokens [--system-tokens]")
+    a("--probe-new-tokens", type=int, help="probe: new tokens per request [8; smoke 4]")
+    a("--unique-prompts", type=int, help="unique: prompts [16; smoke 4]")
+    a("--unique-tokens", type=int, help="unique: tokens per prompt [--system-tokens + --question-tokens]")
+    a("--repeats", type=int, help="runs of every cell, on/off order alternating [2; smoke 1]")
+    a("--replicas", type=int, default=1, choices=[1, 2],
+      help="2: also run multiturn through two cache-on targets behind one gateway (prefix and round_robin "
+           "routing) and report its hit rate against one replica's")
+    a("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy; outputs then must not "
+      "depend on the cache, which the bench checks)")
+    a("--top-p", type=float, default=0.95, help="nucleus sampling at temperature > 0")
+    a("--seed", type=int, default=0)
+    a("--num-draft-tokens", type=int, default=None, help="verify width (default: the draft's block size, else 8)")
+    a("--kv-block-size", type=int, default=16, help="the targets' --kv-block-size (the prefix cache's block)")
+    a("--kv-cache-budget-mb", type=int, default=2048,
+      help="every target's --kv-cache-budget-mb: a cache-on target keeps freed blocks cached, so its pool fills "
+           "to this over a long run (the largest default workload needs about 1 GB at once)")
+    a("--prefix-cache-hidden-mb", type=int, default=None,
+      help="the cache-on targets' --prefix-cache-hidden-mb (default: the target's own default)")
+    services.add_flags(a, request_timeout_s=900.0)
+    a("--out", default="bench-out/prefix", help="folder for results.json, results.md and the service logs")
+    p.set_defaults(tree="1:2")      # Bench.resolve_width reads it; chains only here
+    return p
+
+
+# ------------------------------------------------------------------------------ requests
+
+
+@dataclass
+class Result:
+    key: str                 # the request's name in its workload ("g3q1", "c2t0", "fresh4", ...)
+    prompt: list[int]
+    sample: Sample
+    prompt_tokens: int       # Usage of the gateway's Complete
+    cached_tokens: int
+    ideal_cached: int = 0    # what an unbounded cache could have served (set after the run)
+
+    @property
+    def end_s(self) -> float:
+        return self.sample.start_s + self.sample.wall_s
+
+
+class SaltedRunner(GatewayRunner):
+    """A GatewayRunner whose requests carry `salt` as their cache_salt and whose results keep the
+    Complete's Usage."""
+
+    def __init__(self, address: str, method: str, width: int, salt: str, timeout_s: float):
+        super().__init__(address, method, width, "greedy", timeout_s)
+        self.salt = salt
+        self.stub = _UsageStub(self.stub)
+
+    def request(self, prompt_ids, max_new: int, params):
+        req = super().request(prompt_ids, max_new, params)
+        req.cache_salt = self.salt
+        return req
+
+    def send(self, key: str, prompt: list[int], max_new: int, params) -> Result:
+        sample = self.run(prompt, max_new, params)
+        usage = self.stub.local.usage
+        return Result(key, list(prompt), sample, usage.prompt_tokens, usage.cached_tokens)
+
+
+class _UsageStub:
+    """The Generation stub, keeping the last Complete's Usage per thread."""
+
+    def __init__(self, stub):
+        self.stub, self.local = stub, threading.local()
+
+    def Generate(self, req, timeout=None):
+        for resp in self.stub.Generate(req, timeout=timeout):
+            if resp.HasField("complete"):
+                self.local.usage = resp.complete.usage
+            yield resp
+
+
+class TokenText:
+    """Disjoint pieces of the held-out text, in exact token counts; no two pieces start with the
+    same block, so no two share a cached prefix unless a workload makes them."""
+
+    def __init__(self, stream: list[int], block: int):
+        self.stream, self.block, self.pos, self.firsts = stream, block, 0, set()
+
+    def take(self, n: int) -> list[int]:
+        while self.pos + n <= len(self.stream):
+            piece = self.stream[self.pos:self.pos + n]
+            self.pos += n
+            first = tuple(piece[:self.block])
+            if first not in self.firsts:
+                self.firsts.add(first)
+                return piece
+        raise RuntimeError("held-out text exhausted")
+
+
+# ------------------------------------------------------------------------------ the bench
+
+
+@dataclass
+class Variant:
+    name: str                # "on", "off", "on x2 prefix", "on x2 round_robin"
+    cache: bool
+    replicas: int
+    routing: str | None
+    gateway: str = ""
+    metrics: list[str] = field(default_factory=list)     # the targets' /metrics URLs
+
+
+class PrefixBench(Bench):
+    """Reuses Bench's tokenizer, context length, verify width and sampling params."""
+
+    def resolve(self) -> None:
+        from splitspec_tools.defaults import DEFAULT_DRAFT, DEFAULT_TARGET, model_dir
+        a = self.args
+        for name, (default, smoke) in SIZES.items():
+            if getattr(a, name) is None:
+                setattr(a, name, smoke if a.smoke else default)
+        a.probe_prefix_tokens = a.probe_prefix_tokens or a.system_tokens
+        a.unique_tokens = a.unique_tokens or a.system_tokens + a.question_tokens
+        for name in SIZES:
+            if getattr(a, name) < 1:
+                raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
+        self.target_path = model_dir(a.target_model_path, DEFAULT_TARGET)
+        if self.target_path is None or not (self.target_path / "config.json").is_file():
+            raise SystemExit(f"no target model at {self.target_path or DEFAULT_TARGET} (--target-model-path)")
+        no_draft = (a.draft_model_path or "").lower() == "none"
+        default_pair = a.target_model_path is None
+        self.draft_path = (None if no_draft or (a.draft_model_path is None and not default_pair)
+                           else model_dir(a.draft_model_path, DEFAULT_DRAFT))
+        if self.draft_path is not None and not (self.draft_path / "config.json").is_file():
+            raise SystemExit(f"--draft-model-path {self.draft_path}: no config.json there")
+        self.workloads = csv_items(a.workloads)
+        self.methods = csv_items(a.methods)
+        bad = set(self.workloads) - set(WORKLOADS) or set(self.methods) - set(METHODS)
+        if bad or not self.workloads or not self.methods:
+            raise SystemExit(f"--workloads from {', '.join(WORKLOADS)}; --methods from {', '.join(METHODS)}")
+        if self.draft_path is None:
+            for m in [m for m in self.methods if m in ("dflash", "auto")]:
+                self.methods.remove(m)
+                self.skipped.append(f"{m}: no DFlash draft (--draft-model-path)")
+        if not self.methods:
+            raise SystemExit("no method left to run")
+        self.target_address = None
+        self.variants = [Variant("on", True, 1, None), Variant("off", False, 1, None)]
+        if a.replicas == 2:
+            self.variants += [Variant("on x2 prefix", True, 2, "prefix"),
+                              Variant("on x2 round_robin", True, 2, "round_robin")]
+
+    def start_services(self) -> None:
+        from splitspec_tools.ops.launch import free_port
+        a = self.args
+        logs = Path(a.out) / "logs"
+        common = ["--kv-block-size", str(a.kv_block_size), "--kv-cache-budget-mb", str(a.kv_cache_budget_mb)]
+        hidden = [] if a.prefix_cache_hidden_mb is None else ["--prefix-cache-hidden-mb", str(a.prefix_cache_hidden_mb)]
+        targets = {}
+        for name, extra in (("on", hidden), ("off", ["--disable-radix-cache"]), ("on2", hidden)):
+            if name == "on2" and a.replicas < 2:
+                continue
+            port = free_port()
+            proc = services.start_target(self, logs / f"target-{name}", [*common, *extra, "--metrics-port", str(port)])
+            targets[name] = (proc, f"http://127.0.0.1:{port}/metrics")
+        draft = services.start_draft(self, self.draft_path, logs / "draft")
+        log(f"starting targets {', '.join(f'{n} {p.address}' for n, (p, _) in targets.items())} and draft "
+            f"{draft.address} (logs: {logs})")
+        services.wait_healthy(self, [*(p for p, _ in targets.values()), draft])
+        gateways = []
+        for v in self.variants:
+            names = ["on", "on2"] if v.replicas == 2 else ["on" if v.cache else "off"]
+            gw = services.start_gateway(self, ",".join(targets[n][0].address for n in names), draft.address,
+                                        logs / f"gateway-{v.name.replace(' ', '-')}",
+                                        ["--routing-policy", v.routing] if v.routing else [])
+            gateways.append(gw)
+            v.gateway, v.metrics = gw.address, [targets[n][1] for n in names]
+        services.wait_healthy(self, gateways)
+        self.target_address = targets["on"][0].address
+        self.services = (f"targets {', '.join(f'{n} {p.address}' for n, (p, _) in targets.items())}, draft "
+                         f"{draft.address}, gateways " + ", ".join(f"{v.name} {v.gateway}" for v in self.variants))
+
+    # -------------------------------------------------------------- text
+
+    def prepare_text(self) -> None:
+        """Every workload's token ids, fixed for the whole run."""
+        a = self.args
+        room = self.max_context() - self.width - 2
+        longest = {"shared": a.system_tokens + a.question_tokens + a.max_new_tokens,
+                   "multiturn": a.context_tokens + a.turns * (a.question_tokens + a.max_new_tokens),
+                   "probe": a.probe_prefix_tokens + a.question_tokens + a.probe_new_tokens,
+                   "unique": a.unique_tokens + a.max_new_tokens}
+        for w in self.workloads:
+            if longest[w] > room:
+                raise SystemExit(f"{w}: sequences of {longest[w]} tokens exceed the target's context "
+                                 f"({self.max_context()} - {self.width + 2}); lower its sizes")
+        need = {"shared": a.groups * (a.system_tokens + a.questions * a.question_tokens),
+                "multiturn": a.conversations * (a.context_tokens + a.turns * a.question_tokens),
+                "probe": a.probe_pairs * (2 * a.probe_prefix_tokens + 3 * a.question_tokens),
+                "unique": a.unique_prompts * a.unique_tokens}
+        # Every workload's pieces are cut, run or not, so a workload's token ids do not depend on --workloads.
+        total = sum(need.values()) + 2 * 256       # + the warm-up prompts
+        tok = self.load_tokenizer()
+        n, stream = max(8, total // 600), []
+        while True:
+            prompts = default_prompts(n, max_chars=6000)
+            stream = [t for p in prompts for t in tok.encode(p.text).ids]
+            if len(stream) >= 1.2 * total or len(prompts) < n:
+                break
+            n *= 2
+        if len(stream) < total:
+            raise SystemExit(f"the held-out text gives {len(stream)} tokens; these sizes need {total}")
+        text = TokenText(stream, a.kv_block_size)
+        self.warm_prompts = [text.take(256), text.take(256)]
+        q = a.question_tokens
+        self.shared = [(f"g{g}q{i}", system + text.take(q)) for g in range(a.groups)
+                       for system in [text.take(a.system_tokens)] for i in range(a.questions)]
+        self.contexts = [text.take(a.context_tokens) for _ in range(a.conversations)]
+        self.messages = [[text.take(q) for _ in range(a.turns)] for _ in range(a.conversations)]
+        self.pairs = []
+        for _ in range(a.probe_pairs):
+            prefix = text.take(a.probe_prefix_tokens)
+            self.pairs.append({"prime": prefix + text.take(q), "cached": prefix + text.take(q),
+                               "fresh": text.take(a.probe_prefix_tokens) + text.take(q)})
+        self.unique = [(f"u{i}", text.take(a.unique_tokens)) for i in range(a.unique_prompts)]
+        fixed = ([ids for _, ids in self.shared] + self.contexts + [m for c in self.messages for m in c]
+                 + [ids for pr in self.pairs for ids in pr.values()] + [ids for _, ids in self.unique])
+        self.text_digest = digest(fixed)
+        self.text_source = (f"{len(prompts)} function cuts from installed third-party packages (max 6000 chars "
+                            f"each), {len(stream)} tokens, cut into disjoint pieces")
+
+    # -------------------------------------------------------------- running
+
+    def warm_up(self) -> None:
+        """Each gateway and method once or twice on text no workload uses, salted apart."""
+        for v in self.variants:
+            for m in self.methods:
+                runner = SaltedRunner(v.gateway, m, self.width, f"warmup-{uuid.uuid4().hex}", self.args.timeout_s)
+                try:
+                    for ids in self.warm_prompts:
+                        runner.send("warmup", ids, 8, self.params(0.0, 0))
+                finally:
+                    runner.close()
+
+    def run_cell(self, workload: str, method: str, v: Variant, rep: int) -> dict:
+        a = self.args
+        salt = f"bench-prefix-{self.nonce}-{workload}-{method}-{v.name}-r{rep}".replace(" ", "_")
+        runner = SaltedRunner(v.gateway, method, self.width, salt, a.timeout_s)
+        before = [target_counters(u) for u in v.metrics]
+        t0 = time.perf_counter()
+        try:
+            results, extra = getattr(self, f"_{workload}")(runner, rep)
+        finally:
+            runner.close()
+        wall = time.perf_counter() - t0
+        after = [target_counters(u) for u in v.metrics]
+        set_ideal(results, a.kv_block_size)
+        queries = sum(q1 - q0 for (q0, _), (q1, _) in zip(before, after))
+        hits = sum(h1 - h0 for (_, h0), (_, h1) in zip(before, after))
+        out = {"workload": workload, "method": method, "variant": v.name, "cache": v.cache, "replicas": v.replicas,
+               "routing": v.routing, "repeat": rep, **run_stats(results, wall),
+               "target_hit_rate": hits / queries if queries else None, **extra,
+               "outputs": {r.key: r.sample.tokens for r in results},
+               "per_request": {r.key: [r.cached_tokens, r.ideal_cached, r.sample.committed, r.sample.verify_steps]
+                               for r in results}}
+        log(f"{workload} {method} cache {v.name} rep {rep + 1}: TTFT p50 {fmt(out['ttft_ms_p50'], '{:.0f}')} ms, "
+            f"{out['tokens_per_s']:.1f} tok/s, hit rate {out['hit_rate']:.3f} (ideal {out['ideal_hit_rate']:.3f}, "
+            f"target {fmt(out['target_hit_rate'], '{:.3f}')}), τ {fmt(out['tau'])}")
+        return out
+
+    def _concurrent(self, runner: SaltedRunner, jobs: list[tuple[str, list[int]]], max_new: int) -> list[Result]:
+        params = self.params(self.args.temperature, self.args.seed)
+        with ThreadPoolExecutor(self.args.concurrency) as pool:
+            return list(pool.map(lambda job: runner.send(job[0], job[1], max_new, params), jobs))
+
+    def _shared(self, runner, rep):
+        return self._concurrent(runner, self.shared, self.args.max_new_tokens), {}
+
+    def _unique(self, runner, rep):
+        return self._concurrent(runner, self.unique, self.args.max_new_tokens), {}
+
+    def _multiturn(self, runner, rep):
+        """Round robin over the conversations, turn by turn; the pool takes jobs in order, so a
+        turn's predecessor was taken before it and waiting on it cannot deadlock."""
+        a = self.args
+        params = self.params(a.temperature, a.seed)
+        answers: dict[tuple[int, int], list[int]] = {}
+        done = {(k, t): threading.Event() for k in range(a.conversations) for t in range(a.turns)}
+
+        def turn(kt):
+            k, t = kt
+            if t:
+                if not done[(k, t - 1)].wait(a.timeout_s) or (k, t - 1) not in answers:
+                    raise RuntimeError(f"conversation {k} turn {t}: the previous turn failed")
+            prompt = list(self.contexts[k])
+            for j in range(t):
+                prompt += self.messages[k][j] + answers[(k, j)]
+            prompt += self.messages[k][t]
+            try:
+                r = runner.send(f"c{k}t{t}", prompt, a.max_new_tokens, params)
+                answers[kt] = r.sample.tokens
+                return r
+            finally:
+                done[kt].set()
+        order = [(k, t) for t in range(a.turns) for k in range(a.conversations)]
+        with ThreadPoolExecutor(a.concurrency) as pool:
+            return list(pool.map(turn, order)), {}
+
+    def _probe(self, runner, rep):
+        """Per pair: the prime (caches the prefix), then the cached and the fresh request, in an
+        order that alternates pair by pair (and repeat by repeat)."""
+        a = self.args
+        params = self.params(a.temperature, a.seed)
+        results, ratios, cached, fresh = [], [], [], []
+        for i, pair in enumerate(self.pairs):
+            results.append(runner.send(f"prime{i}", pair["prime"], a.probe_new_tokens, params))
+            order = ("cached", "fresh") if (i + rep) % 2 == 0 else ("fresh", "cached")
+            got = {kind: runner.send(f"{kind}{i}", pair[kind], a.probe_new_tokens, params) for kind in order}
+            results += [got[kind] for kind in order]
+            cached.append(got["cached"].sample.ttft_s * 1e3)
+            fresh.append(got["fresh"].sample.ttft_s * 1e3)
+            ratios.append(cached[-1] / fresh[-1])
+        return results, {"probe_ttft_cached_ms": cached, "probe_ttft_fresh_ms": fresh,
+                         "probe_ttft_cached_ms_p50": percentile(cached, 50),
+                         "probe_ttft_fresh_ms_p50": percentile(fresh, 50),
+                         "probe_ttft_ratio": percentile(ratios, 50),
+                         "probe_cached_hit_tokens": [r.cached_tokens for r in results if r.key.startswith("cached")]}
+
+    def measure(self) -> list[dict]:
+        a = self.args
+        runs = []
+        for rep in range(a.repeats):
+            for workload in self.workloads:
+                variants = [v for v in self.variants if v.replicas == 1 or workload == "multiturn"]
+                if rep % 2:     # on off ... then off on ...: a slow minute of a shared machine hits both
+                    variants = variants[::-1]
+                for method in self.methods:
+                    for v in variants:
+                        runs.append(self.run_cell(workload, method, v, rep))
+        return runs
+
+    def run(self) -> dict:
+        a = self.args
+        started, t0 = datetime.now(timezone.utc), time.perf_counter()
+        meta = metadata(self.argv)
+        meta["command"] = "splitspec bench-prefix " + shlex.join(self.argv)
+        log(f"command: {meta['command']}")
+        log(f"machine: {machine_line(meta)}; load average {meta['machine'].get('load_average')}")
+        self.resolve()
+        self.resolve_width()
+        self.nonce = uuid.uuid4().hex[:8]
+        try:
+            self.start_services()
+            self.prepare_text()
+            self.warm_up()
+            log(f"workloads {', '.join(self.workloads)}; methods {', '.join(self.methods)}; variants "
+                f"{', '.join(v.name for v in self.variants)}; {a.repeats} repeat(s)")
+            runs = self.measure()
+        finally:
+            for p in reversed(self.procs):
+                p.stop()
+        cells = summarize_cells(runs)
+        for r in runs:
+            del r["outputs"]         # compared in the cells; the token ids would swell the JSON
+        sizes = {name: getattr(a, name) for name in SIZES}
+        results = {
+            "meta": meta,
+            "run": {"started": started.isoformat(timespec="seconds"), "duration_s": time.perf_counter() - t0,
+                    "target_model": str(self.target_path), "draft_model": str(self.draft_path or "") or None,
+                    "services": self.services, "workloads": self.workloads, "methods": self.methods,
+                    "variants": [v.name for v in self.variants], "sizes": sizes, "smoke": a.smoke,
+                    "temperature": a.temperature, "num_draft_tokens": self.width, "kv_block_size": a.kv_block_size,
+                    "kv_cache_budget_mb": a.kv_cache_budget_mb,
+                    "prefix_cache_hidden_mb": a.prefix_cache_hidden_mb, "text_source": self.text_source,
+                    "text_digest": self.text_digest, "seed": a.seed},
+            "cells": cells,
+            "ratios": ratios(cells, runs),
+            "replicas": replica_ratios(runs) if a.replicas == 2 else [],
+            "runs": runs,
+            "skipped": self.skipped,
+        }
+        results["flags"] = flags(results)
+        return results
+
+
+# ------------------------------------------------------------------------------ figures
+
+
+def target_counters(url: str) -> tuple[float, float]:
+    """(prefix_cache_queries, prefix_cache_hits) of a target, from its Prometheus exporter."""
+    text = urllib.request.urlopen(url, timeout=30).read().decode()
+    got = dict(re.findall(r"^splitspec:prefix_cache_(queries|hits)(?:_total)? (\S+)$", text, re.MULTILINE))
+    return float(got.get("queries", 0.0)), float(got.get("hits", 0.0))
+
+
+def set_ideal(results: list[Result], block: int) -> None:
+    """Each request's ideal cached tokens: its leading prompt blocks (at most those before its last
+    token, the target's hit limit) that a request sent before it had: that request's prompt, and
+    its whole sequence (prompt + output less the last token, the one without K/V) if it had
+    finished by then."""
+    root = b"ideal"
+    keys = {id(r): (block_keys(root, r.prompt, block), block_keys(root, r.prompt + r.sample.tokens[:-1], block))
+            for r in results}
+    order = sorted(results, key=lambda r: r.sample.start_s)
+    for i, r in enumerate(order):
+        seen = set()
+        for o in order[:i]:
+            prompt_keys, seq_keys = keys[id(o)]
+            seen.update(seq_keys if o.end_s <= r.sample.start_s else prompt_keys)
+        n = 0
+        for k in keys[id(r)][0][:(len(r.prompt) - 1) // block]:
+            if k not in seen:
+                break
+            n += 1
+        r.ideal_cached = n * block
+
+
+def _tau(results: list[Result]) -> list[int]:
+    return [sum(r.sample.committed for r in results), sum(r.sample.verify_steps for r in results)]
+
+
+def run_stats(results: list[Result], wall: float) -> dict:
+    prompt = sum(r.prompt_tokens for r in results)
+    hits = [r for r in results if r.cached_tokens > 0]
+    misses = [r for r in results if r.cached_tokens == 0]
+    ttft = [r.sample.ttft_s * 1e3 for r in results]
+    tokens = sum(len(r.sample.tokens) for r in results)
+    parts = {"all": _tau(results), "hit": _tau(hits), "miss": _tau(misses)}
+    return {"requests": len(results), "requests_hit": len(hits), "requests_miss": len(misses),
+            "prompt_tokens": prompt, "cached_tokens": sum(r.cached_tokens for r in results),
+            "hit_rate": sum(r.cached_tokens for r in results) / prompt if prompt else 0.0,
+            "ideal_hit_rate": sum(r.ideal_cached for r in results) / prompt if prompt else 0.0,
+            "ttft_ms_p50": percentile(ttft, 50), "ttft_ms_p90": percentile(ttft, 90),
+            "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+            "tau": parts["all"][0] / parts["all"][1] if parts["all"][1] else None, "tau_parts": parts,
+            "steps_by_method": method_mix([r.sample for r in results]) or {}}
+
+
+def _median(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def _pooled(parts: list[list[int]]) -> float | None:
+    c, s = sum(p[0] for p in parts), sum(p[1] for p in parts)
+    return c / s if s else None
+
+
+MEDIAN_FIELDS = ("ttft_ms_p50", "ttft_ms_p90", "tokens_per_s", "hit_rate", "ideal_hit_rate", "target_hit_rate",
+                 "probe_ttft_cached_ms_p50", "probe_ttft_fresh_ms_p50", "probe_ttft_ratio")
+
+
+def summarize_cells(runs: list[dict]) -> list[dict]:
+    """One cell per (workload, method, variant): medians over the repeats, τ pooled over them; the
+    τ of the requests that hit, and of the same requests in the cache-off runs; outputs equal to
+    the cache-off run's of the same repeat (at T=0 the cache must not change a token)."""
+    cells = []
+    keys = list(dict.fromkeys((r["workload"], r["method"], r["variant"]) for r in runs))
+    for w, m, v in keys:
+        mine = [r for r in runs if (r["workload"], r["method"], r["variant"]) == (w, m, v)]
+        offs = {r["repeat"]: r for r in runs if (r["workload"], r["method"], r["variant"]) == (w, m, "off")}
+        # The plain target (method none, cache off): at T=0 every output must equal its own.
+        plains = {r["repeat"]: r for r in runs if (r["workload"], r["method"], r["variant"]) == (w, "none", "off")}
+        cell = {"workload": w, "method": m, "variant": v, "cache": mine[0]["cache"], "replicas": mine[0]["replicas"],
+                "routing": mine[0]["routing"], "repeats": len(mine), "requests": mine[0]["requests"],
+                **{f: _median([r.get(f) for r in mine]) for f in MEDIAN_FIELDS if any(f in r for r in mine)},
+                **{f"{f}_runs": [r.get(f) for r in mine] for f in ("ttft_ms_p50", "tokens_per_s", "hit_rate")},
+                "requests_hit": sum(r["requests_hit"] for r in mine), "requests_miss": sum(r["requests_miss"] for r in mine),
+                "tau": _pooled([r["tau_parts"]["all"] for r in mine]),
+                "tau_hit": _pooled([r["tau_parts"]["hit"] for r in mine]),
+                "tau_miss": _pooled([r["tau_parts"]["miss"] for r in mine])}
+        same, matches, compared = [], 0, 0
+        cell["output_mismatches"] = []      # [repeat, request, first differing token, "cache off" | "target-only"]
+        for r in mine:
+            off, plain = offs.get(r["repeat"]), plains.get(r["repeat"])
+            if off is not None and v != "off":
+                for key, (cached, _, c, s) in r["per_request"].items():
+                    if cached > 0 and key in off["per_request"]:
+                        same.append([c, s, *off["per_request"][key][2:]])
+                for key, tokens in r["outputs"].items():
+                    compared += 1
+                    matches += off["outputs"].get(key) == tokens
+            for ref, label in ((off, "cache off"), (plain, "target-only")):
+                if ref is None or ref is r:
+                    continue
+                for key, tokens in r["outputs"].items():
+                    other = ref["outputs"].get(key)
+                    if other is not None and other != tokens:
+                        at = next((i for i, (x, y) in enumerate(zip(tokens, other)) if x != y), min(len(tokens), len(other)))
+                        cell["output_mismatches"].append([r["repeat"] + 1, key, at, label])
+        cell["tau_hit_requests_on"] = _pooled([p[:2] for p in same]) if v != "off" else None
+        cell["tau_hit_requests_off"] = _pooled([p[2:] for p in same]) if v != "off" else None
+        cell["outputs_equal_to_off"] = [matches, compared] if v != "off" else None
+        if m == "none":     # target-only: every step commits one token
+            for f in ("tau", "tau_hit", "tau_miss", "tau_hit_requests_on", "tau_hit_requests_off"):
+                cell[f] = None
+        cell["steps_by_method"] = method_mix([SimpleNamespace(steps_by_method=r["steps_by_method"]) for r in mine]) or {}
+        # Requests that got fewer cached tokens than the ideal, where a request's ideal is its own:
+        # multiturn and probe send a request only after what it could reuse has finished. (Concurrent
+        # requests of one prefix share the computing of its blocks, so shared's hits spread over them.)
+        cell["short_requests"] = ([[r["repeat"] + 1, key, cached, ideal] for r in mine
+                                   for key, (cached, ideal, _, _) in r["per_request"].items() if cached < ideal]
+                                  if v != "off" and w in ("multiturn", "probe") else [])
+        cells.append(cell)
+    return cells
+
+
+def _paired(runs: list[dict], w: str, m: str, num: str, den: str, f: str) -> float | None:
+    a = {r["repeat"]: r.get(f) for r in runs if (r["workload"], r["method"], r["variant"]) == (w, m, num)}
+    b = {r["repeat"]: r.get(f) for r in runs if (r["workload"], r["method"], r["variant"]) == (w, m, den)}
+    return _median([a[k] / b[k] for k in a if k in b and a[k] is not None and b[k]])
+
+
+def ratios(cells: list[dict], runs: list[dict]) -> list[dict]:
+    """Cache on ÷ off per (workload, method): the median of the repeats' paired ratios."""
+    out = []
+    for w, m in dict.fromkeys((c["workload"], c["method"]) for c in cells):
+        row = {"workload": w, "method": m}
+        for f in ("ttft_ms_p50", "ttft_ms_p90", "tokens_per_s"):
+            row[f"{f}_on_over_off"] = _paired(runs, w, m, "on", "off", f)
+        if w == "probe":    # its TTFT percentiles pool primes, cached and fresh requests: the cached one's
+            row["ttft_ms_p50_on_over_off"] = _paired(runs, w, m, "on", "off", "probe_ttft_cached_ms_p50")
+            row["ttft_ms_p90_on_over_off"] = None
+        on, off = (next(c for c in cells if (c["workload"], c["method"], c["variant"]) == (w, m, v))
+                   for v in ("on", "off"))
+        row["hit_rate_on"], row["tau_on"] = on["hit_rate"], on["tau"]
+        row["tau_on_over_off"] = on["tau"] / off["tau"] if on["tau"] and off["tau"] else None
+        out.append(row)
+    return out
+
+
+def replica_ratios(runs: list[dict]) -> list[dict]:
+    """multiturn hit rate with two replicas ÷ with one, per method and routing policy."""
+    out = []
+    for m in dict.fromkeys(r["method"] for r in runs if r["workload"] == "multiturn"):
+        for v in ("on x2 prefix", "on x2 round_robin"):
+            one = [r["hit_rate"] for r in runs if (r["workload"], r["method"], r["variant"]) == ("multiturn", m, "on")]
+            two = [r["hit_rate"] for r in runs if (r["workload"], r["method"], r["variant"]) == ("multiturn", m, v)]
+            out.append({"method": m, "variant": v, "hit_rate_1": _median(one), "hit_rate_2": _median(two),
+                        "ratio": _paired(runs, "multiturn", m, v, "on", "hit_rate")})
+    return out
+
+
+def flags(r: dict) -> list[str]:
+    """What looks wrong, in words, for whoever reads the report."""
+    out = []
+    for c in r["cells"]:
+        name = f"{c['workload']} / {c['method']} / cache {c['variant']}"
+        if not c["cache"] and c["hit_rate"]:
+            out.append(f"{name}: hit rate {c['hit_rate']:.3f} with the cache off")
+        if c["cache"] and c["workload"] == "unique" and c["hit_rate"]:
+            out.append(f"{name}: hit rate {c['hit_rate']:.3f} on prompts that share no block")
+        if c["cache"] and c["replicas"] == 1 and c["ideal_hit_rate"] and c["hit_rate"] < 0.9 * c["ideal_hit_rate"]:
+            out.append(f"{name}: hit rate {c['hit_rate']:.3f} is below 90 % of the ideal {c['ideal_hit_rate']:.3f}")
+        if c["replicas"] == 1 and c["short_requests"]:
+            out.append(f"{name}: {len(c['short_requests'])} request(s) got fewer cached tokens than the ideal "
+                       "(repeat, request, cached, ideal): " + ", ".join(
+                           f"({n}, {k}, {got}, {ideal})" for n, k, got, ideal in c["short_requests"][:12]))
+        if c.get("target_hit_rate") is not None and abs(c["target_hit_rate"] - c["hit_rate"]) > 0.01:
+            out.append(f"{name}: Usage says hit rate {c['hit_rate']:.3f}, the targets' counters "
+                       f"{c['target_hit_rate']:.3f}")
+        on, off = c.get("tau_hit_requests_on"), c.get("tau_hit_requests_off")
+        if on and off and abs(on / off - 1) > 0.02:
+            out.append(f"{name}: τ of the requests that hit is {on:.3f} with the cache on, {off:.3f} on the same "
+                       f"requests with it off" + (" (auto picks each step's drafter from measured timings, so its "
+                                                  "τ moves between runs)" if c["method"] == "auto" else ""))
+        bad = c["output_mismatches"]
+        if bad and r["run"]["temperature"] == 0:
+            out.append(f"{name}: {len(bad)} greedy output(s) differ (repeat, request, first differing token, from "
+                       "what): " + ", ".join(f"({n}, {k}, {i}, {what})" for n, k, i, what in bad[:12]))
+    repeats = r["run"]["sizes"]["repeats"]
+    for row in r["ratios"]:
+        if row["workload"] == "unique" and row.get("tokens_per_s_on_over_off") and row["tokens_per_s_on_over_off"] < 0.95:
+            out.append(f"unique / {row['method']}: tok/s with the cache on is {row['tokens_per_s_on_over_off']:.2f}x "
+                       f"that with it off (nothing to reuse: should be ~1; median of {repeats} repeat(s))")
+    for x in r["replicas"]:
+        if x["variant"].endswith("prefix") and x["ratio"] is not None and x["ratio"] < 0.9:
+            out.append(f"multiturn / {x['method']}: with prefix routing, 2 replicas keep {x['ratio']:.2f}x the hit "
+                       f"rate of 1 (a conversation whose turn went to the other replica loses its cache there)")
+    return out
+
+
+# ------------------------------------------------------------------------------ markdown
+
+CELL_COLUMNS = [
+    ("workload", lambda c: c["workload"]),
+    ("method", lambda c: c["method"]),
+    ("cache", lambda c: c["variant"]),
+    ("TTFT p50 ms", lambda c: fmt(c["ttft_ms_p50"], "{:.0f}")),
+    ("TTFT p90 ms", lambda c: fmt(c["ttft_ms_p90"], "{:.0f}")),
+    ("tok/s", lambda c: fmt(c["tokens_per_s"], "{:.1f}")),
+    ("hit rate", lambda c: fmt(c["hit_rate"], "{:.3f}")),
+    ("ideal", lambda c: fmt(c["ideal_hit_rate"], "{:.3f}")),
+    ("target counters", lambda c: fmt(c.get("target_hit_rate"), "{:.3f}")),
+    ("τ", lambda c: fmt(c["tau"])),
+    ("τ hit", lambda c: fmt(c["tau_hit"])),
+    ("τ miss", lambda c: fmt(c["tau_miss"])),
+    ("τ hit reqs on / off", lambda c: f"{fmt(c['tau_hit_requests_on'])} / {fmt(c['tau_hit_requests_off'])}"
+     if c["tau_hit_requests_on"] is not None else "–"),
+    ("requests hit/miss", lambda c: f"{c['requests_hit']}/{c['requests_miss']}"),
+    ("steps dflash/ngram/none", lambda c: mix_cell(c["steps_by_method"])),
+    ("= off outputs", lambda c: "–" if not c["outputs_equal_to_off"] else "/".join(map(str, c["outputs_equal_to_off"]))),
+]
+
+RATIO_COLUMNS = [
+    ("workload", lambda r: r["workload"]),
+    ("method", lambda r: r["method"]),
+    ("TTFT p50 on/off", lambda r: fmt(r["ttft_ms_p50_on_over_off"])),
+    ("TTFT p90 on/off", lambda r: fmt(r["ttft_ms_p90_on_over_off"])),
+    ("tok/s on/off", lambda r: fmt(r["tokens_per_s_on_over_off"])),
+    ("τ on/off", lambda r: fmt(r["tau_on_over_off"], "{:.3f}")),
+    ("hit rate on", lambda r: fmt(r["hit_rate_on"], "{:.3f}")),
+]
+
+
+def markdown(r: dict) -> str:
+    meta, run = r["meta"], r["run"]
+    s = run["sizes"]
+    lines = ["# splitspec bench-prefix", "", f"- command: `{meta['command']}`",
+             f"- git revision: {meta['git_revision']}",
+             f"- machine: {machine_line(meta)}; load average at start {meta['machine'].get('load_average')}",
+             f"- target: `{run['target_model']}`; draft: `{run['draft_model'] or 'none (ngram)'}`; verify width "
+             f"{run['num_draft_tokens']}; KV block {run['kv_block_size']}; T={run['temperature']:g}, eos ignored",
+             f"- services: {run['services']}",
+             f"- text: {run['text_source']} (digest {run['text_digest']})",
+             f"- shared: {s['groups']} groups x {s['questions']} questions, {s['system_tokens']}-token system prompts, "
+             f"{s['question_tokens']}-token questions, {s['max_new_tokens']} new tokens, {s['concurrency']} streams",
+             f"- multiturn: {s['conversations']} conversations x {s['turns']} turns, {s['context_tokens']}-token "
+             f"contexts, {s['question_tokens']}-token messages, {s['max_new_tokens']} new tokens, round robin, "
+             f"{s['concurrency']} streams",
+             f"- probe: {s['probe_pairs']} pairs, {s['probe_prefix_tokens']}-token prefixes + {s['question_tokens']} "
+             f"tokens, {s['probe_new_tokens']} new tokens, one stream",
+             f"- unique: {s['unique_prompts']} prompts of {s['unique_tokens']} tokens, {s['max_new_tokens']} new "
+             f"tokens, {s['concurrency']} streams",
+             f"- repeats {s['repeats']} (cache on/off order alternating); started {run['started']}, took "
+             f"{run['duration_s']:.0f} s", "", "## Cells", ""]
+    lines += table([c for c, _ in CELL_COLUMNS], [[f(c) for _, f in CELL_COLUMNS] for c in r["cells"]])
+    lines += ["", "## Cache on ÷ off", ""]
+    lines += table([c for c, _ in RATIO_COLUMNS], [[f(x) for _, f in RATIO_COLUMNS] for x in r["ratios"]])
+    probe = [c for c in r["cells"] if c["workload"] == "probe"]
+    if probe:
+        lines += ["", "## TTFT probe: prefix sent once before vs a fresh prefix of the same length", ""]
+        lines += table(["method", "cache", "TTFT cached p50 ms", "TTFT fresh p50 ms", "median ratio cached/fresh"],
+                       [[c["method"], c["variant"], fmt(c["probe_ttft_cached_ms_p50"], "{:.0f}"),
+                         fmt(c["probe_ttft_fresh_ms_p50"], "{:.0f}"), fmt(c["probe_ttft_ratio"], "{:.3f}")]
+                        for c in probe])
+    if r["replicas"]:
+        lines += ["", "## multiturn: two cache-on replicas behind one gateway", ""]
+        lines += table(["method", "gateway", "hit rate, 1 replica", "hit rate, 2 replicas", "2 ÷ 1"],
+                       [[x["method"], x["variant"], fmt(x["hit_rate_1"], "{:.3f}"), fmt(x["hit_rate_2"], "{:.3f}"),
+                         fmt(x["ratio"], "{:.3f}")] for x in r["replicas"]])
+    lines += ["", "## Flags", ""]
+    lines += [f"- {f}" for f in r["flags"]] or ["- none"]
+    if r["skipped"]:
+        lines += ["", "Not run: " + "; ".join(r["skipped"])]
+    lines += ["", "Columns: TTFT (client-side, request sent to first token) p50/p90 and tok/s (output tokens ÷ the "
+              "run's wall time, all streams) are medians over the repeats; hit rate = Σ Usage.cached_tokens ÷ Σ "
+              "Usage.prompt_tokens (the gateway's Complete), median over the repeats; ideal = the prompt blocks an "
+              "unbounded cache could have served (blocks before each prompt's last token that a request sent "
+              "earlier had: its prompt, and its output too if it had finished); target counters = Δ "
+              "splitspec:prefix_cache_hits ÷ Δ splitspec:prefix_cache_queries of the cell's target(s); τ = "
+              "committed tokens per verify step (accepted drafts + bonus) pooled over the repeats, overall, over the "
+              "requests with cached tokens (hit) and without (miss); τ hit reqs on / off = the requests that hit, "
+              "with the cache on, and the same requests in the cache-off run of the same repeat; = off outputs: "
+              "outputs equal, token for token, to the cache-off run's (same repeat; the flags also compare every "
+              "output with the plain target's, method none with the cache off); steps = share of verify steps "
+              "per drafter (auto's choice); on/off ratios are medians of the repeats' paired ratios (probe: TTFT "
+              "p50 on/off is the cached request's; its cells' TTFT percentiles pool the primes, cached and fresh "
+              "requests). In shared, the requests of a group that arrive together share the computing of its "
+              "system prompt (one waits a forward and takes the block another computed), so most of them report "
+              "some cached tokens and hit/miss there is not first-of-group/others.", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser().parse_args(argv)
+    results = PrefixBench(args, argv).run()
+    out = Path(args.out)
+    write_json(results, out / "results.json")
+    text = markdown(results)
+    (out / "results.md").write_text(text)
+    print(text)
+    log(f"wrote {out / 'results.json'}, {out / 'results.md'}")
+    return 0
+
+
+def cli_main(argv: list[str] | None = None) -> int:
+    from splitspec import logs
+    logs.configure("bench", "warning")
+    return main(argv)

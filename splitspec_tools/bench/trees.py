@@ -1,0 +1,204 @@
+"""`splitspec bench-trees`: chain vs tree drafts from one draft, side by side, and what a verify
+costs against its node count (issue 23).
+
+Part 1, accept length: every prompt runs with the chain (width 8: 7 drafted tokens) and with the
+tree (topk 4, 15 nodes: a 16-wide verify) in turn, in one process (the `splitspec_tools.speculate`
+loop: the draft's proposals verified by the target's runner, no gRPC, so τ is the drafter's own
+and the timing is the models' alone), at T=0 and at T>0 / top_p in each draft mode. Reported:
+τ (committed tokens per verify), tokens per second, ms per step, tree ÷ chain.
+
+Part 2, verify cost: one sequence per prompt length, then verifies of trees of 7, 15, 31 and 63
+nodes (best-first shapes with topk 4; their tokens are rejected, so each commits one token and
+the context stays the prompt's) and one-token decode steps, interleaved, median of the repeats.
+
+    splitspec bench-trees                                      # default pair, ~15 min on 2 idle cores
+    splitspec bench-trees --num-prompts 4 --prompt-lengths 64 --max-new-tokens 32     # quick look
+"""
+from __future__ import annotations
+
+import argparse
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from .report import machine_line, metadata, write_json
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="splitspec bench-trees", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = p.add_argument
+    a("--draft", default="models/splitspec-code-draft", help="draft folder")
+    a("--target-model-path", default="models/splitspec-code-target")
+    a("--num-prompts", type=int, default=8, help="held-out prompts (function cuts from installed packages)")
+    a("--prompt-lengths", default="64,512", help="prompt tokens (the last N tokens of each prompt)")
+    a("--max-new-tokens", type=int, default=64)
+    a("--temperatures", default="0,1.0")
+    a("--top-p", type=float, default=0.95)
+    a("--draft-sampling", default="greedy,sample", help="draft modes at T > 0")
+    a("--chain-width", type=int, default=8, help="chain verify width (root + drafted tokens)")
+    a("--tree", default="4:16", help="TOPK:WIDTH of the tree (verify width = root + nodes)")
+    a("--nodes", default="7,15,31,63", help="tree sizes for the verify-cost part")
+    a("--verify-repeats", type=int, default=7)
+    a("--torch-threads", type=int, default=1)
+    a("--seed", type=int, default=0)
+    a("--out", default="bench-out/trees")
+    return p
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x.strip()]
+
+
+def prompts_of_length(tok, n: int, length: int) -> list[list[int]]:
+    from .prompts import default_prompts
+    out = []
+    for p in default_prompts(4 * n, max_chars=max(1500, 6 * length)):
+        ids = list(p.token_ids) or tok.encode(p.text).ids
+        if len(ids) >= length:
+            out.append(ids[-length:])
+        if len(out) == n:
+            break
+    return out
+
+
+def run_generation(model, draft, prompt, *, params, draft_params, width: int, topk: int, max_new: int):
+    from draft_service.proposer import DFlashProposer
+    from splitspec_tools.speculate import speculative_generate
+    from target_service.engine import TargetSequence
+    seq = TargetSequence(model, prompt, params, max_len=len(prompt) + max_new + 2 * width + 2,
+                         hidden_layers=tuple(draft.cfg.target_layer_ids))
+    prop = DFlashProposer(draft, num_draft_tokens=width, topk=topk, max_len=len(prompt) + max_new + 2 * width + 2,
+                          num_steps=draft.cfg.block_size - 1 if topk > 1 else None, sampling=draft_params)
+    t0 = time.perf_counter()
+    out, stats = speculative_generate(seq, prop, max_new)
+    secs = time.perf_counter() - t0
+    prop.close()
+    return out, stats, secs
+
+
+def tau_part(model, draft, tok, args) -> list[dict]:
+    from splitspec.engine.sample import SamplingParams
+    topk, tree_width = map(int, args.tree.split(":"))
+    rows = []
+    for length in _ints(args.prompt_lengths):
+        prompts = prompts_of_length(tok, args.num_prompts, length)
+        for t in [float(x) for x in args.temperatures.split(",")]:
+            modes = ["greedy"] if t == 0 else args.draft_sampling.split(",")
+            for mode in modes:
+                acc = {"chain": [0, 0, 0.0, 0], "tree": [0, 0, 0.0, 0]}     # committed, steps, seconds, tokens
+                mismatches = 0
+                for i, prompt in enumerate(prompts):
+                    params = SamplingParams(temperature=t, top_p=args.top_p if t > 0 else 1.0,
+                                            seed=args.seed + i if t > 0 else None).validate()
+                    dp = params if mode == "sample" and t > 0 else None
+                    outs = {}
+                    for name, (w, k) in (("chain", (args.chain_width, 1)), ("tree", (tree_width, topk))):
+                        out, st, secs = run_generation(model, draft, prompt, params=params, draft_params=dp,
+                                                       width=w, topk=k, max_new=args.max_new_tokens)
+                        a = acc[name]
+                        a[0] += st.committed
+                        a[1] += st.verify_steps
+                        a[2] += secs
+                        a[3] += len(out)
+                        outs[name] = out
+                    mismatches += t == 0 and outs["chain"] != outs["tree"]
+                row = {"prompt_tokens": length, "temperature": t, "draft_sampling": mode,
+                       "top_p": args.top_p if t > 0 else None, "prompts": len(prompts), "t0_mismatches": mismatches}
+                for name, (c, s, secs, n) in acc.items():
+                    row[f"{name}_tau"] = c / s if s else None
+                    row[f"{name}_tok_s"] = n / secs if secs else None
+                    row[f"{name}_ms_per_step"] = 1e3 * secs / s if s else None
+                row["tau_tree_over_chain"] = (row["tree_tau"] / row["chain_tau"]) if row["chain_tau"] else None
+                row["tok_s_tree_over_chain"] = (row["tree_tok_s"] / row["chain_tok_s"]) if row["chain_tok_s"] else None
+                print(f"[bench-trees] {length} tokens, T={t:g} {mode}: τ chain {row['chain_tau']:.2f} tree "
+                      f"{row['tree_tau']:.2f} ({row['tau_tree_over_chain']:.2f}x), tok/s "
+                      f"{row['tok_s_tree_over_chain']:.2f}x", file=sys.stderr)
+                rows.append(row)
+    return rows
+
+
+def best_first_shape(nodes: int, topk: int) -> list[int]:
+    """Parents of a best-first tree of `nodes` nodes: the spine, then breadth under it."""
+    from draft_service.tree_search import best_first_tree
+    built = best_first_tree(lambda _p, _d: [(j, -0.5 * (j + 1)) for j in range(topk)], root_token=0,
+                            spine=[(0, -0.1)] * 7, budget=nodes, max_depth=7, topk=topk)
+    return built.parents
+
+
+def verify_cost_part(model, tok, args) -> list[dict]:
+    from splitspec.engine.tree import Tree
+    from target_service.engine import TargetSequence
+    topk = int(args.tree.split(":")[0])
+    sizes = _ints(args.nodes)
+    vocab = model.cfg.vocab_size
+    rows = []
+    for length in _ints(args.prompt_lengths):
+        prompt = prompts_of_length(tok, 1, length)[0]
+        seq = TargetSequence(model, prompt, max_len=length + (args.verify_repeats + 1) * (len(sizes) + 1) + 80)
+        seq.prefill()
+        times: dict[int, list[float]] = {n: [] for n in [0, *sizes]}
+        for _ in range(args.verify_repeats):
+            for n in [0, *sizes]:                           # interleaved: every size meets the same minute
+                if n == 0:
+                    t0 = time.perf_counter()
+                    seq.decode()
+                else:
+                    # Tokens no target would pick next (the last token repeated is rarely it) are
+                    # rejected, so each verify commits one token, as a decode does.
+                    parents = best_first_shape(n, topk)
+                    last = seq.tokens[-1]
+                    ids = [(last + 1 + j) % vocab for j in range(len(parents))]
+                    t0 = time.perf_counter()
+                    seq.verify(Tree(tuple(ids), tuple(parents)))
+                times[n].append((time.perf_counter() - t0) * 1e3)
+        base = statistics.median(times[0])
+        for n, ts in times.items():
+            rows.append({"prompt_tokens": length, "nodes": n, "verify_width": n + 1, "ms_median": statistics.median(ts),
+                         "vs_decode": statistics.median(ts) / base})
+        print(f"[bench-trees] verify cost at {length} tokens: " +
+              ", ".join(f"{n + 1}-wide {statistics.median(ts):.1f} ms" for n, ts in times.items()), file=sys.stderr)
+    return rows
+
+
+def markdown(res: dict) -> str:
+    lines = ["# bench-trees", "", f"`{res['meta']['command']}`", "", machine_line(res["meta"]), "",
+             "## Accept length, chain vs tree (in process, same draft and prompts)", "",
+             "| prompt tokens | T | draft mode | τ chain | τ tree | τ tree ÷ chain | tok/s chain | tok/s tree | "
+             "tok/s tree ÷ chain | ms/step chain | ms/step tree | T=0 mismatches |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in res["tau"]:
+        lines.append(f"| {r['prompt_tokens']} | {r['temperature']:g} | {r['draft_sampling']} | {r['chain_tau']:.2f} | "
+                     f"{r['tree_tau']:.2f} | {r['tau_tree_over_chain']:.2f} | {r['chain_tok_s']:.1f} | "
+                     f"{r['tree_tok_s']:.1f} | {r['tok_s_tree_over_chain']:.2f} | {r['chain_ms_per_step']:.1f} | "
+                     f"{r['tree_ms_per_step']:.1f} | {r['t0_mismatches']} |")
+    lines += ["", "## Verify forward against its node count (one sequence, median)", "",
+              "| prompt tokens | verify width | ms | ÷ decode |", "|---|---|---|---|"]
+    for r in res["verify_cost"]:
+        lines.append(f"| {r['prompt_tokens']} | {r['verify_width']} | {r['ms_median']:.1f} | {r['vs_decode']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    import torch
+
+    from draft_service.architectures import load_draft
+    from target_service.engine import load_model, load_tokenizer
+    torch.set_num_threads(args.torch_threads)
+    meta = metadata(argv)
+    meta["command"] = "splitspec bench-trees " + shlex.join(argv)
+    model = load_model(args.target_model_path)
+    draft = load_draft(args.draft, args.target_model_path)
+    tok = load_tokenizer(args.target_model_path)
+    with torch.inference_mode():
+        res = {"meta": meta, "verify_cost": verify_cost_part(model, tok, args), "tau": tau_part(model, draft, tok, args)}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(res, out / "results.json")
+    (out / "results.md").write_text(markdown(res))
+    print(markdown(res))
+    return 1 if any(r["t0_mismatches"] for r in res["tau"]) else 0
