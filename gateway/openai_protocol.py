@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
 
-from .request import MAX_CACHE_SALT, MAX_LOGPROBS
+from splitspec.limits import MAX_CACHE_SALT, MAX_LOGPROBS
 
 INT32_MAX = 2 ** 31 - 1
 UINT64_MAX = 2 ** 64 - 1

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from splitspec.limits import MAX_CACHE_SALT, MAX_LOGPROBS
 from splitspec.v1 import common_pb2, gateway_pb2
 
 from .chat import ChatTemplateError
@@ -123,8 +124,6 @@ def parse_request(req: gateway_pb2.GenerateRequest, cfg: GatewayConfig, limits: 
 
 # Sampling fields the target gets as they are (when set).
 FORWARDED = ("temperature", "top_p", "top_k", "seed", "repetition_penalty", "logprobs", "prompt_logprobs")
-MAX_LOGPROBS = 20
-MAX_CACHE_SALT = 256       # characters of GenerateRequest.cache_salt (the target refuses longer ones too)
 
 
 def _processors(s: common_pb2.SamplingParams, limits: ModelLimits, max_new: int) -> None:

@@ -34,14 +34,13 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
+from splitspec.limits import CONSTRAINT_KINDS, MAX_SPEC_BYTES
 from splitspec.v1 import common_pb2
 
-MAX_SPEC_BYTES = 64 * 1024               # a schema, regex, grammar or choice list, serialized
 MAX_STRUCTURAL_TAG_BYTES = MAX_SPEC_BYTES  # a structural tag (tools: all their parameter schemas together)
 MAX_TOOLS = 128                          # OpenAI's limit on functions per request
 NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 JSON_TYPES = ("string", "number", "integer", "boolean", "object", "array", "null")
-KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "structural_tag")
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 CALL_SEPARATOR = "\n"
 ARGS_WHITESPACE = 1                      # the most whitespace characters in a row inside arguments
@@ -450,7 +449,7 @@ def constraint_problem(c: common_pb2.Constraint) -> str | None:
     kind = c.WhichOneof("kind")
     where = f"sampling.constraint.{kind}"
     if kind is None:
-        return f"sampling.constraint is set but empty: set exactly one of {', '.join(KINDS)}"
+        return f"sampling.constraint is set but empty: set exactly one of {', '.join(CONSTRAINT_KINDS)}"
     if c.strict and kind != "json_schema":
         return f"sampling.constraint.strict applies to json_schema only, not {kind}"
     if kind == "json_object":

@@ -39,14 +39,13 @@ import torch
 
 from splitspec.engine.loop import settle
 from splitspec.engine.tree import Tree
+from splitspec.limits import CONSTRAINT_KINDS, MAX_SPEC_BYTES
 
 log = structlog.get_logger(__name__)
 
-MAX_SPEC_BYTES = 64 * 1024
 COMPILE_TIMEOUT_S = 10.0    # of compiling, from when a worker starts it (not of waiting for one)
 COMPILE_QUEUE = 64          # compiles waiting for a worker; one more is refused (RESOURCE_EXHAUSTED)
 MAX_ABANDONED = 4           # timed-out compiles left running at once, each with a worker replaced
-KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "structural_tag")
 
 
 class GrammarError(ValueError):
@@ -183,7 +182,7 @@ class Grammars:
         """(kind, spec, strict) of a common_pb2.Constraint; GrammarError when it is malformed."""
         kind = c.WhichOneof("kind")
         if kind is None:
-            raise GrammarError("sampling.constraint: set one of " + ", ".join(KINDS))
+            raise GrammarError("sampling.constraint: set one of " + ", ".join(CONSTRAINT_KINDS))
         if kind == "json_object":
             if not c.json_object:
                 raise GrammarError("sampling.constraint.json_object must be true (unset the constraint for free text)")

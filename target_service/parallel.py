@@ -29,6 +29,7 @@ from torch import nn
 
 from splitspec.models.config import ConfigError, ModelConfig
 from splitspec.models.dense import CausalLM
+from splitspec.models.loader import PACKED_PARTS
 
 
 class TensorParallelError(RuntimeError):
@@ -349,9 +350,6 @@ def shard_tensor(name: str, t: torch.Tensor, cfg: ModelConfig, layout: Layout) -
     if kind == "down_proj":
         return t[:, r * layout.intermediate:(r + 1) * layout.intermediate] if what == "weight" else t
     return t            # norms: replicated
-
-
-PACKED_PARTS = (".weight_packed", ".weight_scale", ".weight_global_scale")
 
 
 def packed_slice(name: str, t: torch.Tensor, slices: dict) -> tuple[int, int, int] | None:

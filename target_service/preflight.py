@@ -24,12 +24,11 @@ import torch
 
 from splitspec.models.config import ModelConfig
 from splitspec.models.hybrid_weights import ignored
-from splitspec.models.loader import model_folder, parse_dtype, weight_files
+from splitspec.models.loader import PACKED_PARTS, model_folder, parse_dtype, weight_files
 
 # safetensors dtype names -> bytes per element
 ELEMENT_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
                  "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1}
-PACKED_PARTS = (".weight_packed", ".weight_scale", ".weight_global_scale")
 # kept in float32 whatever the serving dtype (HybridLM.fp32_parameters)
 FP32_KEPT = ("gate.weight", "e_score_correction_bias", "dt_bias", "A_log")
 SPLIT_LEAVES = {"q_proj", "k_proj", "v_proj", "o_proj", "q_b_proj", "kv_b_proj", "g_proj", "g_b_proj", "b_proj",

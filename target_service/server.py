@@ -22,6 +22,7 @@ from splitspec.colocation import HostShare, add_core_sharing_flag
 from splitspec.colocation import follow as follow_share
 from splitspec.colocation import start as start_share
 from splitspec.flags import apply_env
+from splitspec.limits import MAX_CACHE_SALT
 from splitspec.metrics import add_metrics_flag, serve_engine_metrics
 from splitspec.security import add_tls_flags, server_credentials
 from splitspec.serving import (IdleError, ProtocolError, Server, UnparsableError, add_connection_age_flags,
@@ -216,8 +217,8 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
         if msg.hidden_last < 0:
             raise WireError(f"open.hidden_last = {msg.hidden_last} is negative: send 0 for every prompt "
                             "position's features, or n > 0 for the last n")
-        if len(msg.cache_salt) > 256:       # the gateway's limit too (gateway/request.py MAX_CACHE_SALT)
-            raise WireError(f"open.cache_salt has {len(msg.cache_salt)} characters; at most 256 "
+        if len(msg.cache_salt) > MAX_CACHE_SALT:
+            raise WireError(f"open.cache_salt has {len(msg.cache_salt)} characters; at most {MAX_CACHE_SALT} "
                             "are accepted (send a tenant id or a hash of one; empty: the shared prefix cache)")
         params = sampling_from_pb(msg.sampling)
         guide = None

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-MAX_LOGPROBS = 20     # top alternatives per position, vLLM's default --max-logprobs
+from splitspec.limits import MAX_LOGPROBS
 
 
 @dataclass(frozen=True)

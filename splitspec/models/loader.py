@@ -39,6 +39,7 @@ from splitspec.models.fp4 import Fp4Scheme, PackedLinear, QuantizationConfigErro
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PACKED, SCALE, GLOBAL = ".weight_packed", ".weight_scale", ".weight_global_scale"
+PACKED_PARTS = (PACKED, SCALE, GLOBAL)     # the tensors one FP4-packed weight is stored as
 
 log = structlog.get_logger(__name__)
 
