@@ -21,6 +21,8 @@ from prometheus_client import CollectorRegistry, Histogram, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from . import tracing
+
 PREFIX = "splitspec:"
 
 # Forward times: sub-millisecond n-gram work up to multi-second prefills of long prompts.
@@ -34,7 +36,9 @@ def new_registry() -> CollectorRegistry:
 
 def start_exporter(registry: CollectorRegistry, host: str, port: int) -> int:
     """Serve `registry` as Prometheus text on http://host:port/metrics from a daemon thread
-    (never the event loop or the engine thread); returns the bound port (port 0: any free)."""
+    (never the event loop or the engine thread); returns the bound port (port 0: any free).
+    Every service's exporter carries the span exporter's counts too."""
+    registry.register(TracingCollector())
     app = classic_text(make_wsgi_app(registry))
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     server = type("_Server", (_ThreadingServer,), {"address_family": family})
@@ -137,6 +141,20 @@ class StateCollector(Collector):
                              ("lookahead_accepted_tokens", "Of them, accepted.")):
                 yield CounterMetricFamily(PREFIX + key, doc, value=state[key])
 
+
+
+class TracingCollector(Collector):
+    """The span exporter's counts (splitspec/tracing.py), read at scrape time; zero while
+    tracing is off, so a dashboard's panel has a series either way."""
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        yield CounterMetricFamily(PREFIX + "trace_spans_exported", "Spans the OTLP collector took.",
+                                  value=tracing.exported())
+        yield CounterMetricFamily(PREFIX + "trace_spans_dropped", "Spans dropped because the export queue was "
+                                  "full or the collector failed (export never waits for it).", value=tracing.dropped())
 
 
 def add_metrics_flag(parser) -> None:

@@ -15,7 +15,8 @@ The services call this module only at their edges:
   the target's scheduler calls `forward` after each batched forward.
 
 Export never slows a request: finished spans go into a bounded queue that one daemon thread
-sends in batches; a full queue or a failed export drops spans and counts them (`dropped`).
+sends in batches; a full queue or a failed export drops spans and counts them (`dropped`, and
+the `splitspec:trace_spans_dropped_total` counter every service exports).
 A malformed `traceparent` is ignored by the W3C propagator: the request starts a new trace."""
 from __future__ import annotations
 
@@ -103,6 +104,11 @@ def shutdown(timeout_s: float = 2.0) -> None:
 def dropped() -> int:
     """Spans dropped so far (queue full or export failed)."""
     return _processor.dropped if _processor is not None else 0
+
+
+def exported() -> int:
+    """Spans the collector took so far."""
+    return _processor.exported if _processor is not None else 0
 
 
 class BoundedExport:

@@ -227,6 +227,29 @@ def test_an_unreachable_collector_drops_and_counts_spans():
         proc.stop(1.0)
 
 
+def test_the_span_counts_are_prometheus_counters(monkeypatch):
+    """What an operator alerts on: every service's exporter carries the span exporter's counts
+    (splitspec.metrics.start_exporter registers them), zero while tracing is off."""
+    from prometheus_client import generate_latest
+
+    from splitspec.metrics import TracingCollector, new_registry
+    registry = new_registry()
+    registry.register(TracingCollector())
+    text = generate_latest(registry).decode()
+    assert "splitspec:trace_spans_dropped_total 0.0" in text and "splitspec:trace_spans_exported_total 0.0" in text
+    proc = tracing.BoundedExport(_Unreachable(), max_queue=8, batch=4, interval_s=0.01)
+    monkeypatch.setattr(tracing, "_processor", proc)
+    try:
+        for _ in range(20):
+            proc.on_end(object())
+        assert proc.force_flush(5000)
+        text = generate_latest(registry).decode()
+        assert "splitspec:trace_spans_dropped_total 20.0" in text, text
+        assert "splitspec:trace_spans_exported_total 0.0" in text
+    finally:
+        proc.stop(1.0)
+
+
 def test_an_unreachable_endpoint_never_fails_a_request(tmp_path):
     """The real exporter against a port nobody listens on: spans are made and dropped, the
     in-process hooks go on working."""
