@@ -43,7 +43,6 @@ from .generation import Stats
 from .plan import Plan
 from .policy import AutoPolicy, FixedPolicy, sampling_bucket
 from .request import Request
-from .routing import prefix_key
 from .spec_loop import DraftLost, RemoteDraft, SpeculativeLoop
 
 # Codes from a target that mean "this replica (or our connection to it) is gone": fail over.
@@ -154,7 +153,7 @@ class ResilientSource:
         tried: set[int] = set()
         # The prompt's prefix, not the history: a failover re-prefills prompt + history, but the
         # replicas' caches are keyed by how prompts start, which the history does not change.
-        key = prefix_key(self.req.prompt_ids, getattr(self.req, "cache_salt", "") or "")
+        key = self.b.routing_key(self.req.prompt_ids, getattr(self.req, "cache_salt", "") or "")
         self.client = self.b.pick_target(key=key)
         while True:
             tried.add(id(self.client))

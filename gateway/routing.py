@@ -1,6 +1,6 @@
 """Which target replica a request goes to: prefix affinity with bounded loads.
 
-A target keeps the KV of full 16-token prompt blocks in its prefix cache, so a request whose
+A target keeps the KV of full prompt blocks (TargetInfo.kv_block_size tokens) in its prefix cache, so a request whose
 prompt starts like an earlier one is cheaper on the replica that served the earlier one. The
 gateway therefore hashes the start of the prompt (with the request's cache_salt, which
 namespaces the cache) to a point on a consistent-hash ring of the replicas and walks clockwise
@@ -21,8 +21,8 @@ import math
 import struct
 from typing import Callable, Iterable
 
-BLOCK_SIZE = 16         # the targets' prefix-cache block; only full blocks can be reused
-KEY_BLOCKS = 4          # the first 64 tokens: the shared part (system prompt, template) decides
+BLOCK_SIZE = 16         # the prefix-cache block of a target that does not report its own (kv_block_size 0)
+KEY_BLOCKS = 4          # the first 4 blocks (64 tokens at 16): the shared part (system prompt, template) decides
 VNODES = 64             # points per replica: smooths the share of each replica to a few percent
 LOAD_FACTOR = 1.25      # c of the paper: a replica may hold up to c times the mean load
 BALANCE_ABS = 32        # ... once it holds this many more than the least loaded (SGLang's balance_abs_threshold)

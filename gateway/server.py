@@ -34,7 +34,7 @@ from .generation import Stats, stream_response
 from .http_server import start_http
 from .metrics import GatewayMetrics
 from .request import ModelLimits, RequestError, parse_request
-from .routing import BALANCE_ABS, LOAD_FACTOR, PrefixRouter
+from .routing import BALANCE_ABS, BLOCK_SIZE, LOAD_FACTOR, PrefixRouter, prefix_key
 
 SERVICE = "splitspec.v1.Generation"
 
@@ -106,8 +106,14 @@ class Backends:
         """One --target: a dns:/// name may stand for several replicas, so retrying it is useful."""
         return len(self.targets) == 1
 
+    def routing_key(self, prompt_ids, cache_salt: str = "") -> bytes | None:
+        """The prefix-affinity key of a prompt, cut at the block size the target reported: its
+        prefix cache reuses only whole blocks of that size (BLOCK_SIZE for a target that reports 0)."""
+        block = self.info.kv_block_size if self.info is not None else 0
+        return prefix_key(prompt_ids, cache_salt, block_size=block or BLOCK_SIZE)
+
     def pick_target(self, exclude: set[int] | None = None, key: bytes | None = None) -> TargetClient | None:
-        """The replica for a request: with a `key` (gateway/routing.py prefix_key) and
+        """The replica for a request: with a `key` (routing_key) and
         --routing-policy prefix, the one its prompt prefix hashes to, unless that one is over its
         share of the requests in flight; otherwise the next healthy replica in turn (round robin
         over --target addresses). With `exclude` (ids of clients a request already tried): one

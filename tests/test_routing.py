@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from gateway.config import GatewayConfig
 from gateway.routing import BLOCK_SIZE, PrefixRouter, prefix_key
 from gateway.server import Backends, build_parser, config_from_args
+from splitspec.v1 import target_pb2
 
 REPLICAS = ["10.0.0.1:50051", "10.0.0.2:50051", "10.0.0.3:50051", "10.0.0.4:50051"]
 
@@ -205,6 +206,22 @@ def test_backends_pick_target(policy):
         assert b.pick_target(key=keys[0]) is other
     else:
         assert [c.address for c in homes[:4]] == ["127.0.0.1:1", "127.0.0.1:2"] * 2
+
+
+@in_loop
+def test_the_key_follows_the_block_size_the_target_reports():
+    b = Backends(GatewayConfig(targets=("127.0.0.1:1", "127.0.0.1:2")))
+    p = prompt(1, n=200)
+    assert b.routing_key(p, "s") == prefix_key(p, "s", block_size=BLOCK_SIZE)     # no GetInfo yet
+    b.info = target_pb2.TargetInfo(kv_block_size=0)                              # an old target
+    assert b.routing_key(p, "s") == prefix_key(p, "s", block_size=BLOCK_SIZE)
+    b.info = target_pb2.TargetInfo(kv_block_size=32)
+    assert b.routing_key(p, "s") == prefix_key(p, "s", block_size=32) != prefix_key(p, "s")
+    # Four blocks of 32: a change at token 100 moves the key, one past 128 does not; a prompt
+    # shorter than one block has nothing the target could reuse.
+    assert b.routing_key(p) != b.routing_key(p[:100] + [p[100] + 1] + p[101:])
+    assert b.routing_key(p) == b.routing_key(p[:128] + [7])
+    assert b.routing_key(p[:20]) is None and prefix_key(p[:20]) is not None
 
 
 @in_loop
