@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import socket
 import threading
 from dataclasses import dataclass, field
 from typing import Awaitable
@@ -142,6 +143,13 @@ def run_main(program: str, serve, errors: tuple[type[BaseException], ...]) -> No
         raise SystemExit(f"{program}: {exc}") from None
     except KeyboardInterrupt:
         pass
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on now (the OS picks it), for a server or a rendezvous started next."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def channel_options(max_message_mb: int, *, round_robin: bool = False) -> list[tuple]:

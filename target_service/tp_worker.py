@@ -38,7 +38,6 @@ import multiprocessing as mp
 import multiprocessing.connection
 import os
 import pickle
-import socket
 import threading
 import time
 from datetime import timedelta
@@ -54,6 +53,7 @@ from splitspec.engine.kv_pool import KVPool
 
 from target_service.parallel import CommStats, Layout, TensorParallelError, load_sharded
 from splitspec.engine.state_pool import StatePlan, StatePool, StateRow
+from splitspec.serving import free_port
 
 log = structlog.get_logger(__name__)
 
@@ -165,12 +165,6 @@ def _plan_to_wire(plan: AttentionPlan) -> dict:
 def _plan_from_wire(d: dict, device) -> AttentionPlan:
     t = lambda a: torch.from_numpy(a).to(device)  # noqa: E731
     return AttentionPlan(t(d["slots"]), [Group(*(t(a) for a in g), *flags) for g, flags in d["groups"]])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:

@@ -5,7 +5,6 @@ a cached prefix follows the target's distribution; --disable-radix-cache turns i
 from __future__ import annotations
 
 import collections
-import socket
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -18,6 +17,7 @@ import contextlib
 from service_helpers import VOCAB, collect, gateway_stub, running_draft, running_gateway, running_target, target_stub
 from splitspec_tools.client import build_request
 from splitspec.engine.sample import SamplingParams
+from splitspec.serving import free_port
 from splitspec.v1 import common_pb2, target_pb2
 from target_service.engine import generate
 from splitspec.models.loader import load_model
@@ -29,12 +29,6 @@ PREFIX = [(11 * i) % 90 + 5 for i in range(40)]       # 2 full blocks of 16 and 
 QUESTIONS = [[60 + i, 61 + i, 7] for i in range(3)]
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

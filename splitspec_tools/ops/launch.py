@@ -14,13 +14,9 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from splitspec.serving import free_port  # noqa: F401  (the tests and `up` take it from here too)
+
 MODULES = {"target": "target_service.server", "draft": "draft_service.server", "gateway": "gateway.server"}
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def port_available(host: str, port: int) -> bool:
