@@ -24,7 +24,8 @@ from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error, response_schema_conformance
 from service_helpers import collect, gateway_stub, running, running_gateway, tiny_target_dir
 
-from gateway.http_api import MAX_BODY_BYTES, Guard, create_app, json_depth
+from gateway.http_api import create_app
+from gateway.http_guard import MAX_BODY_BYTES, Guard, json_depth
 from splitspec_tools.client import build_request
 from splitspec_tools.ops.launch import free_port, health_status
 from splitspec.security import ApiKeys
