@@ -2,7 +2,8 @@
 
     python -m splitspec_tools.ops.ops_overhead --rounds 10 --max-new-tokens 128
 
-Starts two `splitspec up` stacks side by side with the bundled models: OFF (plaintext, no
+Starts two `splitspec up` stacks side by side with the bundled code pair (named, as up's own
+default target is SmolLM2 when it is installed, so the figure stays comparable): OFF (plaintext, no
 metrics) and ON (mTLS between every service and the client with `splitspec certs`
 certificates, Prometheus metrics on all three services, scraped every second while it runs).
 Then one greedy request at a time, alternating OFF / ON (interleaved, so machine noise hits
@@ -30,6 +31,16 @@ def up(extra: list[str], gateway_port: int, log_dir: Path) -> subprocess.Popen:
            "--log-dir", str(log_dir), *extra]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(log_dir / "up.err", "wb"),
                             start_new_session=True)
+
+
+def models(args) -> list[str]:
+    """`up`'s model flags: the pair asked for, else the bundled code pair by name."""
+    from splitspec_tools.defaults import DEFAULT_DRAFT, DEFAULT_TARGET, model_dir
+    target, draft = model_dir(args.model_path, DEFAULT_TARGET), model_dir(args.draft_model_path, DEFAULT_DRAFT)
+    if target is None or draft is None:
+        raise SystemExit(f"the bundled pair ({DEFAULT_TARGET}, {DEFAULT_DRAFT}) is not here: "
+                         "pass --model-path and --draft-model-path")
+    return ["--model-path", str(target), "--draft-model-path", str(draft)]
 
 
 def wait_serving(address: str, credentials, proc, timeout_s: float = 600) -> None:
@@ -78,6 +89,8 @@ def main(argv=None) -> int:
                    help="a fixed speculative method, so both stacks do the same steps (auto adapts to timing)")
     p.add_argument("--target-torch-threads", type=int, default=None,
                    help="passed to both `up`s (default: up's); 1 steadies timings on a machine others share")
+    p.add_argument("--model-path", default=None, help="target model folder (default: the bundled code target)")
+    p.add_argument("--draft-model-path", default=None, help="draft model folder (default: the bundled code draft)")
     p.add_argument("--out", default=None, help="write the raw numbers as JSON here")
     args = p.parse_args(argv)
 
@@ -93,7 +106,9 @@ def main(argv=None) -> int:
     metrics = 20000 + metrics % 10000
     (work / "off").mkdir()
     (work / "on").mkdir()
-    common = [] if args.target_torch_threads is None else ["--target-torch-threads", str(args.target_torch_threads)]
+    common = models(args)
+    if args.target_torch_threads is not None:
+        common += ["--target-torch-threads", str(args.target_torch_threads)]
     stacks = {"off": (up(common, off_port, work / "off"), f"127.0.0.1:{off_port}", None),
               "on": (up([*common, "--tls-dir", str(certs), "--metrics-port", str(metrics)], on_port, work / "on"),
                      f"127.0.0.1:{on_port}", creds)}
