@@ -24,10 +24,10 @@ from splitspec.colocation import HostShare, add_core_sharing_flag
 from splitspec.colocation import follow as follow_share
 from splitspec.colocation import start as start_share
 from splitspec.flags import apply_env
-from splitspec.metrics import add_metrics_flag, serve_engine_metrics
-from splitspec.security import add_tls_flags, server_credentials
-from splitspec.serving import (AdmissionError, DrainingError, ProtocolError, Server, add_connection_age_flags,
-                               add_lenient_servicer, end_session_with, read_message, run_main, status_for)
+from splitspec.metrics import serve_engine_metrics
+from splitspec.serving import (AdmissionError, DrainingError, ProtocolError, Server, add_lenient_servicer,
+                               add_server_flags, end_session_with, read_message, run_main, start_observing,
+                               status_for)
 from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from splitspec.wire import (WireError, check_token_ids, dtype_name, dtype_to_pb, sampling_from_pb, tensor_from_pb,
                             tensor_to_pb)
@@ -310,8 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
       help="the target's Hugging Face folder: embed_tokens/lm_head, vocab and tokenizer come from it")
     a("--method", default="dflash", choices=METHODS, help="dflash (block diffusion) or ngram (prompt lookup)")
     a("--served-model-name", default=None, help="model id reported by GetInfo (default: the folder name)")
-    a("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in containers)")
-    a("--port", type=int, default=50052, help="port to listen on (0: any free port)")
+    add_server_flags(p, port=50052)
     a("--device", default="cpu", help="cpu, cuda or cuda:N")
     a("--torch-threads", type=int, default=0,
       help="intra-op CPU threads for this service's forwards (0: auto, its share of the cores it may use with "
@@ -341,13 +340,6 @@ def build_parser() -> argparse.ArgumentParser:
     a("--kv-block-size", type=int, default=16, help="tokens per draft KV block")
     a("--max-context", type=int, default=4096, help="longest sequence a session may reach")
     a("--idle-timeout-s", type=float, default=300.0, help="close a session silent for this long (0: never)")
-    a("--max-message-mb", type=int, default=64, help="largest gRPC message, either direction")
-    a("--drain-timeout-s", type=float, default=30.0, help="on SIGTERM, how long in-flight sessions may run")
-    add_connection_age_flags(p)
-    a("--log-level", default="info", choices=list(logs.LEVELS), help="JSON log lines at this level and above")
-    add_metrics_flag(p)
-    tracing.add_flags(p)
-    add_tls_flags(p)
     return apply_env(p)
 
 
@@ -422,9 +414,7 @@ async def serve(args: argparse.Namespace, *, started=None, share: HostShare | No
     if target_path is not None and (target_path / "tokenizer.json").is_file():
         from splitspec.grammar import Grammars
         state.grammars = Grammars(target_path, target_cfg.vocab_size, target_cfg.eos_token_ids)
-    server = Server([SERVICE], max_message_mb=args.max_message_mb, credentials=server_credentials(args),
-                    max_connection_age_s=args.max_connection_age_s,
-                    max_connection_age_grace_s=args.max_connection_age_grace_s)
+    server = Server.from_args([SERVICE], args)
     metrics = serve_engine_metrics(args, lambda: metrics_state(state), log)
     add_lenient_servicer(server.grpc, SERVICE, DraftServicer(state, server), {
         "Session": ("stream_stream", draft_pb2.DraftRequest, draft_pb2.DraftResponse),
@@ -474,21 +464,15 @@ async def serve(args: argparse.Namespace, *, started=None, share: HostShare | No
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
     check_args(args)
-    logs.configure("draft", args.log_level)
-    tracing.configure("draft", args, logs.get_logger())
+    start_observing("draft", args)
     # An n-gram draft runs no model: it takes no share of the cores from a co-located target.
     share = None
     if args.method == "dflash":
         share = start_share("draft", args, logs.get_logger())      # sets this process's threads
     elif args.torch_threads > 0:
         torch.set_num_threads(args.torch_threads)
-    try:
-        run_main("splitspec-draft", serve(args, share=share), (ConfigError, CheckpointError, ValueError,
-                                                               json.JSONDecodeError))
-    finally:
-        if share is not None:
-            share.leave()
-        tracing.shutdown()
+    run_main("splitspec-draft", serve(args, share=share), (ConfigError, CheckpointError, ValueError,
+                                                           json.JSONDecodeError), share)
 
 
 if __name__ == "__main__":

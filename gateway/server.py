@@ -18,10 +18,9 @@ from tokenizers import Tokenizer
 
 from splitspec import logs, tracing
 from splitspec.flags import ListFlag, apply_env
-from splitspec.metrics import add_metrics_flag, new_registry, start_exporter
-from splitspec.security import (ApiKeyInterceptor, ApiKeys, add_api_key_flags, add_tls_flags, client_credentials,
-                                load_api_keys, server_credentials)
-from splitspec.serving import Server, Unparsable, add_connection_age_flags, add_lenient_servicer
+from splitspec.metrics import new_registry, start_exporter
+from splitspec.security import ApiKeyInterceptor, ApiKeys, add_api_key_flags, client_credentials, load_api_keys
+from splitspec.serving import Server, Unparsable, add_lenient_servicer, add_server_flags, run_main, start_observing
 from splitspec.v1 import draft_pb2, gateway_pb2, gateway_pb2_grpc, target_pb2
 
 from .backends import BackendError, DraftClient, TargetClient
@@ -375,8 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
            "repeatable or comma-separated")
     a("--draft", default=None, help="draft service address (speculative decoding)")
     a("--tokenizer-path", default=None, help="tokenizer.json or a folder holding it (default: the target's)")
-    a("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in containers)")
-    a("--port", type=int, default=50050, help="port to listen on (0: any free port)")
+    add_server_flags(p, port=50050, in_flight="requests")
     a("--max-new-tokens-cap", type=int, default=2048, help="largest max_new_tokens a request may ask for")
     a("--default-max-new-tokens", type=int, default=256, help="max_new_tokens when a request does not set it")
     a("--max-sessions", type=int, default=256, help="concurrent requests; more get RESOURCE_EXHAUSTED")
@@ -392,7 +390,6 @@ def build_parser() -> argparse.ArgumentParser:
     a("--target-lookahead", default="on", choices=["on", "off"],
       help="auto: let the target draft n-gram chains inside its Decode runs (no round trip; see "
            "docs/speculation.md); off: the gateway drafts them from its own index between runs")
-    a("--max-message-mb", type=int, default=64, help="largest gRPC message, either direction")
     a("--target-wait-s", type=float, default=600.0, help="how long to wait for a target at start-up")
     a("--draft-wait-s", type=float, default=30.0,
       help="how long to wait for the draft at start-up; after that the gateway serves target-only and "
@@ -415,10 +412,6 @@ def build_parser() -> argparse.ArgumentParser:
     a("--routing-balance-abs-threshold", type=int, default=BALANCE_ABS,
       help="prefix routing: the load bound applies only to a replica holding at least this many more requests "
            "than the least loaded one (SGLang router's balance_abs_threshold; 0: always)")
-    a("--drain-timeout-s", type=float, default=30.0, help="on SIGTERM, how long in-flight requests may run")
-    add_connection_age_flags(p)
-    a("--log-level", default="info", choices=list(logs.LEVELS), help="JSON log lines at this level and above")
-    add_metrics_flag(p)
     a("--http-port", type=int, default=0,
       help="serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /health) "
            "on this port of --host (0: off)")
@@ -428,9 +421,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--chat-template", default=None,
       help="chat template for /v1/chat/completions, a file or the Jinja text itself (as vLLM's flag); "
            "wins over the model's own (tokenizer_config.json's chat_template), for models that have none")
-    add_tls_flags(p)
     add_api_key_flags(p)
-    tracing.add_flags(p)
     return apply_env(p)
 
 
@@ -475,10 +466,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
 async def serve(args: argparse.Namespace, cfg: GatewayConfig) -> None:
     log = logs.get_logger()
     keys = ApiKeys(load_api_keys(args))
-    server = Server([SERVICE], max_message_mb=cfg.max_message_mb, credentials=server_credentials(args),
-                    max_connection_age_s=args.max_connection_age_s,
-                    max_connection_age_grace_s=args.max_connection_age_grace_s,
-                    interceptors=(ApiKeyInterceptor(keys),) if keys else ())
+    server = Server.from_args([SERVICE], args, interceptors=(ApiKeyInterceptor(keys),) if keys else ())
     backends = Backends(cfg, credentials=client_credentials(args))
     servicer = GenerationServicer(backends, server, metrics=gateway_metrics(args, lambda: servicer.active, log))
     add_servicer(servicer, server.grpc)
@@ -520,17 +508,8 @@ def gateway_metrics(args, running, log) -> GatewayMetrics | None:
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
     cfg = config_from_args(args)
-    logs.configure("gateway", args.log_level)
-    tracing.configure("gateway", args, logs.get_logger())
-    try:
-        asyncio.run(serve(args, cfg))
-    except (StartupError, OSError, ValueError) as exc:
-        logs.get_logger().error("startup_failed", error=str(exc))
-        raise SystemExit(f"splitspec-gateway: {exc}") from None
-    except KeyboardInterrupt:
-        pass
-    finally:
-        tracing.shutdown()
+    start_observing("gateway", args)
+    run_main("splitspec-gateway", serve(args, cfg), (StartupError, OSError, ValueError))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,10 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from . import logs, tracing
 from .logs import get_logger
+from .metrics import add_metrics_flag
+from .security import add_tls_flags, server_credentials
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -133,9 +136,17 @@ async def end_session_with(context, exc: Exception, code: grpc.StatusCode, log) 
     await context.abort(code, str(exc))
 
 
-def run_main(program: str, serve, errors: tuple[type[BaseException], ...]) -> None:
+def start_observing(service: str, args) -> None:
+    """JSON logs at --log-level and, with --otlp-traces-endpoint, traces: before anything logs."""
+    logs.configure(service, args.log_level)
+    tracing.configure(service, args, get_logger())
+
+
+def run_main(program: str, serve, errors: tuple[type[BaseException], ...], share=None) -> None:
     """Run a service's `serve` coroutine; a start-up error in `errors` exits with a one-line
-    message (and a JSON log event) instead of a traceback; Ctrl-C exits quietly."""
+    message (and a JSON log event) instead of a traceback; Ctrl-C exits quietly. Whatever way it
+    ends, the process leaves the host's core registry (`share`, splitspec/colocation.py) and
+    sends the traces it still holds."""
     try:
         asyncio.run(serve)
     except errors as exc:
@@ -143,6 +154,10 @@ def run_main(program: str, serve, errors: tuple[type[BaseException], ...]) -> No
         raise SystemExit(f"{program}: {exc}") from None
     except KeyboardInterrupt:
         pass
+    finally:
+        if share is not None:
+            share.leave()
+        tracing.shutdown()
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -178,6 +193,22 @@ def add_connection_age_flags(parser) -> None:
            "closed (0: no limit); make it longer than the longest session stream")
 
 
+def add_server_flags(parser, *, port: int, in_flight: str = "sessions") -> None:
+    """The flags every service takes alike: where it listens, its largest message, how it drains
+    and ages its connections, its logs, metrics, traces and TLS."""
+    a = parser.add_argument
+    a("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in containers)")
+    a("--port", type=int, default=port, help="port to listen on (0: any free port)")
+    a("--max-message-mb", type=int, default=64, help="largest gRPC message, either direction")
+    a("--drain-timeout-s", type=float, default=30.0,
+      help=f"on SIGTERM, how long in-flight {in_flight} may run before the server stops")
+    add_connection_age_flags(parser)
+    a("--log-level", default="info", choices=list(logs.LEVELS), help="JSON log lines at this level and above")
+    add_metrics_flag(parser)
+    tracing.add_flags(parser)
+    add_tls_flags(parser)
+
+
 def server_options(max_message_mb: int, max_connection_age_s: float = 0.0,
                    max_connection_age_grace_s: float = 0.0) -> list[tuple]:
     opts = channel_options(max_message_mb) + [
@@ -208,6 +239,13 @@ class Server:
     max_connection_age_grace_s: float = 0.0
     grpc: grpc.aio.Server = field(init=False)
     health: health.aio.HealthServicer = field(init=False)
+
+    @classmethod
+    def from_args(cls, services: list[str], args, interceptors: tuple = ()) -> "Server":
+        """The server `add_server_flags`' flags describe."""
+        return cls(services, max_message_mb=args.max_message_mb, credentials=server_credentials(args),
+                   interceptors=interceptors, max_connection_age_s=args.max_connection_age_s,
+                   max_connection_age_grace_s=args.max_connection_age_grace_s)
 
     def __post_init__(self):
         self.grpc = grpc.aio.server(options=server_options(self.max_message_mb, self.max_connection_age_s,

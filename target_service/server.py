@@ -23,10 +23,9 @@ from splitspec.colocation import follow as follow_share
 from splitspec.colocation import start as start_share
 from splitspec.flags import apply_env
 from splitspec.limits import MAX_CACHE_SALT
-from splitspec.metrics import add_metrics_flag, serve_engine_metrics
-from splitspec.security import add_tls_flags, server_credentials
-from splitspec.serving import (IdleError, ProtocolError, Server, UnparsableError, add_connection_age_flags,
-                               add_lenient_servicer, await_message, end_session_with, run_main)
+from splitspec.metrics import serve_engine_metrics
+from splitspec.serving import (IdleError, ProtocolError, Server, UnparsableError, add_lenient_servicer,
+                               add_server_flags, await_message, end_session_with, run_main, start_observing)
 from splitspec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from splitspec.wire import (WireError, check_token_ids, dtype_from_pb, logprob_to_pb, sampling_from_pb,
                             tensor_from_pb, tensor_to_pb, tree_from_pb)
@@ -310,8 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
     a = p.add_argument
     a("--model-path", required=True, help="Hugging Face model folder (config.json, *.safetensors, tokenizer.json)")
     a("--served-model-name", default=None, help="model id reported by GetInfo (default: the folder name)")
-    a("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in containers)")
-    a("--port", type=int, default=50051, help="port to listen on (0: any free port)")
+    add_server_flags(p, port=50051)
     a("--device", default="cpu", help="cpu, cuda or cuda:N")
     a("--torch-threads", type=int, default=0,
       help="intra-op CPU threads for this service's forwards (0: auto, the cores it may use divided among the "
@@ -359,7 +357,6 @@ def build_parser() -> argparse.ArgumentParser:
            "See docs/hybrid-targets.md")
     a("--idle-timeout-s", type=float, default=300.0,
       help="close a session that sends nothing for this long (0: never)")
-    a("--max-message-mb", type=int, default=64, help="largest gRPC message, either direction")
     a("--attention-backend", default="torch", choices=["torch", "flashinfer"],
       help="attention over the paged KV pool: torch (SDPA over gathered blocks, any device) or flashinfer "
            "(CUDA: batch prefill over the paged cache with the rows' tree masks)")
@@ -397,13 +394,6 @@ def build_parser() -> argparse.ArgumentParser:
            "gives up and goes out of service (NOT_SERVING)")
     a("--sampling-backend", default="torch", choices=["torch", "flashinfer"],
       help="verification/sampling kernels: torch (reference, any device) or flashinfer (CUDA)")
-    a("--drain-timeout-s", type=float, default=30.0,
-      help="on SIGTERM, how long in-flight sessions may run before the server stops")
-    add_connection_age_flags(p)
-    a("--log-level", default="info", choices=list(logs.LEVELS), help="JSON log lines at this level and above")
-    add_metrics_flag(p)
-    tracing.add_flags(p)
-    add_tls_flags(p)
     return apply_env(p)
 
 
@@ -530,9 +520,7 @@ async def serve(args: argparse.Namespace, *, load=_load, started=None, share: Ho
     SERVING. `load` and `started` (called with the Server once listening) are seams for tests.
     `share`: this process's entry in the host's core registry (splitspec/colocation.py)."""
     log = logs.get_logger()
-    server = Server([SERVICE], max_message_mb=args.max_message_mb, credentials=server_credentials(args),
-                    max_connection_age_s=args.max_connection_age_s,
-                    max_connection_age_grace_s=args.max_connection_age_grace_s)
+    server = Server.from_args([SERVICE], args)
     state = TargetState(args)
     metrics = serve_engine_metrics(args, lambda: metrics_state(state), log)
     add_lenient_servicer(server.grpc, SERVICE, TargetServicer(state, server), {
@@ -618,8 +606,7 @@ async def serve(args: argparse.Namespace, *, load=_load, started=None, share: Ho
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
     check_args(args)
-    logs.configure("target", args.log_level)
-    tracing.configure("target", args, logs.get_logger())
+    start_observing("target", args)
     if args.node_rank > 0:
         # Another node of a multi-node group: no gRPC; its ranks join node 0's and serve its forwards.
         from target_service import tp_worker
@@ -630,14 +617,9 @@ def main(argv=None) -> None:
                                        dtype=parse_dtype(dtype), device=device, timeout_s=args.tp_timeout_s,
                                        torch_threads=args.torch_threads, auth_key=args.dist_auth_key.encode()))
     share = start_share("target", args, logs.get_logger())      # sets this process's threads
-    try:
-        run_main("splitspec-target", serve(args, share=share), (BackendError, AttentionBackendError, ConfigError,
-                                                                CheckpointError, ValueError, preflight.PreflightError,
-                                                                TensorParallelError))
-    finally:
-        if share is not None:
-            share.leave()
-        tracing.shutdown()
+    run_main("splitspec-target", serve(args, share=share), (BackendError, AttentionBackendError, ConfigError,
+                                                            CheckpointError, ValueError, preflight.PreflightError,
+                                                            TensorParallelError), share)
 
 
 if __name__ == "__main__":
