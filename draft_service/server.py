@@ -20,13 +20,13 @@ import grpc
 import torch
 
 from splitspec import logs, tracing
-from splitspec.colocation import HostShare, add_core_sharing_flag
-from splitspec.colocation import follow as follow_share
+from splitspec.colocation import HostShare
+from splitspec.colocation import follow_from_now
 from splitspec.colocation import start as start_share
-from splitspec.flags import apply_env
+from splitspec.flags import apply_env, check_ranges
 from splitspec.metrics import serve_engine_metrics
 from splitspec.serving import (AdmissionError, DrainingError, ProtocolError, Server, add_lenient_servicer,
-                               add_server_flags, end_session_with, read_message, run_main, start_observing,
+                               add_model_flags, add_server_flags, end_session, read_message, run_main, start_observing,
                                status_for)
 from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from splitspec.wire import (WireError, check_token_ids, dtype_name, dtype_to_pb, sampling_from_pb, tensor_from_pb,
@@ -186,11 +186,8 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
                 else:
                     await context.write(draft_pb2.DraftResponse(closed=draft_pb2.DraftClosed()))
                     break
-        except asyncio.CancelledError:
-            log.info("session_cancelled")
-            raise
-        except Exception as exc:  # every failure ends this stream only, never the service
-            await end_session_with(context, exc, draft_status(exc), log)
+        except (asyncio.CancelledError, Exception) as exc:     # ends this stream only, never the service
+            await end_session(context, exc, draft_status, log)
         finally:
             if isinstance(proposer, DFlashProposer):
                 st.scheduler.close(proposer)
@@ -309,17 +306,12 @@ def build_parser() -> argparse.ArgumentParser:
     a("--target-model-path", default=None,
       help="the target's Hugging Face folder: embed_tokens/lm_head, vocab and tokenizer come from it")
     a("--method", default="dflash", choices=METHODS, help="dflash (block diffusion) or ngram (prompt lookup)")
-    a("--served-model-name", default=None, help="model id reported by GetInfo (default: the folder name)")
     add_server_flags(p, port=50052)
-    a("--device", default="cpu", help="cpu, cuda or cuda:N")
-    a("--torch-threads", type=int, default=0,
-      help="intra-op CPU threads for this service's forwards (0: auto, its share of the cores it may use with "
-           "the targets and drafts on this host, see --core-sharing; with --core-sharing off, torch's default, "
-           "one per core)")
-    add_core_sharing_flag(p)
-    a("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-      help="draft weights dtype (auto: as the target's auto, bfloat16 on CUDA and on CPUs with native bf16, "
-           "float32 elsewhere)")
+    add_model_flags(p, threads_help="intra-op CPU threads for this service's forwards (0: auto, its share of the "
+                    "cores it may use with the targets and drafts on this host, see --core-sharing; with "
+                    "--core-sharing off, torch's default, one per core)",
+                    dtype_help="draft weights dtype (auto: as the target's auto, bfloat16 on CUDA and on CPUs "
+                    "with native bf16, float32 elsewhere)")
     a("--hidden-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
       help="dtype the target's hidden states cross the wire in (DraftInfo.hidden_dtype; the gateway asks the "
            "target for it, others are refused); auto: the draft's weights dtype. bfloat16 with float32 weights "
@@ -368,10 +360,8 @@ def check_args(args: argparse.Namespace) -> None:
             if not value or not (Path(value) / "config.json").is_file():
                 raise SystemExit(f"{flag} {value}: no config.json there (--method dflash needs the draft "
                                  f"and its target's folders)")
-    for name in ("max_running_requests", "max_num_batched_tokens", "kv_cache_budget_mb", "kv_block_size",
-                 "max_message_mb", "max_context"):
-        if getattr(args, name) <= 0:
-            raise SystemExit(f"--{name.replace('_', '-')} must be positive")
+    check_ranges(args, positive=("max_running_requests", "max_num_batched_tokens", "kv_cache_budget_mb",
+                                 "kv_block_size", "max_message_mb", "max_context"))
     if not 1 <= args.ngram_min <= args.ngram_max:
         raise SystemExit("--ngram-min must be >= 1 and <= --ngram-max")
 
@@ -424,7 +414,6 @@ async def serve(args: argparse.Namespace, *, started=None, share: HostShare | No
     if started is not None:
         started(server)
     engine = EngineLoop("draft-engine-loop")
-    followers = []      # the core-share watcher, cancelled with the service
 
     async def startup():
         t = time.perf_counter()
@@ -441,8 +430,7 @@ async def serve(args: argparse.Namespace, *, started=None, share: HostShare | No
 
                 def apply(plan):            # the engine thread switches before its next forward
                     sched.threads = plan.threads
-                apply(share.plan())
-                followers.append(asyncio.ensure_future(follow_share(share, apply, log)))
+                server.keep(follow_from_now(share, apply, log))
         state.engine = engine
         info = {"block_size": state.block_size}
         if state.model is not None:
@@ -456,8 +444,6 @@ async def serve(args: argparse.Namespace, *, started=None, share: HostShare | No
     try:
         await server.run(startup(), args.drain_timeout_s, on_drain=refuse_new)
     finally:
-        for task in followers:
-            task.cancel()
         engine.stop()
 
 

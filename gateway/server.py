@@ -17,7 +17,7 @@ import grpc
 from tokenizers import Tokenizer
 
 from splitspec import logs, tracing
-from splitspec.flags import ListFlag, apply_env
+from splitspec.flags import ListFlag, apply_env, check_ranges
 from splitspec.metrics import new_registry, start_exporter
 from splitspec.security import ApiKeyInterceptor, ApiKeys, add_api_key_flags, client_credentials, load_api_keys
 from splitspec.serving import Server, Unparsable, add_lenient_servicer, add_server_flags, run_main, start_observing
@@ -428,14 +428,10 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     if not args.target:
         raise SystemExit("--target is required (host:port or dns:///name:port)")
-    for name in ("max_new_tokens_cap", "default_max_new_tokens", "max_sessions", "max_message_mb",
-                 "speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens",
-                 "draft_timeout_ms", "reconnect_max_s"):
-        if getattr(args, name) <= 0:
-            raise SystemExit(f"--{name.replace('_', '-')} must be positive")
-    for name in ("max_prompt_tokens", "target_failover_attempts"):
-        if getattr(args, name) < 0:
-            raise SystemExit(f"--{name.replace('_', '-')} must be >= 0")
+    check_ranges(args, positive=("max_new_tokens_cap", "default_max_new_tokens", "max_sessions", "max_message_mb",
+                                 "speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens",
+                                 "draft_timeout_ms", "reconnect_max_s"),
+                 non_negative=("max_prompt_tokens", "target_failover_attempts"))
     if args.routing_load_factor < 1:
         raise SystemExit("--routing-load-factor must be >= 1")
     if args.routing_balance_abs_threshold < 0:

@@ -187,6 +187,13 @@ async def follow(share: HostShare, apply, log) -> None:
             last = plan
 
 
+def follow_from_now(share: HostShare, apply, log) -> asyncio.Task:
+    """`apply` the plan now, then `follow` it as services join and leave this host: the watching
+    task, for the service to cancel when it stops (Server.keep)."""
+    apply(share.plan())
+    return asyncio.ensure_future(follow(share, apply, log))
+
+
 def add_core_sharing_flag(parser) -> None:
     parser.add_argument(
         "--core-sharing", default="auto", choices=["auto", "off"],

@@ -72,3 +72,14 @@ def apply_env(parser: argparse.ArgumentParser, environ=None) -> argparse.Argumen
             if type(action) is argparse._AppendAction:
                 action.__class__ = _EnvAppend
     return parser
+
+
+def check_ranges(args: argparse.Namespace, *, positive=(), non_negative=(), program: str = "") -> None:
+    """Exit naming the first flag out of its range: those in `positive` must be > 0, those in
+    `non_negative` >= 0 (argparse's dest names)."""
+    where = f"{program}: " if program else ""
+    for names, floor, words in ((positive, 0, "must be positive"), (non_negative, None, "must be >= 0")):
+        for name in names:
+            value = getattr(args, name)
+            if not (value > 0 if floor == 0 else value >= 0):
+                raise SystemExit(f"{where}--{name.replace('_', '-')} {words}")

@@ -16,6 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from . import logs, tracing
+from .colocation import add_core_sharing_flag
 from .logs import get_logger
 from .metrics import add_metrics_flag
 from .security import add_tls_flags, server_credentials
@@ -122,8 +123,14 @@ async def await_message(reading, idle_timeout_s: float | None, what: str = "its 
     return msg
 
 
-async def end_session_with(context, exc: Exception, code: grpc.StatusCode, log) -> None:
-    """End one session stream because of `exc`, with `code`; the service itself goes on."""
+async def end_session(context, exc: BaseException, status, log) -> None:
+    """End one session stream because of `exc`; the service itself goes on. A cancellation (the
+    client left, or the server is stopping) is logged and raised on; any other failure aborts
+    the stream with the service's `status(exc)`."""
+    if isinstance(exc, asyncio.CancelledError):
+        log.info("session_cancelled")
+        raise exc
+    code = status(exc)
     # A write to a stream the client just cancelled (gRPC raises ExecuteBatchError before it
     # marks the call cancelled): nothing failed here.
     if context.cancelled() or context.done() or type(exc).__name__ == "ExecuteBatchError":
@@ -209,6 +216,17 @@ def add_server_flags(parser, *, port: int, in_flight: str = "sessions") -> None:
     add_tls_flags(parser)
 
 
+def add_model_flags(parser, *, threads_help: str, dtype_help: str) -> None:
+    """The flags of a service that runs a model (the target, the draft): the id it reports, its
+    device, its threads (and its share of this host's cores) and its dtype."""
+    a = parser.add_argument
+    a("--served-model-name", default=None, help="model id reported by GetInfo (default: the folder name)")
+    a("--device", default="cpu", help="cpu, cuda or cuda:N")
+    a("--torch-threads", type=int, default=0, help=threads_help)
+    add_core_sharing_flag(parser)
+    a("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help=dtype_help)
+
+
 def server_options(max_message_mb: int, max_connection_age_s: float = 0.0,
                    max_connection_age_grace_s: float = 0.0) -> list[tuple]:
     opts = channel_options(max_message_mb) + [
@@ -257,6 +275,7 @@ class Server:
         reflection.enable_server_reflection(names, self.grpc)
         self.serving = False
         self.draining = False
+        self._kept: list[asyncio.Future] = []
 
     async def start(self, host: str, port: int) -> int:
         """Bind and start with health NOT_SERVING; returns the bound port (useful with port 0).
@@ -279,6 +298,10 @@ class Server:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self._loop.add_signal_handler(sig, self._stop.set)
         return bound
+
+    def keep(self, task: asyncio.Future) -> None:
+        """A watcher that lives as long as the server (the core-share follower): `run` cancels it."""
+        self._kept.append(task)
 
     def request_stop(self) -> None:
         """Same as SIGTERM; callable from any thread."""
@@ -316,8 +339,8 @@ class Server:
             log.info("stopped")
             return True
         finally:
-            task.cancel()
-            stopper.cancel()
+            for t in (task, stopper, *self._kept):
+                t.cancel()
             await self.grpc.stop(0)
 
 

@@ -18,14 +18,15 @@ import grpc
 import torch
 
 from splitspec import logs, serving, tracing
-from splitspec.colocation import HostShare, add_core_sharing_flag
-from splitspec.colocation import follow as follow_share
+from splitspec.colocation import HostShare
+from splitspec.colocation import follow_from_now
 from splitspec.colocation import start as start_share
-from splitspec.flags import apply_env
+from splitspec.flags import apply_env, check_ranges
 from splitspec.limits import MAX_CACHE_SALT
 from splitspec.metrics import serve_engine_metrics
 from splitspec.serving import (IdleError, ProtocolError, Server, UnparsableError, add_lenient_servicer,
-                               add_server_flags, await_message, end_session_with, run_main, start_observing)
+                               add_model_flags, add_server_flags, await_message, end_session, run_main,
+                               start_observing)
 from splitspec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from splitspec.wire import (WireError, check_token_ids, dtype_from_pb, logprob_to_pb, sampling_from_pb,
                             tensor_from_pb, tensor_to_pb, tree_from_pb)
@@ -185,11 +186,8 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
                     break
             if run is not None:
                 await run
-        except asyncio.CancelledError:
-            log.info("session_cancelled")
-            raise
-        except Exception as exc:  # every failure ends this stream only, never the service
-            await end_session_with(context, exc, status_for(exc), log)
+        except (asyncio.CancelledError, Exception) as exc:     # ends this stream only, never the service
+            await end_session(context, exc, status_for, log)
         finally:
             for task in (reading, run):
                 if task is not None and not task.done():
@@ -308,21 +306,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="splitspec-target", description="The target (verifier) gRPC service.")
     a = p.add_argument
     a("--model-path", required=True, help="Hugging Face model folder (config.json, *.safetensors, tokenizer.json)")
-    a("--served-model-name", default=None, help="model id reported by GetInfo (default: the folder name)")
     add_server_flags(p, port=50051)
-    a("--device", default="cpu", help="cpu, cuda or cuda:N")
-    a("--torch-threads", type=int, default=0,
-      help="intra-op CPU threads for this service's forwards (0: auto, the cores it may use divided among the "
-           "targets on this host, see --core-sharing; with --core-sharing off, torch's default, one per core)")
+    add_model_flags(p, threads_help="intra-op CPU threads for this service's forwards (0: auto, the cores it may use "
+                    "divided among the targets on this host, see --core-sharing; with --core-sharing off, torch's "
+                    "default, one per core)",
+                    dtype_help="weights and KV cache dtype (auto: bfloat16 on CUDA and on CPUs with native bf16 "
+                    "(AVX512-BF16 / AMX), float32 on other CPUs)")
     a("--verify-torch-threads", type=int, default=0,
       help="intra-op threads for forwards that verify a model draft while sessions drafting with the model are at "
            "least half of those running (0: auto, --torch-threads "
            "less the share of the draft services on this host, so a co-located draft keeps its cores while it "
            "drafts for the other sessions; as --torch-threads when none is found)")
-    add_core_sharing_flag(p)
-    a("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-      help="weights and KV cache dtype (auto: bfloat16 on CUDA and on CPUs with native bf16 "
-           "(AVX512-BF16 / AMX), float32 on other CPUs)")
     a("--max-running-requests", type=int, default=64,
       help="sessions scheduled at once (each holds a KV reservation); more wait in a FIFO queue")
     a("--max-queued-requests", type=int, default=512,
@@ -422,17 +416,10 @@ def nodes_from_lws(args: argparse.Namespace) -> None:
 
 
 def check_args(args: argparse.Namespace) -> None:
-    if args.max_queued_requests < 0:
-        raise SystemExit("--max-queued-requests must be >= 0")
-    for name in ("max_running_requests", "max_num_batched_tokens", "chunked_prefill_size", "kv_cache_budget_mb",
-                 "kv_block_size", "max_message_mb"):
-        if getattr(args, name) <= 0:
-            raise SystemExit(f"--{name.replace('_', '-')} must be positive")
-    for name in ("prefix_cache_hidden_mb", "prefix_cache_state_slots", "prefix_cache_reserve_mb"):
-        if getattr(args, name) < 0:
-            raise SystemExit(f"--{name.replace('_', '-')} must be >= 0")
-    if args.max_context < 0:
-        raise SystemExit("--max-context must be >= 0")
+    check_ranges(args, positive=("max_running_requests", "max_num_batched_tokens", "chunked_prefill_size",
+                                 "kv_cache_budget_mb", "kv_block_size", "max_message_mb"),
+                 non_negative=("max_queued_requests", "prefix_cache_hidden_mb", "prefix_cache_state_slots",
+                               "prefix_cache_reserve_mb", "max_context"))
     if args.tensor_parallel_size < 1:
         raise SystemExit("--tensor-parallel-size must be >= 1")
     nodes_from_lws(args)
@@ -532,7 +519,6 @@ async def serve(args: argparse.Namespace, *, load=_load, started=None, share: Ho
         started(server)
     engine = EngineLoop()
     tp_driver = []      # rank 0's TensorParallelDriver once loaded, stopped with the service
-    followers = []      # the core-share watcher, cancelled with the service
 
     async def startup():
         t = time.perf_counter()
@@ -577,8 +563,7 @@ async def serve(args: argparse.Namespace, *, load=_load, started=None, share: Ho
             # The engine thread switches to these before each forward (Scheduler.verify_threads).
             def apply(plan):
                 sched.threads, sched.verify_threads = plan.threads, plan.verify_threads
-            apply(share.plan())
-            followers.append(asyncio.ensure_future(follow_share(share, apply, log)))
+            server.keep(follow_from_now(share, apply, log))
         state.grammars = Grammars(args.model_path, cfg.vocab_size, cfg.eos_token_ids)
         state.scheduler = sched
         log.info("serving", model_id=state.model_id, architecture=cfg.architecture, layers=cfg.num_hidden_layers,
@@ -596,8 +581,6 @@ async def serve(args: argparse.Namespace, *, load=_load, started=None, share: Ho
     try:
         await server.run(startup(), args.drain_timeout_s, on_drain=refuse_new)
     finally:
-        for task in followers:
-            task.cancel()
         engine.stop()
         for driver in tp_driver:
             driver.close()

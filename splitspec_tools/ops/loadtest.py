@@ -27,7 +27,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from splitspec.flags import ListFlag, apply_env
+from splitspec.flags import ListFlag, apply_env, check_ranges
 
 
 # -- resident memory of a local service, found by its listening port --------------------------
@@ -330,9 +330,7 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
 
 
 def main(args: argparse.Namespace) -> int:
-    for name in ("streams", "duration_s"):
-        if getattr(args, name) <= 0:
-            raise SystemExit(f"splitspec loadtest: --{name.replace('_', '-')} must be positive")
+    check_ranges(args, positive=("streams", "duration_s"), program="splitspec loadtest")
     if not 0 <= args.cancel_prob <= 1:
         raise SystemExit("splitspec loadtest: --cancel-prob must be in [0, 1]")
     if not 0 <= args.schema_share <= 1:
