@@ -10,15 +10,16 @@ import types
 
 import pytest
 
-from splitspec_tools.bench.auto import (Cell, Result, drafter_tau, fit, grid, main, markdown, method_share, min_requests,
-                                  requests_for, step_prices)
+from splitspec_tools.bench.auto import Cell, drafter_tau, fit, grid, main, markdown, min_requests, requests_for, step_prices
+from splitspec_tools.bench.client import Sample
+from splitspec_tools.bench.harness import step_mix
 from splitspec_tools.defaults import DEFAULT_DRAFT, DEFAULT_TARGET, model_dir
 
 
-def stats(steps=(), by_method=None, verify_steps=0, draft_ms=0.0, verify_ms=0.0, wire_ms=0.0, queue_ms=0.0):
-    return types.SimpleNamespace(steps=[types.SimpleNamespace(method=m, accepted=a) for m, a in steps],
-                                 steps_by_method=by_method or {}, verify_steps=verify_steps, draft_ms=draft_ms,
-                                 verify_ms=verify_ms, wire_ms=wire_ms, queue_ms=queue_ms)
+def sample(n_tokens, wall_s, ttft_s, steps=(), by_method=None, **kw):
+    """A request as the client records it: n tokens, its times, and the gateway's per-step stats."""
+    return Sample([1] * n_tokens, 0.0, wall_s, ttft_s, steps_by_method=by_method or {},
+                  stats=types.SimpleNamespace(steps=[types.SimpleNamespace(method=m, accepted=a) for m, a in steps]), **kw)
 
 
 def test_grid_and_request_counts():
@@ -50,10 +51,9 @@ def test_a_long_prompt_keeps_its_tail_and_leaves_room_for_the_generation():
 
 
 def test_step_mix_and_drafter_tau():
-    rs = [Result([1] * 9, 0.0, 1.0, 0.1, stats([("dflash", 3), ("dflash", 1), ("none", 0)],
-                                                 {"dflash": 2, "none": 1})),
-          Result([1] * 5, 0.0, 1.0, 0.1, stats([("ngram", 2)], {"ngram": 1, "none": 3}))]
-    assert method_share(rs) == pytest.approx({"dflash": 2 / 7, "ngram": 1 / 7, "none": 4 / 7})
+    rs = [sample(9, 1.0, 0.1, [("dflash", 3), ("dflash", 1), ("none", 0)], {"dflash": 2, "none": 1}),
+          sample(5, 1.0, 0.1, [("ngram", 2)], {"ngram": 1, "none": 3})]
+    assert step_mix(rs) == pytest.approx({"dflash": 2 / 7, "ngram": 1 / 7, "none": 4 / 7})
     assert drafter_tau(rs, "dflash") == pytest.approx(3.0)       # (3 + 1) / 2 accepted, + the bonus
     assert drafter_tau(rs, "ngram") == pytest.approx(3.0) and drafter_tau(rs, "none") == pytest.approx(1.0)
 
@@ -61,14 +61,13 @@ def test_step_mix_and_drafter_tau():
 def test_step_prices_by_hand():
     # Two requests of 9 tokens in 4 verify steps each; 0.1 s to the first token, 0.5 s in all:
     # (0.5 - 0.1) / 4 = 100 ms a step; Propose 40 + 40 ms over 8 steps = 10 ms; τ = 16 / 8 = 2.
-    rs = [Result([1] * 9, 0.0, 0.5, 0.1, stats(verify_steps=4, draft_ms=40, verify_ms=320, wire_ms=8, queue_ms=4))
-          for _ in range(2)]
+    rs = [sample(9, 0.5, 0.1, verify_steps=4, committed=8, draft_ms=40, verify_ms=320, wire_ms=8, queue_ms=4) for _ in range(2)]
     p = step_prices(rs)
     assert p["step_ms"] == pytest.approx(100.0) and p["propose_ms"] == pytest.approx(10.0)
     assert p["verify_ms"] == pytest.approx(80.0) and p["wire_ms"] == pytest.approx(2.0)
     assert p["tau"] == pytest.approx(2.0) and p["steps"] == 8
     # Target-only: a step is a token.
-    none = step_prices([Result([1] * 11, 0.0, 0.3, 0.1, stats())])
+    none = step_prices([sample(11, 0.3, 0.1)])
     assert none["step_ms"] == pytest.approx(20.0) and none["tau"] == pytest.approx(1.0)
 
 
@@ -82,8 +81,8 @@ def test_the_report_marks_the_cells_below_the_bar():
                "queue_ms": 0, "tau": 2.5, "break_even_tau": 3.0, "tok_s_vs_none": 0.83},
               {"streams": 1, "config": "target forward_ms", "forward_ms": {"1": 4.0, "8": 6.0}}]
     res = {"meta": {"command": "splitspec bench-auto", "git_revision": "x",
-                    "machine": {"cpu": "cpu", "cores": 2, "torch": "2", "torch_threads": 2, "python": "3"}},
-           "started": "now", "took_s": 1.0, "prompts": {"short": "1", "long": "1"},
+                    "machine": {"cpu": "cpu", "cores": 2, "torch": "2", "torch_threads": 2, "python": "3"},
+                    "started": "now"}, "took_s": 1.0, "prompts": {"short": "1", "long": "1"},
            "runs": [{"services": "hand", "description": "d", "cells": [cell], "prices": prices}]}
     md = markdown(res)
     assert "**0.90**" in md and "0/1 cells ≥ 0.95" in md

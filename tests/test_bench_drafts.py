@@ -36,7 +36,7 @@ def test_bench_drafts_end_to_end(tmp_path, monkeypatch):
     # from these raw streams rather than read back from the report that derived them.
     runs = []
 
-    class Recording(drafts_bench.GatewayRunner):
+    class Recording(drafts_bench.Gateway):
         made = 0
 
         def __init__(self, *args, **kwargs):
@@ -44,12 +44,12 @@ def test_bench_drafts_end_to_end(tmp_path, monkeypatch):
             self.label = labels[Recording.made % len(labels)]      # one runner per draft, in --draft order
             Recording.made += 1
 
-        def run(self, prompt_ids, max_new, params, on_chunk=None):
-            sample = super().run(prompt_ids, max_new, params, on_chunk)
+        def run(self, prompt_ids, max_new, params, **kw):
+            sample = super().run(prompt_ids, max_new, params, **kw)
             mode = self.draft_sampling if params.temperature > 0 else None
             runs.append(((params.temperature, mode, self.label), list(prompt_ids), max_new, sample))
             return sample
-    monkeypatch.setattr(drafts_bench, "GatewayRunner", Recording)
+    monkeypatch.setattr(drafts_bench, "Gateway", Recording)
     out = tmp_path / "out"
     argv = ["--draft", str(tmp_path / "dflash"), "--draft", str(tmp_path / "dflash2"), "--target-model-path",
             str(target), "--num-prompts", "2", "--max-new-tokens", "8", "--max-prompt-tokens", "40",
@@ -102,12 +102,12 @@ def test_bench_drafts_by_prompt_length(tmp_path, monkeypatch):
     save_draft(new_draft(model.cfg, num_layers=1, block_size=B, mask_token_id=2, seed=5), tmp_path / "dflash")
     sent = []
 
-    class Recording(drafts_bench.GatewayRunner):
-        def run(self, prompt_ids, max_new, params, on_chunk=None):
-            sample = super().run(prompt_ids, max_new, params, on_chunk)
+    class Recording(drafts_bench.Gateway):
+        def run(self, prompt_ids, max_new, params, **kw):
+            sample = super().run(prompt_ids, max_new, params, **kw)
             sent.append((list(prompt_ids), max_new, sample))
             return sample
-    monkeypatch.setattr(drafts_bench, "GatewayRunner", Recording)
+    monkeypatch.setattr(drafts_bench, "Gateway", Recording)
     out = tmp_path / "out"
     argv = ["--draft", str(tmp_path / "dflash"), "--target-model-path", str(target), "--num-prompts", "2",
             "--max-new-tokens", "6", "--prompt-lengths", "12,40", "--temperatures", "0", "--warmup", "0",

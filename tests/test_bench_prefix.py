@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from service_helpers import bench_smoke
 
-from splitspec_tools.bench.configs import Sample
+from splitspec_tools.bench.client import Sample
 from splitspec_tools.bench.prefix import WORKLOADS, Result, main, set_ideal
 from splitspec_tools.defaults import DEFAULT_DRAFT, DEFAULT_TARGET, model_dir
 

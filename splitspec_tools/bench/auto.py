@@ -37,27 +37,16 @@ from __future__ import annotations
 
 import argparse
 import math
-import re
-import shlex
 import statistics
-import subprocess
-import sys
-import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
-
-from splitspec_tools.client import build_request
-from splitspec.v1 import gateway_pb2_grpc
-
+from . import stack as stacks
+from .client import Background, Gateway, Sample, request, sampling, step_prices as forward_step_prices, tok_s
+from .harness import cli, csv_items, fmt, header, log, median, metadata, step_mix, table, tau, write
 from .prompts import default_prompts, digest
-from .report import fmt, machine_line, metadata, table, write_json
-from .run import csv_items, log
 
 TOP_P = 0.95
 SHORT_MAX = 255
@@ -95,166 +84,6 @@ def build_parser() -> argparse.ArgumentParser:
     a("--startup-timeout-s", type=float, default=600.0)
     a("--smoke", action="store_true", help="one small cell per temperature and one load: a quick end-to-end check")
     return p
-
-
-# ------------------------------------------------------------------------------ services
-
-@dataclass
-class Services:
-    name: str                      # up | hand | running
-    gateway: str
-    target: str | None = None
-    procs: list = field(default_factory=list)
-    description: str = ""
-
-    def stop(self) -> None:
-        for p in reversed(self.procs):
-            if hasattr(p, "stop"):
-                p.stop()
-            else:
-                _terminate(p)
-        self.procs.clear()
-
-
-def _terminate(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
-def start_up(args, logs: Path) -> Services:
-    """`splitspec up` as a user runs it (its defaults but the models), with the addresses read from
-    what it prints. The models are named: up's own default target is SmolLM2 when it is installed,
-    and this bench's grids are the bundled code pair's unless --model-path says otherwise."""
-    from splitspec_tools.defaults import DEFAULT_DRAFT, DEFAULT_TARGET, model_dir
-    logs.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "splitspec_tools.cli", "up", "--gateway-port", "0", "--log-dir", str(logs),
-           "--model-path", str(model_dir(args.model_path, DEFAULT_TARGET)),
-           "--draft-model-path", str(model_dir(args.draft_model_path, DEFAULT_DRAFT))]
-    out = open(logs / "up.log", "w")
-    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    svc = Services("up", "", procs=[proc], description="splitspec up " + " ".join(shlex.quote(c) for c in cmd[4:]))
-    deadline = time.monotonic() + 2 * args.startup_timeout_s
-    while time.monotonic() < deadline:
-        text = (logs / "up.log").read_text(errors="replace")
-        target = re.search(r"^target\s+(\S+)\s+loading", text, re.M)
-        gateway = re.search(r"^gateway\s+(\S+)\s+serving", text, re.M)
-        if target and gateway:
-            svc.target, svc.gateway = target.group(1), gateway.group(1)
-            return svc
-        if proc.poll() is not None:
-            raise RuntimeError(f"splitspec up exited with {proc.returncode}:\n{text[-2000:]}")
-        time.sleep(0.5)
-    svc.stop()
-    raise TimeoutError("splitspec up did not serve in time")
-
-
-def start_hand(args, logs: Path) -> Services:
-    """The three services with nothing but the flags they cannot do without."""
-    from splitspec_tools.defaults import DEFAULT_DRAFT, DEFAULT_TARGET, model_dir
-    from splitspec_tools.ops.launch import start_service
-    model = model_dir(args.model_path, DEFAULT_TARGET)
-    draft = model_dir(args.draft_model_path, DEFAULT_DRAFT)
-    svc = Services("hand", "")
-    try:
-        target = start_service("target", ["--model-path", str(model)], log_dir=logs / "target")
-        svc.procs.append(target)
-        drafter = start_service("draft", ["--model-path", str(draft), "--target-model-path", str(model)],
-                                log_dir=logs / "draft")
-        svc.procs.append(drafter)
-        target.wait_healthy(args.startup_timeout_s)
-        drafter.wait_healthy(args.startup_timeout_s)
-        gateway = start_service("gateway", ["--target", target.address, "--draft", drafter.address],
-                                log_dir=logs / "gateway")
-        svc.procs.append(gateway)
-        gateway.wait_healthy(args.startup_timeout_s)
-    except BaseException:
-        svc.stop()
-        raise
-    svc.gateway, svc.target = gateway.address, target.address
-    svc.description = (f"splitspec-target --model-path {model}; splitspec-draft --model-path {draft} "
-                       f"--target-model-path {model}; splitspec-gateway --target T --draft D")
-    return svc
-
-
-# ------------------------------------------------------------------------------ requests
-
-@dataclass
-class Result:
-    tokens: list[int]
-    start: float
-    end: float
-    ttft: float
-    stats: object                  # gateway_pb2.SpeculativeStats
-
-    @property
-    def steps(self) -> int:
-        return self.stats.verify_steps or max(1, len(self.tokens) - 1)
-
-
-def request(prompt: list[int], method: str, max_new: int, temperature: float, seed: int,
-            topk: int = 1, width: int = 0, salt: str = "", depth: int = 7):
-    """salt: the prefix-cache namespace of the request's run; every run gets its own, so no run
-    reuses a prompt another run (the other method's, say) left in the target's cache."""
-    req = build_request(prompt, max_new_tokens=max_new, ignore_eos=True, method=method,
-                        temperature=temperature, top_p=TOP_P if temperature > 0 else None,
-                        seed=seed if temperature > 0 else None, cache_salt=salt)
-    if width:
-        # Only the price table sets the draft's shape; the grid's requests take the gateway's defaults.
-        req.speculative.num_draft_tokens = width
-        req.speculative.topk = topk
-        req.speculative.num_steps = min(width - 1, depth)
-    return req
-
-
-def send(stub, req, timeout_s: float) -> Result:
-    tokens, ttft, stats = [], None, None
-    t0 = time.perf_counter()
-    for resp in stub.Generate(req, timeout=timeout_s):
-        if resp.HasField("chunk"):
-            if resp.chunk.token_ids and ttft is None:
-                ttft = time.perf_counter() - t0
-            tokens.extend(resp.chunk.token_ids)
-        else:
-            stats = resp.complete.stats
-    if stats is None or ttft is None:
-        raise RuntimeError("Generate ended without tokens or without Complete")
-    return Result(tokens, t0, time.perf_counter(), ttft, stats)
-
-
-def run_batch(stub, reqs: list, streams: int, timeout_s: float) -> tuple[list[Result], float]:
-    """The requests with `streams` in flight; the batch's wall time."""
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(streams) as pool:
-        out = list(pool.map(lambda r: send(stub, r, timeout_s), reqs))
-    return out, time.perf_counter() - t0
-
-
-class Background:
-    """streams - 1 target-only requests decoding while the target's forward prices are read."""
-
-    def __init__(self, stub, prompts: list[list[int]], n: int, max_new: int):
-        self.calls = [stub.Generate(request(prompts[i % len(prompts)], "none", max_new, 0.0, 0)) for i in range(n)]
-        self.threads = [threading.Thread(target=self._drain, args=(c,), daemon=True) for c in self.calls]
-        for t in self.threads:
-            t.start()
-
-    @staticmethod
-    def _drain(call) -> None:
-        try:
-            for _ in call:
-                pass
-        except grpc.RpcError:
-            pass             # cancelled when the measure is done
-
-    def stop(self) -> None:
-        for c in self.calls:
-            c.cancel()
-        for t in self.threads:
-            t.join(10)
 
 
 # ------------------------------------------------------------------------------ prompts
@@ -296,25 +125,7 @@ class Cell:
         return f"T={t}, {self.streams} streams, {self.max_new} tokens, {self.kind} prompts"
 
 
-def _tok_s(results: list[Result], wall: float) -> float:
-    return sum(len(r.tokens) for r in results) / wall
-
-
-def _median(xs):
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else None
-
-
-def method_share(results: list[Result]) -> dict[str, float]:
-    counts: dict[str, int] = {}
-    for r in results:
-        for m, n in r.stats.steps_by_method.items():
-            counts[m] = counts.get(m, 0) + n
-    total = sum(counts.values()) or 1
-    return {m: n / total for m, n in sorted(counts.items())}
-
-
-def drafter_tau(results: list[Result], method: str) -> float | None:
+def drafter_tau(results: list[Sample], method: str) -> float | None:
     """Committed tokens per verify of the given drafter's steps (the accepted drafts + 1)."""
     steps = [s for r in results for s in r.stats.steps if s.method == method]
     return (sum(s.accepted for s in steps) / len(steps) + 1.0) if steps else None
@@ -334,13 +145,13 @@ def requests_for(n: int, streams: int, wall_s: float, min_run_s: float) -> int:
     return math.ceil(want / streams) * streams
 
 
-def size_cell(stub, cell: Cell, prompts: list[list[int]], n: int, min_run_s: float, seed: int,
-              timeout_s: float) -> tuple[int, float]:
+def size_cell(gw: Gateway, cell: Cell, prompts: list[list[int]], n: int, min_run_s: float,
+              seed: int) -> tuple[int, float]:
     """(requests per run, the timing run's seconds): one run of `none` with n requests, timed and
     not counted (it also warms the cell's shapes up)."""
     if min_run_s <= 0:
         return n, 0.0
-    _, wall = run_batch(stub, cell_requests(cell, prompts, "none", n, seed + 10 ** 6), cell.streams, timeout_s)
+    _, wall = gw.batch(cell_requests(cell, prompts, "none", n, seed + 10 ** 6), cell.streams)
     return requests_for(n, cell.streams, wall, min_run_s), wall
 
 
@@ -348,21 +159,19 @@ def cell_requests(cell: Cell, prompts: list[list[int]], method: str, n: int, see
     """n requests of the cell, request i on prompt i (cycling) with seed + i, one fresh cache salt
     for them all (each run starts cold)."""
     salt = uuid.uuid4().hex
-    return [request(prompts[i % len(prompts)], method, cell.max_new, cell.temperature, seed + i, salt=salt)
-            for i in range(n)]
+    return [request(prompts[i % len(prompts)], cell.max_new, sampling(cell.temperature, TOP_P, seed + i),
+                    method=method, salt=salt) for i in range(n)]
 
 
-def run_cell(stub, cell: Cell, prompts: list[list[int]], n_requests: int, repeats: int, seed: int,
-             timeout_s: float) -> dict:
+def run_cell(gw: Gateway, cell: Cell, prompts: list[list[int]], n_requests: int, repeats: int, seed: int) -> dict:
     ratios, rates, mismatches, runs = [], {"none": [], "auto": []}, 0, []
     for rep in range(repeats):
         order = ("none", "auto") if rep % 2 == 0 else ("auto", "none")
         got = {}
         for method in order:
-            got[method] = run_batch(stub, cell_requests(cell, prompts, method, n_requests, seed + 1000 * rep),
-                                    cell.streams, timeout_s)
+            got[method] = gw.batch(cell_requests(cell, prompts, method, n_requests, seed + 1000 * rep), cell.streams)
         for method, (res, wall) in got.items():
-            rates[method].append(_tok_s(res, wall))
+            rates[method].append(tok_s(res, wall))
         ratios.append(rates["auto"][-1] / rates["none"][-1])
         if cell.temperature == 0:
             mismatches += sum(a.tokens != b.tokens for a, b in zip(got["auto"][0], got["none"][0]))
@@ -372,11 +181,11 @@ def run_cell(stub, cell: Cell, prompts: list[list[int]], n_requests: int, repeat
     return {"temperature": cell.temperature, "streams": cell.streams, "max_new_tokens": cell.max_new,
             "prompts": cell.kind, "requests": n_requests, "repeats": repeats,
             "prompt_tokens_mean": round(statistics.mean(len(prompts[i % len(prompts)]) for i in range(n_requests)), 1),
-            "none_tok_s": _median(rates["none"]), "auto_tok_s": _median(rates["auto"]),
-            "ratio": _median(ratios), "ratios": [round(x, 3) for x in ratios],
-            "ttft_ms_none": 1e3 * _median([r.ttft for r in none_all]),
-            "ttft_ms_auto": 1e3 * _median([r.ttft for r in auto_all]),
-            "auto_steps": method_share(auto_all), "auto_dflash_tau": drafter_tau(auto_all, "dflash"),
+            "none_tok_s": median(rates["none"]), "auto_tok_s": median(rates["auto"]),
+            "ratio": median(ratios), "ratios": [round(x, 3) for x in ratios],
+            "ttft_ms_none": 1e3 * median([r.ttft_s for r in none_all]),
+            "ttft_ms_auto": 1e3 * median([r.ttft_s for r in auto_all]),
+            "auto_steps": step_mix(auto_all), "auto_dflash_tau": drafter_tau(auto_all, "dflash"),
             "auto_ngram_tau": drafter_tau(auto_all, "ngram"),
             "greedy_mismatches": mismatches if cell.temperature == 0 else None}
 
@@ -396,33 +205,33 @@ def min_requests(spec: str) -> dict[int, int]:
 
 # ------------------------------------------------------------------------------ prices
 
-def step_prices(results: list[Result]) -> dict:
+def step_prices(results: list[Sample]) -> dict:
     """Per step, medians over the requests: a step's time (after the first token), a Propose
     round trip, a Verify round trip, the wire's share of them, and τ pooled."""
-    steps = sum(r.steps for r in results)
-    per = lambda f: sum(f(r.stats) for r in results) / steps
-    return {"step_ms": _median([1e3 * (r.end - r.start - r.ttft) / r.steps for r in results]),
+    n = lambda r: r.verify_steps or max(1, len(r.tokens) - 1)       # target-only: a step is a token
+    steps = sum(n(r) for r in results)
+    per = lambda f: sum(f(r) for r in results) / steps
+    return {"step_ms": median([1e3 * (r.wall_s - r.ttft_s) / n(r) for r in results]),
             "propose_ms": per(lambda s: s.draft_ms), "verify_ms": per(lambda s: s.verify_ms),
             "wire_ms": per(lambda s: s.wire_ms), "queue_ms": per(lambda s: s.queue_ms),
-            "tau": sum(len(r.tokens) - 1 for r in results) / steps, "steps": steps}
+            "tau": tau(results) or 1.0, "steps": steps}
 
 
-def forward_prices(target: str, stub, prompts: list[list[int]], load: int, vocab: int) -> dict:
+def forward_prices(target: str, gw: Gateway, prompts: list[list[int]], load: int) -> dict:
     """The target's own forward_ms for a decode and for verifies of 8 / 16 / 32 nodes of one
     session, while load - 1 other streams decode through the gateway."""
-    from .configs import service_step_times
-    bg = Background(stub, prompts, load - 1, 1500) if load > 1 else None
+    bg = Background(gw, prompts, load - 1, 1500) if load > 1 else None
     try:
         if bg is not None:
             time.sleep(1.0)          # their prefills are done; they decode in every forward
-        ms = service_step_times(target, prompts[:2], [8, 16, 32], vocab, n_rounds=6)
+        ms = forward_step_prices(target, prompts[:2], [8, 16, 32], rounds=6)
     finally:
         if bg is not None:
             bg.stop()
     return {str(w): round(v, 3) for w, v in ms.items()}
 
 
-def run_prices(stub, svc: Services, prompts: list[list[int]], args, vocab: int | None, depth: int) -> list[dict]:
+def run_prices(gw: Gateway, target: str | None, prompts: list[list[int]], args, depth: int) -> list[dict]:
     """depth: the deepest branch the draft makes (its block size - 1): trees are that deep at most."""
     rows = []
     for load in [int(x) for x in csv_items(args.price_streams)]:
@@ -432,11 +241,11 @@ def run_prices(stub, svc: Services, prompts: list[list[int]], args, vocab: int |
             configs = PRICE_CONFIGS if rep % 2 == 0 else PRICE_CONFIGS[::-1]
             for label, method, topk, width in configs:
                 salt = uuid.uuid4().hex
-                reqs = [request(prompts[i % len(prompts)], method, args.price_new_tokens, 0.0, 0, topk, width, salt, depth)
-                        for i in range(n)]
-                res, wall = run_batch(stub, reqs, load, args.timeout_s)
-                got[label].append({**step_prices(res), "tok_s": _tok_s(res, wall)})
-        med = {label: {k: _median([x[k] for x in xs]) for k in xs[0]} for label, xs in got.items()}
+                reqs = [request(prompts[i % len(prompts)], args.price_new_tokens, sampling(0, TOP_P, 0), method=method,
+                                width=width, tree=(topk, width), depth=depth, salt=salt) for i in range(n)]
+                res, wall = gw.batch(reqs, load)
+                got[label].append({**step_prices(res), "tok_s": tok_s(res, wall)})
+        med = {label: {k: median([x[k] for x in xs]) for k in xs[0]} for label, xs in got.items()}
         decode_ms = med["none"]["step_ms"]
         for label, method, topk, width in PRICE_CONFIGS:
             m = med[label]
@@ -445,8 +254,8 @@ def run_prices(stub, svc: Services, prompts: list[list[int]], args, vocab: int |
             if method != "none":
                 row["break_even_tau"] = m["step_ms"] / decode_ms
             rows.append(row)
-        if svc.target and vocab:
-            fwd = forward_prices(svc.target, stub, prompts, load, vocab)
+        if target:
+            fwd = forward_prices(target, gw, prompts, load)
             rows.append({"streams": load, "config": "target forward_ms", "forward_ms": fwd})
         log(f"prices at {load} streams: " + ", ".join(
             f"{r['config']} {fmt(r.get('step_ms'), '{:.1f}')} ms" for r in rows if r["streams"] == load and "step_ms" in r))
@@ -456,12 +265,8 @@ def run_prices(stub, svc: Services, prompts: list[list[int]], args, vocab: int |
 # ------------------------------------------------------------------------------ report
 
 def markdown(res: dict) -> str:
-    meta = res["meta"]
-    out = ["# splitspec bench-auto", "",
-           f"- command: `{meta['command']}`", f"- git revision: {meta['git_revision']}",
-           f"- machine: {machine_line(meta)}; load average at start {meta['machine'].get('load_average')}",
-           f"- started {res['started']}, took {res['took_s']:.0f} s",
-           f"- prompts: short {res['prompts']['short']}, long {res['prompts']['long']}", ""]
+    out = header("splitspec bench-auto", res["meta"], f"took {res['took_s']:.0f} s",
+                 f"prompts: short {res['prompts']['short']}, long {res['prompts']['long']}")
     for run in res["runs"]:
         out += [f"## Services: {run['services']}", "", f"`{run['description']}`", ""]
         rows = []
@@ -522,8 +327,7 @@ def price_markdown(prices: list[dict]) -> list[str]:
 
 # ------------------------------------------------------------------------------ main
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     if args.smoke:
         args.temperatures, args.streams, args.max_new_tokens = "0,1", "2", "16"
@@ -532,14 +336,9 @@ def main(argv: list[str] | None = None) -> int:
         args.min_requests, args.min_run_s = "16:2", 0.0
     from tokenizers import Tokenizer
 
-    from splitspec_tools.defaults import DEFAULT_TARGET, model_dir
-    from splitspec.v1 import gateway_pb2
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    meta = metadata(argv)
-    meta["command"] = "splitspec bench-auto " + " ".join(shlex.quote(a) for a in argv)
-    started, t_start = datetime.now(timezone.utc).isoformat(timespec="seconds"), time.perf_counter()
-    model = model_dir(args.model_path, DEFAULT_TARGET)
+    from splitspec_tools.defaults import DEFAULT_DRAFT, DEFAULT_TARGET, model_dir
+    out, meta, t0 = Path(args.out), metadata("splitspec bench-auto", argv), time.perf_counter()
+    model, draft = model_dir(args.model_path, DEFAULT_TARGET), model_dir(args.draft_model_path, DEFAULT_DRAFT)
     tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
     launches = ["running"] if args.gateway else csv_items(args.launch)
     if set(launches) - {"up", "hand", "running"}:
@@ -547,52 +346,35 @@ def main(argv: list[str] | None = None) -> int:
     needed = min_requests(args.min_requests)
     runs, prompt_info = [], {}
     for i, how in enumerate(launches):
-        svc = (Services("running", args.gateway, args.target, description=f"gateway {args.gateway}")
-               if how == "running" else (start_up if how == "up" else start_hand)(args, out / "logs" / how))
+        stack, gateway, target, description = (
+            (None, args.gateway, args.target, f"gateway {args.gateway}") if how == "running" else
+            (stacks.up if how == "up" else stacks.hand)(args, model, draft, out / "logs" / how))
+        gw = Gateway(gateway, timeout_s=args.timeout_s)
         try:
-            log(f"{how}: gateway {svc.gateway}, target {svc.target}")
-            channel = grpc.insecure_channel(svc.gateway)
-            stub = gateway_pb2_grpc.GenerationStub(channel)
-            info = stub.GetModelInfo(gateway_pb2.GetModelInfoRequest(), timeout=60)
+            log(f"{how}: gateway {gateway}, target {target}")
+            info = gw.info()
             prompts = make_prompts(tokenizer, info.max_context, args)
             prompt_info = {k: f"{len(v)} ({digest(v)})" for k, v in prompts.items()}
-            send(stub, request(prompts["short"][0], "auto", 8, 0.0, 0), args.timeout_s)     # warm-up
-            run = {"services": how, "description": svc.description, "gateway": svc.gateway, "cells": []}
+            gw.send(request(prompts["short"][0], 8, sampling(0, TOP_P, 0), method="auto"))     # warm-up
+            run = {"services": how, "description": description, "gateway": gateway, "cells": []}
             if i == 0 and csv_items(args.price_streams):
-                run["prices"] = run_prices(stub, svc, prompts["short"], args, info.vocab_size,
-                                           max(1, info.num_draft_tokens - 1))
+                run["prices"] = run_prices(gw, target, prompts["short"], args, max(1, info.num_draft_tokens - 1))
             for cell in grid(args):
                 ps = [fit(p, cell.max_new, info.max_context) for p in prompts[cell.kind]]
-                n = max(cell.streams, needed.get(cell.max_new, 1))
-                n, sized_s = size_cell(stub, cell, ps, n, args.min_run_s, args.seed, args.timeout_s)
-                row = run_cell(stub, cell, ps, n, args.repeats, args.seed, args.timeout_s)
+                n, sized_s = size_cell(gw, cell, ps, max(cell.streams, needed.get(cell.max_new, 1)), args.min_run_s,
+                                       args.seed)
+                row = run_cell(gw, cell, ps, n, args.repeats, args.seed)
                 row["sizing_run_s"] = round(sized_s, 2)
                 run["cells"].append(row)
-                log(f"{how}: {cell.label}: auto × none {row['ratio']:.2f} ({row['ratios']}), "
-                    f"steps {row['auto_steps']}")
+                log(f"{how}: {cell.label}: auto × none {row['ratio']:.2f} ({row['ratios']}), steps {row['auto_steps']}")
             runs.append(run)
-            channel.close()
         finally:
-            svc.stop()
-    res = {"meta": meta, "started": started, "took_s": time.perf_counter() - t_start, "prompts": prompt_info,
-           "runs": runs}
-    write_json(res, out / "results.json")
-    (out / "results.md").write_text(markdown(res))
-    print(markdown(res))
+            gw.close()
+            if stack is not None:
+                stack.stop()
+    res = {"meta": meta, "took_s": time.perf_counter() - t0, "prompts": prompt_info, "runs": runs}
+    write(out, res, markdown(res))
     return 0
 
 
-def cli_main(argv: list[str] | None = None) -> int:
-    import signal
-
-    def stop(signum, frame):
-        raise KeyboardInterrupt        # reaches the `finally` that stops the services
-    signal.signal(signal.SIGTERM, stop)
-    try:
-        return main(argv)
-    except KeyboardInterrupt:
-        return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+cli_main = cli(main)

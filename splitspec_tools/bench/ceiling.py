@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shlex
 import sys
 import time
 from dataclasses import dataclass
@@ -182,8 +180,8 @@ def main(argv=None) -> int:
 
     from target_service.engine import load_model
 
+    from .harness import machine_line, metadata
     from .prompts import default_prompts, digest, load_jsonl
-    from .report import cpu_model, git_revision
     if args.threads:
         torch.set_num_threads(args.threads)
     model = load_model(args.target_model_path)
@@ -199,11 +197,9 @@ def main(argv=None) -> int:
             print(f"  {done}/{total} prompts, {time.time() - t0:.0f}s", file=sys.stderr, flush=True)
     res = ceiling(model, prompts, block_size=args.block_size, params=params, num_paths=args.num_paths,
                   offsets=[int(o) for o in args.offsets.split(",")], seed=args.seed, progress=progress)
-    res.update(seconds=round(time.time() - t0, 1),
-               command="splitspec ceiling " + shlex.join(sys.argv[1:] if argv is None else argv),
-               git_revision=git_revision(Path(__file__).resolve().parents[2]),
-               machine=f"{cpu_model()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads, "
-                       f"torch {torch.__version__}", prompts_digest=digest(prompts))
+    meta = metadata("splitspec ceiling", sys.argv[1:] if argv is None else argv)
+    res.update(seconds=round(time.time() - t0, 1), command=meta["command"], git_revision=meta["git_revision"],
+               machine=machine_line(meta), prompts_digest=digest(prompts))
     fmt = lambda xs: " ".join(f"{x:.2f}" for x in xs)   # noqa: E731
     print(f"{res['contexts']} contexts ({len(prompts)} prompts), T={args.temperature} top_p={args.top_p}, "
           f"B={args.block_size}, {args.num_paths} paths/context, {res['seconds']:.0f}s")

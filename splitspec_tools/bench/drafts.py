@@ -23,18 +23,16 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import shlex
 import statistics
-import sys
 import time
 import urllib.request
 from datetime import datetime, timezone
 from pathlib import Path
 
-from .configs import GatewayRunner
-from .prompts import digest
-from .report import fmt, machine_line, metadata, percentile, table, write_json
-from .run import Bench, csv_items, log
+from . import stack as stacks
+from .client import Gateway, sampling
+from .harness import cli, csv_items, fmt, header, log, metadata, percentile, table, tau, write
+from .prompts import digest, load_prompts
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,12 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--ceiling-paths", type=int, default=64,
       help="target paths per context for `splitspec ceiling` at each T > 0, run after the services stop "
            "(about 10 min on 2 cores for 50 prompts at 64; docs/training.md used 128); 0 skips it")
-    a("--device", default="cpu")
-    a("--target-torch-threads", type=int, default=0)
-    a("--target-verify-torch-threads", type=int, default=1)
-    a("--draft-torch-threads", type=int, default=1)
-    a("--timeout-s", type=float, default=900.0)
-    a("--startup-timeout-s", type=float, default=600.0)
+    stacks.add_flags(a)
     a("--out", default="bench-out/drafts", help="folder for results.json, results.md and the service logs")
     return p
 
@@ -79,8 +72,9 @@ def propose_forwards(url: str) -> tuple[float, float]:
     return float(got.get("sum", 0.0)), float(got.get("count", 0.0))
 
 
-class DraftBench(Bench):
-    """Reuses Bench's prompt preparation, tokenizer, context length and sampling params."""
+class DraftBench:
+    def __init__(self, args, argv):
+        self.args, self.argv, self.skipped, self.runners, self.procs = args, argv, [], [], []
 
     def resolve(self) -> None:
         from draft_service.architectures import draft_classes
@@ -116,16 +110,19 @@ class DraftBench(Bench):
         a = self.args
         self.lengths = [int(x) for x in csv_items(a.prompt_lengths)] if a.prompt_lengths else []
         if not self.lengths:
-            super().prepare_prompts()
+            room = stacks.max_context(self.target_path) - a.max_new_tokens - self.width - 2
+            self.prompt_ids, self.prompt_names, self.prompt_source = load_prompts(
+                a.prompts, a.num_prompts, self.target_path, max_chars=a.max_prompt_chars,
+                max_tokens=max(1, min(a.max_prompt_tokens, room)))
             self.by_length = {None: self.prompt_ids}
             return
         longest = max(self.lengths)
-        room = self.max_context() - a.max_new_tokens - self.width - 2
+        room = stacks.max_context(self.target_path) - a.max_new_tokens - self.width - 2
         if longest > room:
             raise SystemExit(f"--prompt-lengths: {longest} tokens + {a.max_new_tokens} new exceed the target's "
-                             f"context ({self.max_context()}); the longest length can be at most {room}")
+                             f"context ({stacks.max_context(self.target_path)}); the longest length can be at most {room}")
         from .prompts import default_prompts, load_jsonl
-        tok = self.load_tokenizer()
+        tok = stacks.tokenizer(self.target_path)
         pool = (load_jsonl(a.prompts) if a.prompts else
                 default_prompts(a.num_prompts * 4, max_chars=max(a.max_prompt_chars, 8 * longest)))
         kept, names = [], []
@@ -193,17 +190,17 @@ class DraftBench(Bench):
         entries, mismatches = [], []
         at = f" at {L} prompt tokens" if L else ""
         for t, mode in self.settings:
-            runners = [GatewayRunner(gw.address, "dflash", self.width, mode, a.timeout_s) for gw in self.gateways]
+            runners = [Gateway(gw.address, "dflash", self.width, mode, a.timeout_s) for gw in self.gateways]
             self.runners += runners
             name = setting_name(t, mode, a.top_p)
             log(f"{name}{at}: warming up")
             for runner in runners:      # this setting's own path (sampled drafts too), not timed
                 for ids in self.prompt_ids[:a.warmup]:
-                    runner.run(ids, min(16, a.max_new_tokens), self.params(t, a.seed + 999_999))
+                    runner.run(ids, min(16, a.max_new_tokens), sampling(t, self.args.top_p, a.seed + 999_999))
             samples, fwd = [[] for _ in runners], [[] for _ in runners]
             for rep in range(a.repeats):
                 for i, ids in enumerate(self.prompt_ids):
-                    params = self.params(t, a.seed + 1000 * rep + i)
+                    params = sampling(t, self.args.top_p, a.seed + 1000 * rep + i)
                     for d, runner in enumerate(runners):         # interleaved: A B A B …
                         s0, n0 = propose_forwards(self.drafts[d]["metrics"])
                         samples[d].append(runner.run(ids, a.max_new_tokens, params))
@@ -215,7 +212,7 @@ class DraftBench(Bench):
                                 mismatches.append(f"{self.drafts[d]['label']} ≠ {self.drafts[0]['label']} on "
                                                   f"{self.prompt_names[i]}{at} (repeat {rep + 1})")
                     log(f"{name}{at} rep {rep + 1}/{a.repeats} prompt {i + 1}/{len(self.prompt_ids)}: τ " +
-                        ", ".join(f"{dr['label']} {_tau(s[-1]):.2f}" for dr, s in zip(self.drafts, samples)))
+                        ", ".join(f"{dr['label']} {tau(s[-1:]) or 1.0:.2f}" for dr, s in zip(self.drafts, samples)))
             rows = [summarize(dr, s, f, t, mode, a.top_p if t > 0 else None, name) for dr, s, f in
                     zip(self.drafts, samples, fwd)]
             ref = rows[0]
@@ -261,8 +258,7 @@ class DraftBench(Bench):
     def run(self) -> tuple[dict, int]:
         a = self.args
         started, t0 = datetime.now(timezone.utc), time.perf_counter()
-        meta = metadata(self.argv)
-        meta["command"] = "splitspec bench-drafts " + shlex.join(self.argv)
+        meta = metadata("splitspec bench-drafts", self.argv)
         self.resolve()
         try:
             self.start_services()
@@ -303,10 +299,6 @@ class DraftBench(Bench):
         return results, 1 if mismatches else 0
 
 
-def _tau(s) -> float:
-    return s.committed / s.verify_steps if s.verify_steps else 1.0
-
-
 def setting_name(t: float, mode: str, top_p: float) -> str:
     return "T=0" if t == 0 else f"T={t:g} top_p {top_p:g}, {'sampled' if mode == 'sample' else 'greedy'} drafts"
 
@@ -321,7 +313,7 @@ def summarize(draft: dict, samples: list, fwd: list, t: float, mode: str, top_p,
     def per_step(attr: str) -> float | None:      # median over requests of the request's ms per step
         return percentile([getattr(s, attr) / s.verify_steps for s in samples
                            if s.verify_steps and getattr(s, attr) is not None], 50)
-    taus = [_tau(s) for s in samples]
+    taus = [tau([s]) or 1.0 for s in samples]
     tokens, wall = sum(len(s.tokens) for s in samples), sum(s.wall_s for s in samples)
     return {"setting": name, "temperature": t, "top_p": top_p, "draft_sampling": mode if t > 0 else None,
             "draft": draft["label"], "architecture": draft["architecture"], "requests": len(samples),
@@ -356,9 +348,7 @@ COLUMNS = [
 def markdown(r: dict) -> str:
     meta, run, entries = r["meta"], r["run"], r["results"]
     first = r["drafts"][0]["label"]
-    lines = ["# splitspec bench-drafts", "", f"- command: `{meta['command']}`",
-             f"- git revision: {meta['git_revision']}",
-             f"- machine: {machine_line(meta)}; load average at start {meta['machine'].get('load_average')}",
+    lines = header("splitspec bench-drafts", meta)[:-1] + [
              f"- target: `{run['target_model']}`; drafts: " + ", ".join(
                  f"`{d['label']}` ({d['architecture']}, block {d['block_size']}, `{d['path']}`)" for d in r["drafts"]),
              f"- prompts: {run['num_prompts']} ({run['prompt_source']}, digest {run['prompt_digest']}, "
@@ -416,22 +406,13 @@ def markdown(r: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
+def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     results, code = DraftBench(args, argv).run()
-    out = Path(args.out)
-    write_json(results, out / "results.json")
-    text = markdown(results)
-    (out / "results.md").write_text(text)
-    print(text)
+    write(Path(args.out), results, markdown(results))
     if code:
         log("LOSSLESS CHECK FAILED: drafts disagree at T=0 (see results.md)")
-    log(f"wrote {out / 'results.json'}, {out / 'results.md'}")
     return code
 
 
-def cli_main(argv: list[str] | None = None) -> int:
-    from splitspec import logs
-    logs.configure("bench", "warning")
-    return main(argv)
+cli_main = cli(main)

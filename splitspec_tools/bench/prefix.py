@@ -40,9 +40,6 @@ from __future__ import annotations
 
 import argparse
 import re
-import shlex
-import statistics
-import sys
 import threading
 import time
 import urllib.request
@@ -55,11 +52,10 @@ from types import SimpleNamespace
 
 from splitspec.engine.prefix_cache import block_keys
 
-from . import services
-from .configs import GatewayRunner, Sample
+from . import stack as stacks
+from .client import Gateway, Sample, sampling
+from .harness import cli, csv_items, fmt, header, log, median, metadata, mix_cell, percentile, step_mix, table, write
 from .prompts import default_prompts, digest
-from .report import fmt, machine_line, metadata, method_mix, mix_cell, percentile, table, write_json
-from .run import Bench, csv_items, log
 
 WORKLOADS = ("shared", "multiturn", "probe", "unique")
 METHODS = ("none", "dflash", "auto", "ngram")
@@ -111,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
            "to this over a long run (the largest default workload needs about 1 GB at once)")
     a("--prefix-cache-hidden-mb", type=int, default=None,
       help="the cache-on targets' --prefix-cache-hidden-mb (default: the target's own default)")
-    services.add_flags(a, request_timeout_s=900.0)
+    stacks.add_flags(a, request_timeout_s=900.0)
     a("--out", default="bench-out/prefix", help="folder for results.json, results.md and the service logs")
     p.set_defaults(tree="1:2")      # Bench.resolve_width reads it; chains only here
     return p
@@ -134,37 +130,16 @@ class Result:
         return self.sample.start_s + self.sample.wall_s
 
 
-class SaltedRunner(GatewayRunner):
-    """A GatewayRunner whose requests carry `salt` as their cache_salt and whose results keep the
-    Complete's Usage."""
+class SaltedRunner(Gateway):
+    """Requests that carry `salt` as their cache_salt; results that keep the Complete's Usage."""
 
     def __init__(self, address: str, method: str, width: int, salt: str, timeout_s: float):
         super().__init__(address, method, width, "greedy", timeout_s)
         self.salt = salt
-        self.stub = _UsageStub(self.stub)
 
-    def request(self, prompt_ids, max_new: int, params):
-        req = super().request(prompt_ids, max_new, params)
-        req.cache_salt = self.salt
-        return req
-
-    def send(self, key: str, prompt: list[int], max_new: int, params) -> Result:
-        sample = self.run(prompt, max_new, params)
-        usage = self.stub.local.usage
-        return Result(key, list(prompt), sample, usage.prompt_tokens, usage.cached_tokens)
-
-
-class _UsageStub:
-    """The Generation stub, keeping the last Complete's Usage per thread."""
-
-    def __init__(self, stub):
-        self.stub, self.local = stub, threading.local()
-
-    def Generate(self, req, timeout=None):
-        for resp in self.stub.Generate(req, timeout=timeout):
-            if resp.HasField("complete"):
-                self.local.usage = resp.complete.usage
-            yield resp
+    def send_one(self, key: str, prompt: list[int], max_new: int, params) -> Result:
+        sample = self.run(prompt, max_new, params, salt=self.salt)
+        return Result(key, list(prompt), sample, sample.prompt_tokens, sample.cached_tokens)
 
 
 class TokenText:
@@ -198,8 +173,9 @@ class Variant:
     metrics: list[str] = field(default_factory=list)     # the targets' /metrics URLs
 
 
-class PrefixBench(Bench):
-    """Reuses Bench's tokenizer, context length, verify width and sampling params."""
+class PrefixBench:
+    def __init__(self, args, argv):
+        self.args, self.argv, self.skipped = args, argv, []
 
     def resolve(self) -> None:
         from splitspec_tools.defaults import DEFAULT_DRAFT, DEFAULT_TARGET, model_dir
@@ -244,26 +220,27 @@ class PrefixBench(Bench):
         logs = Path(a.out) / "logs"
         common = ["--kv-block-size", str(a.kv_block_size), "--kv-cache-budget-mb", str(a.kv_cache_budget_mb)]
         hidden = [] if a.prefix_cache_hidden_mb is None else ["--prefix-cache-hidden-mb", str(a.prefix_cache_hidden_mb)]
+        self.stack = stack = stacks.Stack(a, self.target_path, self.width, logs)
         targets = {}
         for name, extra in (("on", hidden), ("off", ["--disable-radix-cache"]), ("on2", hidden)):
             if name == "on2" and a.replicas < 2:
                 continue
             port = free_port()
-            proc = services.start_target(self, logs / f"target-{name}", [*common, *extra, "--metrics-port", str(port)])
+            proc = stack.target([*common, *extra, "--metrics-port", str(port)], name=f"target-{name}")
             targets[name] = (proc, f"http://127.0.0.1:{port}/metrics")
-        draft = services.start_draft(self, self.draft_path, logs / "draft")
+        draft = stack.draft(self.draft_path)
         log(f"starting targets {', '.join(f'{n} {p.address}' for n, (p, _) in targets.items())} and draft "
             f"{draft.address} (logs: {logs})")
-        services.wait_healthy(self, [*(p for p, _ in targets.values()), draft])
+        stack.wait(*(p for p, _ in targets.values()), draft)
         gateways = []
         for v in self.variants:
             names = ["on", "on2"] if v.replicas == 2 else ["on" if v.cache else "off"]
-            gw = services.start_gateway(self, ",".join(targets[n][0].address for n in names), draft.address,
-                                        logs / f"gateway-{v.name.replace(' ', '-')}",
-                                        ["--routing-policy", v.routing] if v.routing else [])
+            gw = stack.gateway(",".join(targets[n][0].address for n in names), draft.address,
+                               ["--routing-policy", v.routing] if v.routing else [],
+                               name=f"gateway-{v.name.replace(' ', '-')}")
             gateways.append(gw)
             v.gateway, v.metrics = gw.address, [targets[n][1] for n in names]
-        services.wait_healthy(self, gateways)
+        stack.wait(*gateways)
         self.target_address = targets["on"][0].address
         self.services = (f"targets {', '.join(f'{n} {p.address}' for n, (p, _) in targets.items())}, draft "
                          f"{draft.address}, gateways " + ", ".join(f"{v.name} {v.gateway}" for v in self.variants))
@@ -273,7 +250,7 @@ class PrefixBench(Bench):
     def prepare_text(self) -> None:
         """Every workload's token ids, fixed for the whole run."""
         a = self.args
-        room = self.max_context() - self.width - 2
+        room = stacks.max_context(self.target_path) - self.width - 2
         longest = {"shared": a.system_tokens + a.question_tokens + a.max_new_tokens,
                    "multiturn": a.context_tokens + a.turns * (a.question_tokens + a.max_new_tokens),
                    "probe": a.probe_prefix_tokens + a.question_tokens + a.probe_new_tokens,
@@ -281,14 +258,14 @@ class PrefixBench(Bench):
         for w in self.workloads:
             if longest[w] > room:
                 raise SystemExit(f"{w}: sequences of {longest[w]} tokens exceed the target's context "
-                                 f"({self.max_context()} - {self.width + 2}); lower its sizes")
+                                 f"({stacks.max_context(self.target_path)} - {self.width + 2}); lower its sizes")
         need = {"shared": a.groups * (a.system_tokens + a.questions * a.question_tokens),
                 "multiturn": a.conversations * (a.context_tokens + a.turns * a.question_tokens),
                 "probe": a.probe_pairs * (2 * a.probe_prefix_tokens + 3 * a.question_tokens),
                 "unique": a.unique_prompts * a.unique_tokens}
         # Every workload's pieces are cut, run or not, so a workload's token ids do not depend on --workloads.
         total = sum(need.values()) + 2 * 256       # + the warm-up prompts
-        tok = self.load_tokenizer()
+        tok = stacks.tokenizer(self.target_path)
         n, stream = max(8, total // 600), []
         while True:
             prompts = default_prompts(n, max_chars=6000)
@@ -326,7 +303,7 @@ class PrefixBench(Bench):
                 runner = SaltedRunner(v.gateway, m, self.width, f"warmup-{uuid.uuid4().hex}", self.args.timeout_s)
                 try:
                     for ids in self.warm_prompts:
-                        runner.send("warmup", ids, 8, self.params(0.0, 0))
+                        runner.send_one("warmup", ids, 8, sampling(0.0, self.args.top_p, 0))
                 finally:
                     runner.close()
 
@@ -357,9 +334,9 @@ class PrefixBench(Bench):
         return out
 
     def _concurrent(self, runner: SaltedRunner, jobs: list[tuple[str, list[int]]], max_new: int) -> list[Result]:
-        params = self.params(self.args.temperature, self.args.seed)
+        params = sampling(self.args.temperature, self.args.top_p, self.args.seed)
         with ThreadPoolExecutor(self.args.concurrency) as pool:
-            return list(pool.map(lambda job: runner.send(job[0], job[1], max_new, params), jobs))
+            return list(pool.map(lambda job: runner.send_one(job[0], job[1], max_new, params), jobs))
 
     def _shared(self, runner, rep):
         return self._concurrent(runner, self.shared, self.args.max_new_tokens), {}
@@ -371,7 +348,7 @@ class PrefixBench(Bench):
         """Round robin over the conversations, turn by turn; the pool takes jobs in order, so a
         turn's predecessor was taken before it and waiting on it cannot deadlock."""
         a = self.args
-        params = self.params(a.temperature, a.seed)
+        params = sampling(a.temperature, self.args.top_p, a.seed)
         answers: dict[tuple[int, int], list[int]] = {}
         done = {(k, t): threading.Event() for k in range(a.conversations) for t in range(a.turns)}
 
@@ -385,7 +362,7 @@ class PrefixBench(Bench):
                 prompt += self.messages[k][j] + answers[(k, j)]
             prompt += self.messages[k][t]
             try:
-                r = runner.send(f"c{k}t{t}", prompt, a.max_new_tokens, params)
+                r = runner.send_one(f"c{k}t{t}", prompt, a.max_new_tokens, params)
                 answers[kt] = r.sample.tokens
                 return r
             finally:
@@ -398,12 +375,12 @@ class PrefixBench(Bench):
         """Per pair: the prime (caches the prefix), then the cached and the fresh request, in an
         order that alternates pair by pair (and repeat by repeat)."""
         a = self.args
-        params = self.params(a.temperature, a.seed)
+        params = sampling(a.temperature, self.args.top_p, a.seed)
         results, ratios, cached, fresh = [], [], [], []
         for i, pair in enumerate(self.pairs):
-            results.append(runner.send(f"prime{i}", pair["prime"], a.probe_new_tokens, params))
+            results.append(runner.send_one(f"prime{i}", pair["prime"], a.probe_new_tokens, params))
             order = ("cached", "fresh") if (i + rep) % 2 == 0 else ("fresh", "cached")
-            got = {kind: runner.send(f"{kind}{i}", pair[kind], a.probe_new_tokens, params) for kind in order}
+            got = {kind: runner.send_one(f"{kind}{i}", pair[kind], a.probe_new_tokens, params) for kind in order}
             results += [got[kind] for kind in order]
             cached.append(got["cached"].sample.ttft_s * 1e3)
             fresh.append(got["fresh"].sample.ttft_s * 1e3)
@@ -430,13 +407,11 @@ class PrefixBench(Bench):
     def run(self) -> dict:
         a = self.args
         started, t0 = datetime.now(timezone.utc), time.perf_counter()
-        meta = metadata(self.argv)
-        meta["command"] = "splitspec bench-prefix " + shlex.join(self.argv)
-        log(f"command: {meta['command']}")
-        log(f"machine: {machine_line(meta)}; load average {meta['machine'].get('load_average')}")
+        meta = metadata("splitspec bench-prefix", self.argv)
         self.resolve()
-        self.resolve_width()
+        self.width = stacks.draft_width(self.draft_path, self.args.num_draft_tokens)
         self.nonce = uuid.uuid4().hex[:8]
+        self.stack = None
         try:
             self.start_services()
             self.prepare_text()
@@ -445,8 +420,8 @@ class PrefixBench(Bench):
                 f"{', '.join(v.name for v in self.variants)}; {a.repeats} repeat(s)")
             runs = self.measure()
         finally:
-            for p in reversed(self.procs):
-                p.stop()
+            if self.stack is not None:
+                self.stack.stop()
         cells = summarize_cells(runs)
         for r in runs:
             del r["outputs"]         # compared in the cells; the token ids would swell the JSON
@@ -503,7 +478,8 @@ def set_ideal(results: list[Result], block: int) -> None:
         r.ideal_cached = n * block
 
 
-def _tau(results: list[Result]) -> list[int]:
+def _tau_parts(results: list[Result]) -> list[int]:
+    """[committed, verify steps]: τ's two sums, kept apart so that repeats pool."""
     return [sum(r.sample.committed for r in results), sum(r.sample.verify_steps for r in results)]
 
 
@@ -513,7 +489,7 @@ def run_stats(results: list[Result], wall: float) -> dict:
     misses = [r for r in results if r.cached_tokens == 0]
     ttft = [r.sample.ttft_s * 1e3 for r in results]
     tokens = sum(len(r.sample.tokens) for r in results)
-    parts = {"all": _tau(results), "hit": _tau(hits), "miss": _tau(misses)}
+    parts = {"all": _tau_parts(results), "hit": _tau_parts(hits), "miss": _tau_parts(misses)}
     return {"requests": len(results), "requests_hit": len(hits), "requests_miss": len(misses),
             "prompt_tokens": prompt, "cached_tokens": sum(r.cached_tokens for r in results),
             "hit_rate": sum(r.cached_tokens for r in results) / prompt if prompt else 0.0,
@@ -521,12 +497,7 @@ def run_stats(results: list[Result], wall: float) -> dict:
             "ttft_ms_p50": percentile(ttft, 50), "ttft_ms_p90": percentile(ttft, 90),
             "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
             "tau": parts["all"][0] / parts["all"][1] if parts["all"][1] else None, "tau_parts": parts,
-            "steps_by_method": method_mix([r.sample for r in results]) or {}}
-
-
-def _median(values):
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
+            "steps_by_method": step_mix([r.sample for r in results]) or {}}
 
 
 def _pooled(parts: list[list[int]]) -> float | None:
@@ -551,7 +522,7 @@ def summarize_cells(runs: list[dict]) -> list[dict]:
         plains = {r["repeat"]: r for r in runs if (r["workload"], r["method"], r["variant"]) == (w, "none", "off")}
         cell = {"workload": w, "method": m, "variant": v, "cache": mine[0]["cache"], "replicas": mine[0]["replicas"],
                 "routing": mine[0]["routing"], "repeats": len(mine), "requests": mine[0]["requests"],
-                **{f: _median([r.get(f) for r in mine]) for f in MEDIAN_FIELDS if any(f in r for r in mine)},
+                **{f: median([r.get(f) for r in mine]) for f in MEDIAN_FIELDS if any(f in r for r in mine)},
                 **{f"{f}_runs": [r.get(f) for r in mine] for f in ("ttft_ms_p50", "tokens_per_s", "hit_rate")},
                 "requests_hit": sum(r["requests_hit"] for r in mine), "requests_miss": sum(r["requests_miss"] for r in mine),
                 "tau": _pooled([r["tau_parts"]["all"] for r in mine]),
@@ -582,7 +553,7 @@ def summarize_cells(runs: list[dict]) -> list[dict]:
         if m == "none":     # target-only: every step commits one token
             for f in ("tau", "tau_hit", "tau_miss", "tau_hit_requests_on", "tau_hit_requests_off"):
                 cell[f] = None
-        cell["steps_by_method"] = method_mix([SimpleNamespace(steps_by_method=r["steps_by_method"]) for r in mine]) or {}
+        cell["steps_by_method"] = step_mix([SimpleNamespace(steps_by_method=r["steps_by_method"]) for r in mine]) or {}
         # Requests that got fewer cached tokens than the ideal, where a request's ideal is its own:
         # multiturn and probe send a request only after what it could reuse has finished. (Concurrent
         # requests of one prefix share the computing of its blocks, so shared's hits spread over them.)
@@ -596,7 +567,7 @@ def summarize_cells(runs: list[dict]) -> list[dict]:
 def _paired(runs: list[dict], w: str, m: str, num: str, den: str, f: str) -> float | None:
     a = {r["repeat"]: r.get(f) for r in runs if (r["workload"], r["method"], r["variant"]) == (w, m, num)}
     b = {r["repeat"]: r.get(f) for r in runs if (r["workload"], r["method"], r["variant"]) == (w, m, den)}
-    return _median([a[k] / b[k] for k in a if k in b and a[k] is not None and b[k]])
+    return median([a[k] / b[k] for k in a if k in b and a[k] is not None and b[k]])
 
 
 def ratios(cells: list[dict], runs: list[dict]) -> list[dict]:
@@ -624,7 +595,7 @@ def replica_ratios(runs: list[dict]) -> list[dict]:
         for v in ("on x2 prefix", "on x2 round_robin"):
             one = [r["hit_rate"] for r in runs if (r["workload"], r["method"], r["variant"]) == ("multiturn", m, "on")]
             two = [r["hit_rate"] for r in runs if (r["workload"], r["method"], r["variant"]) == ("multiturn", m, v)]
-            out.append({"method": m, "variant": v, "hit_rate_1": _median(one), "hit_rate_2": _median(two),
+            out.append({"method": m, "variant": v, "hit_rate_1": median(one), "hit_rate_2": median(two),
                         "ratio": _paired(runs, "multiturn", m, v, "on", "hit_rate")})
     return out
 
@@ -704,9 +675,7 @@ RATIO_COLUMNS = [
 def markdown(r: dict) -> str:
     meta, run = r["meta"], r["run"]
     s = run["sizes"]
-    lines = ["# splitspec bench-prefix", "", f"- command: `{meta['command']}`",
-             f"- git revision: {meta['git_revision']}",
-             f"- machine: {machine_line(meta)}; load average at start {meta['machine'].get('load_average')}",
+    lines = header("splitspec bench-prefix", meta)[:-1] + [
              f"- target: `{run['target_model']}`; draft: `{run['draft_model'] or 'none (ngram)'}`; verify width "
              f"{run['num_draft_tokens']}; KV block {run['kv_block_size']}; T={run['temperature']:g}, eos ignored",
              f"- services: {run['services']}",
@@ -760,20 +729,11 @@ def markdown(r: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
+def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     results = PrefixBench(args, argv).run()
-    out = Path(args.out)
-    write_json(results, out / "results.json")
-    text = markdown(results)
-    (out / "results.md").write_text(text)
-    print(text)
-    log(f"wrote {out / 'results.json'}, {out / 'results.md'}")
+    write(Path(args.out), results, markdown(results))
     return 0
 
 
-def cli_main(argv: list[str] | None = None) -> int:
-    from splitspec import logs
-    logs.configure("bench", "warning")
-    return main(argv)
+cli_main = cli(main)

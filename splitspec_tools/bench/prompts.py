@@ -197,3 +197,23 @@ def chat_prompts(target_folder: Path, n: int | None = None) -> list[Prompt]:
     # Multi-turn ones first, so that a small n still has some.
     convs.sort(key=lambda m: -len(m))
     return [Prompt(f"chat:{i}:{len(m)}-messages", text=template.render(m)) for i, m in enumerate(convs)][:n]
+
+
+def load_prompts(spec: str | None, n: int, target_folder: Path | None, *, max_chars: int, max_tokens: int,
+                 tokenizer=None) -> tuple[list[list[int]], list[str], str]:
+    """A bench's prompts as token ids, each kept to its last max_tokens: (ids, names, where from).
+    spec: None (function cuts), 'humaneval', 'chat', or a JSONL path; tokenized with the target's
+    tokenizer (or the one given)."""
+    if spec == "humaneval":
+        prompts, source = humaneval_prompts(target_folder, n), "HumanEval, chat-wrapped with the target's template"
+    elif spec == "chat":
+        prompts, source = chat_prompts(target_folder, n), "chat prompts from the stdlib's held-out files"
+    elif spec:
+        prompts, source = load_jsonl(spec, n), f"file {spec}"
+    else:
+        prompts, source = default_prompts(n, max_chars=max_chars), "function cuts from installed third-party packages"
+    if tokenizer is None:
+        from tokenizers import Tokenizer
+        tokenizer = Tokenizer.from_file(str(Path(target_folder) / "tokenizer.json"))
+    ids = [(list(p.token_ids) or tokenizer.encode(p.text).ids)[-max_tokens:] for p in prompts]
+    return ids, [p.id for p in prompts], f"{source}, digest {digest(ids)}"

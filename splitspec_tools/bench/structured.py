@@ -56,11 +56,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import shlex
-import signal
-import statistics
-import sys
-import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -71,11 +66,10 @@ import grpc
 
 from splitspec.v1 import common_pb2
 
-from . import services
-from .configs import GatewayRunner, Sample
+from . import stack as stacks
+from .client import Gateway, Sample, sampling
+from .harness import cli, csv_items, fmt, header, log, median, metadata, mix_cell, percentile, ratio, table, tau, write
 from .prompts import default_prompts, digest
-from .report import fmt, machine_line, metadata, mix_cell, percentile, table
-from .run import Bench, csv_items, log
 
 SHAPES = ("flat", "nested", "strings", "tool", "identifier", "version", "choice")
 METHODS = ("none", "ngram", "dflash", "auto")
@@ -117,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
            "after one that ended with eos had ~6 ms more TTFT than one after a length finish (0: back to back)")
     a("--num-draft-tokens", type=int, default=None, help="verify width (default: the first draft's block size)")
     a("--seed", type=int, default=0, help="request of prompt i in repeat r uses seed + 1000 r + i at T > 0")
-    services.add_flags(a, request_timeout_s=600.0)
+    stacks.add_flags(a, request_timeout_s=600.0)
     a("--out", default="bench-out/structured", help="folder for results.json, results.md and the service logs")
     p.set_defaults(tree="1:2", gateway=None, target=None, draft=None)     # read by Bench's helpers
     return p
@@ -230,71 +224,15 @@ def make_job(index: int, prompt_id: str, text: str, shape: str) -> tuple[Job, st
 
 # ------------------------------------------------------------------------------ validation
 
-KNOWN = {"type", "properties", "required", "additionalProperties", "enum", "const", "minimum", "maximum",
-         "minLength", "maxLength", "minItems", "maxItems", "items", "title", "description"}
-TYPES = {"object": lambda v: isinstance(v, dict), "array": lambda v: isinstance(v, list),
-         "string": lambda v: isinstance(v, str), "boolean": lambda v: isinstance(v, bool),
-         "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
-         "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "null": lambda v: v is None}
-
-
-def _same(a, b) -> bool:
-    """JSON equality: true is not 1."""
-    if isinstance(a, bool) or isinstance(b, bool):
-        return isinstance(a, bool) and isinstance(b, bool) and a == b
-    if isinstance(a, list) and isinstance(b, list):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if type(a) in (int, float) and type(b) in (int, float):
-        return a == b
-    return type(a) is type(b) and a == b
-
-
-def schema_errors(value, schema: dict, path: str = "$") -> list[str]:
-    """What is wrong with `value` against `schema`: the JSON Schema keywords of KNOWN only (the
-    ones this bench's schemas use); another keyword is a ValueError, not a silent pass."""
-    unknown = set(schema) - KNOWN
-    if unknown:
-        raise ValueError(f"schema_errors: unsupported keyword(s) {sorted(unknown)} at {path}")
-    errs = []
-    t = schema.get("type")
-    if t is not None and not TYPES[t](value):
-        return [f"{path}: expected {t}, got {json.dumps(value)[:40]}"]
-    if "const" in schema and not _same(value, schema["const"]):
-        errs.append(f"{path}: expected {json.dumps(schema['const'])}, got {json.dumps(value)[:40]}")
-    if "enum" in schema and not any(_same(value, e) for e in schema["enum"]):
-        errs.append(f"{path}: {json.dumps(value)[:40]} is not one of {schema['enum']}")
-    if TYPES["number"](value):
-        if "minimum" in schema and value < schema["minimum"]:
-            errs.append(f"{path}: {value} < minimum {schema['minimum']}")
-        if "maximum" in schema and value > schema["maximum"]:
-            errs.append(f"{path}: {value} > maximum {schema['maximum']}")
-    if isinstance(value, str):
-        if "minLength" in schema and len(value) < schema["minLength"]:
-            errs.append(f"{path}: {len(value)} characters < minLength {schema['minLength']}")
-        if "maxLength" in schema and len(value) > schema["maxLength"]:
-            errs.append(f"{path}: {len(value)} characters > maxLength {schema['maxLength']}")
-    if isinstance(value, list):
-        if "minItems" in schema and len(value) < schema["minItems"]:
-            errs.append(f"{path}: {len(value)} items < minItems {schema['minItems']}")
-        if "maxItems" in schema and len(value) > schema["maxItems"]:
-            errs.append(f"{path}: {len(value)} items > maxItems {schema['maxItems']}")
-        if "items" in schema:
-            for i, v in enumerate(value):
-                errs += schema_errors(v, schema["items"], f"{path}[{i}]")
-    if isinstance(value, dict):
-        props = schema.get("properties", {})
-        errs += [f"{path}: missing required {k!r}" for k in schema.get("required", []) if k not in value]
-        extra = schema.get("additionalProperties", True)
-        for k, v in value.items():
-            if k in props:
-                errs += schema_errors(v, props[k], f"{path}.{k}")
-            elif extra is False:
-                errs.append(f"{path}: property {k!r} is not allowed")
-            elif isinstance(extra, dict):
-                errs += schema_errors(v, extra, f"{path}.{k}")
-    return errs
+def schema_errors(value, schema: dict) -> list[str]:
+    """What is wrong with `value` against `schema`, by the `jsonschema` package (draft 2020-12)."""
+    try:
+        from jsonschema import Draft202012Validator
+    except ImportError:
+        raise SystemExit("bench-structured checks answers with jsonschema: pip install -e '.[bench]'") from None
+    errors = sorted(Draft202012Validator(schema).iter_errors(value), key=lambda e: list(e.absolute_path))
+    return ["$" + "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in e.absolute_path) + f": {e.message}"
+            for e in errors]
 
 
 def _no_duplicates(pairs):
@@ -330,22 +268,6 @@ def check_output(kind: str, spec, text: str) -> str | None:
 # ------------------------------------------------------------------------------ requests
 
 
-class _RecordingStub:
-    """The Generation stub, keeping the last request's text and Complete (one request at a time)."""
-
-    def __init__(self, stub):
-        self.stub, self.text, self.complete = stub, [], None
-
-    def Generate(self, req, timeout=None):
-        self.text, self.complete = [], None
-        for resp in self.stub.Generate(req, timeout=timeout):
-            if resp.HasField("chunk"):
-                self.text.append(resp.chunk.text)
-            else:
-                self.complete = resp.complete
-            yield resp
-
-
 @dataclass
 class Outcome:
     sample: Sample | None
@@ -355,34 +277,20 @@ class Outcome:
     error: str | None = None  # the RPC error, as the service said it
 
 
-class StructuredRunner(GatewayRunner):
-    """GatewayRunner with eos honoured and a constraint (or none) per request."""
+class StructuredRunner(Gateway):
+    """Requests with eos honoured and a constraint (or none) each."""
 
-    def __init__(self, address: str, method: str, width: int, draft_sampling: str, timeout_s: float):
-        super().__init__(address, method, width, draft_sampling, timeout_s)
-        self.stub = _RecordingStub(self.stub)
-        self._next: tuple = (None, False)
-
-    def request(self, prompt_ids, max_new: int, params):
-        req = super().request(prompt_ids, max_new, params)
-        constraint, ignore_eos = self._next
-        req.sampling.ignore_eos = ignore_eos
+    def send_one(self, ids: list[int], max_new: int, params, constraint, ignore_eos: bool = False) -> Outcome:
+        req = self.request(ids, max_new, params, ignore_eos=ignore_eos)
         if constraint is not None:
             req.sampling.constraint.CopyFrom(constraint)
-        return req
-
-    def send(self, ids: list[int], max_new: int, params, constraint, ignore_eos: bool = False) -> Outcome:
-        self._next = (constraint, ignore_eos)
         try:
-            sample = self.run(ids, max_new, params)
+            sample = self.send(req)
         except grpc.RpcError as exc:
             return Outcome(None, error=f"{exc.code().name}: {exc.details()}")
         except RuntimeError as exc:
             return Outcome(None, error=str(exc))
-        finally:
-            self._next = (None, False)
-        c = self.stub.complete
-        return Outcome(sample, "".join(self.stub.text), c.finish_reason, forced_tokens(c.stats.steps, sample))
+        return Outcome(sample, sample.text, sample.finish_reason, forced_tokens(sample.stats.steps, sample))
 
 
 # ------------------------------------------------------------------------------ the bench
@@ -405,8 +313,9 @@ def draft_label(path: Path) -> str:
     return {"DFlashDraftModel": "DFlash", "DFlash2DraftModel": "DFlash2"}.get(arch, path.name)
 
 
-class StructuredBench(Bench):
-    """Reuses Bench's tokenizer, context length, verify width and sampling params."""
+class StructuredBench:
+    def __init__(self, args, argv):
+        self.args, self.argv, self.skipped, self.runners = args, argv, [], []
 
     def resolve(self) -> None:
         from splitspec_tools.defaults import DEFAULT_TARGET, model_dir
@@ -447,15 +356,15 @@ class StructuredBench(Bench):
     def start_services(self) -> None:
         a = self.args
         logs = Path(a.out) / "logs"
-        target = services.start_target(self, logs / "target")
-        drafts = [(label, services.start_draft(self, path, logs / f"draft-{label}"))
-                  for label, path in self.drafts or [("ngram", None)]]
+        self.stack = stack = stacks.Stack(a, self.target_path, self.width, logs)
+        target = stack.target()
+        drafts = [(label, stack.draft(path, name=f"draft-{label}")) for label, path in self.drafts or [("ngram", None)]]
         log(f"starting target {target.address} and draft(s) {', '.join(f'{l} {p.address}' for l, p in drafts)} "
             f"(logs: {logs})")
-        services.wait_healthy(self, [target, *(p for _, p in drafts)])
-        self.gateways = {label: services.start_gateway(self, target.address, proc.address, logs / f"gateway-{label}")
+        stack.wait(target, *(p for _, p in drafts))
+        self.gateways = {label: stack.gateway(target.address, proc.address, name=f"gateway-{label}")
                          for label, proc in drafts}
-        services.wait_healthy(self, self.gateways.values())
+        stack.wait(*self.gateways.values())
         self.target_address = target.address
         self.services = (f"target {target.address}; " + "; ".join(
             f"draft {label} {p.address} behind gateway {self.gateways[label].address}" for label, p in drafts))
@@ -466,8 +375,8 @@ class StructuredBench(Bench):
         prompts = default_prompts(a.num_prompts, max_chars=a.max_prompt_chars)
         if len(prompts) < a.num_prompts:
             log(f"only {len(prompts)} prompts available (asked for {a.num_prompts})")
-        tok = self.load_tokenizer()
-        limit = max(1, min(a.max_prompt_tokens, self.max_context() - a.max_new_tokens - self.width - 2))
+        tok = stacks.tokenizer(self.target_path)
+        limit = max(1, min(a.max_prompt_tokens, stacks.max_context(self.target_path) - a.max_new_tokens - self.width - 2))
         self.jobs = []
         for i, p in enumerate(prompts):
             job, text = make_job(i, p.id, p.text, self.shapes[i % len(self.shapes)])
@@ -504,12 +413,12 @@ class StructuredBench(Bench):
         for run in runs:
             constraint = job.constraint() if run.variant == "constrained" else None
             for t in sorted({0.0, *self.temperatures}):
-                out = run.runner.send(job.ids, 8, self.params(t, 1), constraint, ignore_eos=run.variant == "matched")
+                out = run.runner.send_one(job.ids, 8, sampling(t, self.args.top_p, 1), constraint, ignore_eos=run.variant == "matched")
                 if out.error:
                     log(f"warm-up {run.name} T={t:g}: {out.error}")
         for job in self.jobs:
             for run in {r.draft: r for r in runs if r.variant == "constrained" and r.method != "ngram"}.values():
-                run.runner.send(job.ids, 2, self.params(0.0, 0), job.constraint())
+                run.runner.send_one(job.ids, 2, sampling(0.0, self.args.top_p, 0), job.constraint())
 
     def measure(self, runs: list[Run]) -> list[dict]:
         a = self.args
@@ -517,7 +426,7 @@ class StructuredBench(Bench):
         for t in self.temperatures:
             for rep in range(a.repeats):
                 for job in self.jobs:
-                    params = self.params(t, a.seed + 1000 * rep + job.index)
+                    params = sampling(t, self.args.top_p, a.seed + 1000 * rep + job.index)
                     got = {}
                     for run in runs:
                         max_new, constraint = a.max_new_tokens, job.constraint()
@@ -529,7 +438,7 @@ class StructuredBench(Bench):
                                 continue
                             max_new = len(ref.sample.tokens)
                         time.sleep(a.gap_s)
-                        out = run.runner.send(job.ids, max_new, params, constraint, ignore_eos=run.variant == "matched")
+                        out = run.runner.send_one(job.ids, max_new, params, constraint, ignore_eos=run.variant == "matched")
                         got[run.name] = out
                         rows.append(self.row(t, rep, job, run, out))
                     log(f"T={t:g} rep {rep + 1}/{a.repeats} prompt {job.index + 1}/{len(self.jobs)} {job.shape}: "
@@ -565,11 +474,11 @@ class StructuredBench(Bench):
         a = self.args
         n = min(PROBE_TOKENS, a.max_new_tokens)
         if when == "before":
-            runner.send(self.jobs[0].ids, 8, self.params(0.0, 0), None, ignore_eos=True)     # warm-up
+            runner.send_one(self.jobs[0].ids, 8, sampling(0.0, self.args.top_p, 0), None, ignore_eos=True)     # warm-up
         rows, errors = [], []
         for job in self.jobs:
             time.sleep(a.gap_s)
-            out = runner.send(job.ids, n, self.params(0.0, 0), None, ignore_eos=True)
+            out = runner.send_one(job.ids, n, sampling(0.0, self.args.top_p, 0), None, ignore_eos=True)
             if out.sample is None:
                 errors.append(out.error)
                 continue
@@ -586,7 +495,7 @@ class StructuredBench(Bench):
     def service_log_lines(self) -> list[str]:
         """Warning and error lines of the services' logs (the bench starts them at --log-level warning)."""
         out = []
-        for p in self.procs:
+        for p in self.stack.procs if self.stack else []:
             try:
                 lines = p.log_path.read_text(errors="replace").splitlines()
             except OSError:
@@ -598,12 +507,10 @@ class StructuredBench(Bench):
     def run(self) -> dict:
         a = self.args
         started, t0 = datetime.now(timezone.utc), time.perf_counter()
-        meta = metadata(self.argv)
-        meta["command"] = "splitspec bench-structured " + shlex.join(self.argv)
-        log(f"command: {meta['command']}")
-        log(f"machine: {machine_line(meta)}; load average {meta['machine'].get('load_average')}")
+        meta = metadata("splitspec bench-structured", self.argv)
         self.resolve()
-        self.resolve_width()
+        self.width = stacks.draft_width(self.draft_path, self.args.num_draft_tokens)
+        self.stack = None
         try:
             self.start_services()
             self.prepare_jobs()
@@ -617,9 +524,9 @@ class StructuredBench(Bench):
         finally:
             for r in self.runners:
                 r.close()
-            for p in reversed(self.procs):
-                p.stop()
             log_lines = self.service_log_lines()
+            if self.stack is not None:
+                self.stack.stop()
         run_names = [r.name for r in runs]
         cells = summarize_cells(rows, run_names, self.temperatures, a.top_p)
         by_shape = summarize_shapes(rows, run_names, self.temperatures, self.shapes)
@@ -644,7 +551,7 @@ class StructuredBench(Bench):
             "shapes": by_shape,
             "cost": cost,
             "unconstrained_probe": {"before": probe_before, "after": probe_after,
-                                    "decode_ratio": _ratio(probe_after["decode_ms_per_token"],
+                                    "decode_ratio": ratio(probe_after["decode_ms_per_token"],
                                                            probe_before["decode_ms_per_token"])},
             "requests": rows,
             "service_log": log_lines[:200],
@@ -657,15 +564,6 @@ class StructuredBench(Bench):
 # ------------------------------------------------------------------------------ figures
 
 
-def _median(values):
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
-
-
-def _ratio(a, b) -> float | None:
-    return a / b if a is not None and b else None
-
-
 def _rate(rows: list[dict]) -> float | None:
     wall = sum(r["wall_s"] for r in rows)
     return sum(r["tokens"] for r in rows) / wall if wall > 0 else None
@@ -673,11 +571,6 @@ def _rate(rows: list[dict]) -> float | None:
 
 def _per_repeat(rows: list[dict], fn) -> list:
     return [fn([r for r in rows if r["repeat"] == rep]) for rep in sorted({r["repeat"] for r in rows})]
-
-
-def _tau(rows: list[dict]) -> float | None:
-    steps = sum(r["verify_steps"] for r in rows)
-    return sum(r["committed"] for r in rows) / steps if steps else None
 
 
 def validity(rows: list[dict]) -> dict:
@@ -708,9 +601,9 @@ def summarize_cells(rows: list[dict], runs: list[str], temps: list[float], top_p
                     "top_p": top_p if t > 0 else None, **validity(mine),
                     "finish_reasons": dict(Counter(r["finish_reason"] for r in ok)),
                     "tokens_mean": sum(r["tokens"] for r in ok) / len(ok) if ok else None,
-                    "tau": _tau(ok) if mine[0]["method"] != "none" else None,
-                    "tokens_per_s": _median(rates.values()), "tokens_per_s_runs": list(rates.values()),
-                    "speedup_vs_none": _median([v / base_rate[k] for k, v in rates.items()
+                    "tau": tau(ok) if mine[0]["method"] != "none" else None,
+                    "tokens_per_s": median(rates.values()), "tokens_per_s_runs": list(rates.values()),
+                    "speedup_vs_none": median([v / base_rate[k] for k, v in rates.items()
                                                 if v and base_rate.get(k)]),
                     "ttft_ms_p50": percentile([r["ttft_ms"] for r in ok], 50),
                     "itl_ms_p50": percentile([r["itl_ms"] for r in ok if r["itl_ms"] is not None], 50),
@@ -741,8 +634,8 @@ def summarize_shapes(rows: list[dict], runs: list[str], temps: list[float], shap
                 ok = [r for r in mine if "tokens" in r]
                 out.append({"temperature": t, "name": name, "shape": shape, **validity(mine),
                             "tokens_mean": sum(r["tokens"] for r in ok) / len(ok) if ok else None,
-                            "tau": _tau(ok) if mine[0]["method"] != "none" else None,
-                            "tokens_per_s": _median(_per_repeat(ok, _rate)) if ok else None})
+                            "tau": tau(ok) if mine[0]["method"] != "none" else None,
+                            "tokens_per_s": median(_per_repeat(ok, _rate)) if ok else None})
     return out
 
 
@@ -784,7 +677,7 @@ def summarize_cost(rows: list[dict], temps: list[float]) -> list[dict]:
             vs = [x[variant] for x in trios]
             entry[variant] = {"tokens_mean": sum(r["tokens"] for r in vs) / len(vs),
                               "decode_ms_per_token": _decode_ms_per_token(vs),
-                              "tokens_per_s": _median(_per_repeat(vs, _rate)),
+                              "tokens_per_s": median(_per_repeat(vs, _rate)),
                               "ttft_ms_p50": percentile([r["ttft_ms"] for r in vs], 50),
                               "finish_reasons": dict(Counter(r["finish_reason"] for r in vs))}
         c, f, m = (entry[v] for v in ("constrained", "free", "matched"))
@@ -795,10 +688,10 @@ def summarize_cost(rows: list[dict], temps: list[float]) -> list[dict]:
             rate_pairs = [(_rate([x["constrained"] for x in trios if x["constrained"]["repeat"] == rep]),
                            _rate([x[other] for x in trios if x[other]["repeat"] == rep]))
                           for rep in sorted({x["constrained"]["repeat"] for x in trios})]
-            entry[f"tokens_per_s_ratio_vs_{other}"] = _median([a / b for a, b in rate_pairs if a and b])
+            entry[f"tokens_per_s_ratio_vs_{other}"] = median([a / b for a, b in rate_pairs if a and b])
         itl = [x["constrained"]["itl_ms"] / x["matched"]["itl_ms"] for x in trios
                if x["constrained"]["tokens"] >= MIN_ITL_TOKENS and x["matched"]["itl_ms"]]
-        entry["itl_ratio_vs_matched_p50"] = _median(itl)
+        entry["itl_ratio_vs_matched_p50"] = median(itl)
         entry["itl_ratio_requests"] = len(itl)
         entry["grammar_cost_tokens_per_s"] = (1 - entry["tokens_per_s_ratio_vs_matched"]
                                               if entry["tokens_per_s_ratio_vs_matched"] else None)
@@ -882,9 +775,7 @@ CELL_COLUMNS = [
 
 def markdown(r: dict) -> str:
     meta, run = r["meta"], r["run"]
-    lines = ["# splitspec bench-structured", "", f"- command: `{meta['command']}`",
-             f"- git revision: {meta['git_revision']}",
-             f"- machine: {machine_line(meta)}; load average at start {meta['machine'].get('load_average')}",
+    lines = header("splitspec bench-structured", meta)[:-1] + [
              f"- target: `{run['target_model']}`; drafts: " + (", ".join(f"{k} `{v}`" for k, v in run["drafts"].items())
                                                              or "none") + f"; verify width {run['num_draft_tokens']}",
              f"- services: {run['services']}",
@@ -981,31 +872,11 @@ def markdown(r: dict) -> str:
     return "\n".join(lines)
 
 
-def write_results(results: dict, path: Path) -> None:
-    """results.json: indented, but one line per request (a thousand of them at the defaults)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    head = json.dumps({k: v for k, v in results.items() if k != "requests"}, indent=2).rstrip()[:-1].rstrip()
-    rows = ",\n    ".join(json.dumps(q, ensure_ascii=False) for q in results["requests"])
-    path.write_text(head + ',\n  "requests": [\n    ' + rows + "\n  ]\n}\n")
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
+def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    if threading.current_thread() is threading.main_thread():
-        # SIGTERM ends the run like Ctrl-C: the services the bench started are stopped, not orphaned.
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     results = StructuredBench(args, argv).run()
-    out = Path(args.out)
-    write_results(results, out / "results.json")
-    text = markdown(results)
-    (out / "results.md").write_text(text)
-    print(text)
-    log(f"wrote {out / 'results.json'}, {out / 'results.md'}")
+    write(Path(args.out), results, markdown(results))
     return 0
 
 
-def cli_main(argv: list[str] | None = None) -> int:
-    from splitspec import logs
-    logs.configure("bench", "warning")
-    return main(argv)
+cli_main = cli(main)

@@ -17,13 +17,12 @@ the context stays the prompt's) and one-token decode steps, interleaved, median 
 from __future__ import annotations
 
 import argparse
-import shlex
 import statistics
 import sys
 import time
 from pathlib import Path
 
-from .report import machine_line, metadata, write_json
+from .harness import header, log, metadata, table, write
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -158,26 +157,23 @@ def verify_cost_part(model, tok, args) -> list[dict]:
         for n, ts in times.items():
             rows.append({"prompt_tokens": length, "nodes": n, "verify_width": n + 1, "ms_median": statistics.median(ts),
                          "vs_decode": statistics.median(ts) / base})
-        print(f"[bench-trees] verify cost at {length} tokens: " +
-              ", ".join(f"{n + 1}-wide {statistics.median(ts):.1f} ms" for n, ts in times.items()), file=sys.stderr)
+        log(f"verify cost at {length} tokens: " + ", ".join(f"{n + 1}-wide {statistics.median(ts):.1f} ms"
+                                                           for n, ts in times.items()))
     return rows
 
 
 def markdown(res: dict) -> str:
-    lines = ["# bench-trees", "", f"`{res['meta']['command']}`", "", machine_line(res["meta"]), "",
-             "## Accept length, chain vs tree (in process, same draft and prompts)", "",
-             "| prompt tokens | T | draft mode | τ chain | τ tree | τ tree ÷ chain | tok/s chain | tok/s tree | "
-             "tok/s tree ÷ chain | ms/step chain | ms/step tree | T=0 mismatches |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in res["tau"]:
-        lines.append(f"| {r['prompt_tokens']} | {r['temperature']:g} | {r['draft_sampling']} | {r['chain_tau']:.2f} | "
-                     f"{r['tree_tau']:.2f} | {r['tau_tree_over_chain']:.2f} | {r['chain_tok_s']:.1f} | "
-                     f"{r['tree_tok_s']:.1f} | {r['tok_s_tree_over_chain']:.2f} | {r['chain_ms_per_step']:.1f} | "
-                     f"{r['tree_ms_per_step']:.1f} | {r['t0_mismatches']} |")
-    lines += ["", "## Verify forward against its node count (one sequence, median)", "",
-              "| prompt tokens | verify width | ms | ÷ decode |", "|---|---|---|---|"]
-    for r in res["verify_cost"]:
-        lines.append(f"| {r['prompt_tokens']} | {r['verify_width']} | {r['ms_median']:.1f} | {r['vs_decode']:.2f} |")
+    lines = header("splitspec bench-trees", res["meta"]) + ["## Accept length, chain vs tree (in process, same draft and prompts)", ""]
+    lines += table(["prompt tokens", "T", "draft mode", "τ chain", "τ tree", "τ tree ÷ chain", "tok/s chain", "tok/s tree",
+                    "tok/s tree ÷ chain", "ms/step chain", "ms/step tree", "T=0 mismatches"],
+                   [[str(r["prompt_tokens"]), f"{r['temperature']:g}", r["draft_sampling"], f"{r['chain_tau']:.2f}",
+                     f"{r['tree_tau']:.2f}", f"{r['tau_tree_over_chain']:.2f}", f"{r['chain_tok_s']:.1f}",
+                     f"{r['tree_tok_s']:.1f}", f"{r['tok_s_tree_over_chain']:.2f}", f"{r['chain_ms_per_step']:.1f}",
+                     f"{r['tree_ms_per_step']:.1f}", str(r["t0_mismatches"])] for r in res["tau"]])
+    lines += ["", "## Verify forward against its node count (one sequence, median)", ""]
+    lines += table(["prompt tokens", "verify width", "ms", "÷ decode"],
+                   [[str(r["prompt_tokens"]), str(r["verify_width"]), f"{r['ms_median']:.1f}", f"{r['vs_decode']:.2f}"]
+                    for r in res["verify_cost"]])
     return "\n".join(lines) + "\n"
 
 
@@ -189,16 +185,11 @@ def main(argv: list[str] | None = None) -> int:
     from draft_service.architectures import load_draft
     from target_service.engine import load_model, load_tokenizer
     torch.set_num_threads(args.torch_threads)
-    meta = metadata(argv)
-    meta["command"] = "splitspec bench-trees " + shlex.join(argv)
+    meta = metadata("splitspec bench-trees", argv)
     model = load_model(args.target_model_path)
     draft = load_draft(args.draft, args.target_model_path)
     tok = load_tokenizer(args.target_model_path)
     with torch.inference_mode():
         res = {"meta": meta, "verify_cost": verify_cost_part(model, tok, args), "tau": tau_part(model, draft, tok, args)}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    write_json(res, out / "results.json")
-    (out / "results.md").write_text(markdown(res))
-    print(markdown(res))
+    write(Path(args.out), res, markdown(res))
     return 1 if any(r["t0_mismatches"] for r in res["tau"]) else 0

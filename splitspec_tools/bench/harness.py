@@ -1,0 +1,160 @@
+"""What every bench shares besides the services and the client: one median, one percentile, one τ,
+the run's metadata (command line, git revision, machine) and the report writers (a Markdown table,
+results.json + results.md, printed). See docs/benchmarks.md."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def csv_items(s: str) -> list[str]:
+    """A comma-separated flag's items, blanks dropped."""
+    return [x.strip() for x in (s or "").split(",") if x.strip()]
+
+
+# ------------------------------------------------------------------------------ statistics
+
+def median(values) -> float | None:
+    """The median of the values that are not None; None when there are none."""
+    v = [x for x in values if x is not None]
+    return statistics.median(v) if v else None
+
+
+def percentile(values, q: float) -> float | None:
+    """Linear-interpolation percentile (q in 0..100), like numpy's default."""
+    v = sorted(x for x in values if x is not None)
+    if not v:
+        return None
+    pos = (len(v) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
+
+
+def ratio(a, b) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def tau(samples) -> float | None:
+    """The accept length, one meaning everywhere (docs/speculation.md): tokens committed per verify
+    step (accepted drafts + the bonus token; the prefill's first token not counted), pooled over
+    the samples' steps. None where no step was verified (target-only, whose τ is 1 by definition)."""
+    get = lambda s, k: s[k] if isinstance(s, dict) else getattr(s, k)      # a Sample, or its row in a report
+    steps = sum(get(s, "verify_steps") for s in samples)
+    return sum(get(s, "committed") for s in samples) / steps if steps else None
+
+
+def step_mix(samples) -> dict[str, float]:
+    """Share of steps per drafter that ran (auto's choice), from the gateway's stats."""
+    counts: dict[str, int] = {}
+    for s in samples:
+        for m, n in (s.steps_by_method or {}).items():
+            counts[m] = counts.get(m, 0) + n
+    total = sum(counts.values()) or 1
+    return {m: n / total for m, n in sorted(counts.items())}
+
+
+def mix_cell(mix: dict | None) -> str:
+    return " / ".join(f"{m} {v:.0%}" for m, v in mix.items()) if mix else "–"
+
+
+# ------------------------------------------------------------------------------ metadata
+
+def git_revision() -> str:
+    try:
+        run = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
+        rev, dirty = run("rev-parse", "--short=12", "HEAD"), run("status", "--porcelain", "--untracked-files=no")
+        return f"{rev}{' (modified)' if dirty else ''}" if rev else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def machine() -> dict:
+    import torch
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    out = {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+           "python": platform.python_version(), "platform": platform.platform()}
+    try:
+        out["load_average"] = [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        pass
+    return out
+
+
+def metadata(prog: str, argv: list[str]) -> dict:
+    """What every results.json records: the command as typed, the git revision, the machine and when."""
+    return {"command": f"{prog} {shlex.join(argv)}".rstrip(),
+            "python_command": shlex.join([sys.executable, *sys.argv]), "git_revision": git_revision(),
+            "machine": machine(), "started": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+
+
+def machine_line(meta: dict) -> str:
+    m = meta["machine"]
+    return (f"{m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['torch_threads']} threads), "
+            f"Python {m['python']}")
+
+
+def header(title: str, meta: dict, *lines: str) -> list[str]:
+    """The head of every results.md: the command, the revision, the machine, then the bench's own lines."""
+    return [f"# {title}", "", f"- command: `{meta['command']}`", f"- git revision: {meta['git_revision']}",
+            f"- machine: {machine_line(meta)}; load average at start {meta['machine'].get('load_average')}",
+            f"- started {meta['started']}", *[f"- {x}" for x in lines], ""]
+
+
+# ------------------------------------------------------------------------------ reports
+
+def fmt(value, spec: str = "{:.2f}") -> str:
+    return "–" if value is None else spec.format(value)
+
+
+def table(header_: list[str], rows: list[list[str]]) -> list[str]:
+    out = ["| " + " | ".join(header_) + " |", "|" + "|".join("---" for _ in header_) + "|"]
+    return out + ["| " + " | ".join(r) + " |" for r in rows]
+
+
+def write(out: Path, results: dict, markdown: str) -> None:
+    """results.json and results.md into `out`, and the Markdown on stdout."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+    (out / "results.md").write_text(markdown)
+    print(markdown)
+    log(f"wrote {out / 'results.json'}, {out / 'results.md'}")
+
+
+def cli(main):
+    """A bench's entry point: library logs to stderr as JSON lines (warnings and up), so stdout
+    carries only the report; SIGTERM unwinds like Ctrl-C, through the `finally` that stops the
+    services."""
+    def run(argv: list[str] | None = None) -> int:
+        import signal
+
+        from splitspec import logs
+        logs.configure("bench", "warning")
+
+        def stop(signum, frame):
+            raise KeyboardInterrupt
+        signal.signal(signal.SIGTERM, stop)
+        try:
+            return main(sys.argv[1:] if argv is None else list(argv))
+        except KeyboardInterrupt:
+            return 130
+    return run
