@@ -106,9 +106,7 @@ def test_unique_prompts_through_a_cached_pool_touch_only_their_peak():
     pool with the cache on. Before, every session took never-touched blocks while cached ones
     waited, so the resident memory walked over the whole pool; now only the peak and the cache's
     reserve are touched, and the pages past them stay unmapped (mincore)."""
-    # 32 KiB a block, 64 MiB in all: above glibc's largest mmap threshold (32 MiB), so the tensor is
-    # a fresh mapping and not heap pages an earlier test already touched.
-    pool = KVPool(num_layers=1, num_kv_heads=8, head_dim=64, num_blocks=2048, block_size=16)
+    pool = KVPool(num_layers=1, num_kv_heads=8, head_dim=64, num_blocks=2048, block_size=16)   # 32 KiB a block
     pool.cache, pool.cache_reserve = PrefixCache(16), 16
     live = []
     for prompt in range(200):
@@ -125,7 +123,9 @@ def test_unique_prompts_through_a_cached_pool_touch_only_their_peak():
     # The peak (4 sessions x 3 blocks) and the cache's reserve; every other block handed out was
     # one of those, evicted from the cache.
     assert pool.touched_blocks == 12 + 16 and pool.cache.evictions == 200 * 3 - 28
-    assert not any(resident(pool.k, 0, 30 * 16, 2048 * 16))     # (block 29 may share a page with 28)
+    # Block 29 may share a page with 28, and the last block a page with whatever the allocator put
+    # after the tensor (glibc can serve it from the heap, the next chunk's header right behind it).
+    assert not any(resident(pool.k, 0, 30 * 16, 2047 * 16))
 
 
 @settings(max_examples=60, deadline=None)
