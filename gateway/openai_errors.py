@@ -10,22 +10,20 @@ from starlette.responses import JSONResponse
 
 from .openai_protocol import OPAQUE_FIELDS, FieldError
 
-# gRPC status -> (HTTP status, OpenAI error type).
-HTTP_STATUS = {
-    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
-    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
-    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
-    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
-    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
-    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
-    grpc.StatusCode.ALREADY_EXISTS: (409, "conflict_error"),
-    grpc.StatusCode.ABORTED: (409, "conflict_error"),
-    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
-    grpc.StatusCode.CANCELLED: (499, "cancelled"),
-    grpc.StatusCode.UNIMPLEMENTED: (501, "not_implemented_error"),
-    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error"),
-    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
+# (HTTP status, OpenAI error type) -> the gRPC statuses answered with it; any other: 500 server_error.
+_BY_HTTP = {
+    (400, "invalid_request_error"): ("INVALID_ARGUMENT", "OUT_OF_RANGE", "FAILED_PRECONDITION"),
+    (401, "authentication_error"): ("UNAUTHENTICATED",),
+    (403, "permission_error"): ("PERMISSION_DENIED",),
+    (404, "not_found_error"): ("NOT_FOUND",),
+    (409, "conflict_error"): ("ALREADY_EXISTS", "ABORTED"),
+    (429, "rate_limit_error"): ("RESOURCE_EXHAUSTED",),
+    (499, "cancelled"): ("CANCELLED",),
+    (501, "not_implemented_error"): ("UNIMPLEMENTED",),
+    (503, "service_unavailable_error"): ("UNAVAILABLE",),
+    (504, "timeout_error"): ("DEADLINE_EXCEEDED",),
 }
+HTTP_STATUS = {grpc.StatusCode[name]: http for http, names in _BY_HTTP.items() for name in names}
 # gRPC SamplingParams field -> the HTTP field a client set.
 HTTP_NAMES = {"max_new_tokens": "max_tokens", "prompt_logprobs": "logprobs"}
 

@@ -276,6 +276,27 @@ _MANY = ("anyOf", "oneOf", "allOf", "prefixItems")
 _MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
+def _held(schema: dict, where: str) -> list[tuple[str, object]] | str:
+    """(path, schema) of each schema `schema` holds under a schema keyword, in keyword order; the
+    problem (a str) where such a keyword holds something else."""
+    held = []
+    for key in (*_ONE, *_MANY, *_MAP):
+        if key not in schema:
+            continue
+        value, path = schema[key], f"{where}.{key}"
+        if key in _MAP:
+            if not isinstance(value, dict):
+                return f"{path} must be an object of schemas"
+            held += [(f"{path}.{name}", sub) for name, sub in value.items()]
+        elif key in _MANY or (key == "items" and isinstance(value, list)):     # items as a list: draft-04 tuples
+            if not isinstance(value, list):
+                return f"{path} must be a list of schemas"
+            held += [(f"{path}[{i}]", sub) for i, sub in enumerate(value)]
+        else:
+            held.append((path, value))
+    return held
+
+
 def schema_problem(schema, where: str, depth: int = 0) -> str | None:
     """What is wrong with a JSON Schema's shape (None: nothing we can tell without compiling):
     each (sub)schema is an object or a boolean, and its `type` a JSON type or a list of them."""
@@ -293,30 +314,12 @@ def schema_problem(schema, where: str, depth: int = 0) -> str | None:
         bad = [k for k in kinds if k not in JSON_TYPES]
         if bad:
             return f"{where}.type {bad[0]!r} is not a JSON Schema type ({', '.join(JSON_TYPES)})"[:300]
-    for key in _ONE:
-        if key in schema:
-            value = schema[key]
-            if key == "items" and isinstance(value, list):       # draft-04 tuple form
-                for i, sub in enumerate(value):
-                    if p := schema_problem(sub, f"{where}.items[{i}]", depth + 1):
-                        return p
-                continue
-            if p := schema_problem(value, f"{where}.{key}", depth + 1):
-                return p
-    for key in _MANY:
-        if key in schema:
-            if not isinstance(schema[key], list):
-                return f"{where}.{key} must be a list of schemas"
-            for i, sub in enumerate(schema[key]):
-                if p := schema_problem(sub, f"{where}.{key}[{i}]", depth + 1):
-                    return p
-    for key in _MAP:
-        if key in schema:
-            if not isinstance(schema[key], dict):
-                return f"{where}.{key} must be an object of schemas"
-            for name, sub in schema[key].items():
-                if p := schema_problem(sub, f"{where}.{key}.{name}", depth + 1):
-                    return p
+    held = _held(schema, where)
+    if isinstance(held, str):
+        return held
+    for path, sub in held:
+        if p := schema_problem(sub, path, depth + 1):
+            return p
     if "required" in schema and not (isinstance(schema["required"], list)
                                      and all(isinstance(r, str) for r in schema["required"])):
         return f"{where}.required must be a list of property names"
