@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from splitspec.engine.kv_pool import BlockTable, KVPool
-from splitspec.models.config import ConfigError, ModelConfig
+from splitspec.models.config import ConfigError, ModelConfig, TransformerShape
 from splitspec.models.fused import fused, transposed
 from splitspec.models.dense import MLP, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
 
@@ -49,13 +49,7 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
 
 
 @dataclass(frozen=True)
-class DFlashConfig:
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
+class DFlashConfig(TransformerShape):
     vocab_size: int
     block_size: int                    # verify width B: the last token plus B - 1 masks
     mask_token_id: int

@@ -21,15 +21,21 @@ class ConfigError(ValueError):
 
 
 @dataclass(frozen=True)
-class ModelConfig:
-    architecture: str
-    vocab_size: int
+class TransformerShape:
+    """The sizes a decoder stack is built from: a target's (ModelConfig) and a draft's
+    (draft_service/dflash.py DFlashConfig) alike."""
     hidden_size: int
     intermediate_size: int
     num_hidden_layers: int
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
+
+
+@dataclass(frozen=True)
+class ModelConfig(TransformerShape):
+    architecture: str
+    vocab_size: int
     rms_norm_eps: float
     rope_theta: float
     rope_scaling: dict = field(default_factory=dict)
