@@ -48,6 +48,7 @@ from .draft_data import (Producer, ProducerHandle, ProducerSpec, chunk_path, cor
 from .draft_eval import eval_set, full_eval, tau_eval
 from .draft_export import export, load_ckpt, machine, save_ckpt, taps_reason, write_card
 from .draft_objective import Anchors, Teacher, objective, sample_anchors
+from .optim import add_optimizer_flags, make_optimizer
 
 DEFAULT_OUT = "models/splitspec-code-draft"
 DEFAULT_RUN_DIR = "runs/draft"
@@ -132,12 +133,7 @@ def parse_args(argv=None) -> argparse.Namespace:
       help="weight of the soft label (the target's next-token distribution, from its last layer) against "
            "the data token (1: soft only, 0: data tokens only, as the plain DFlash objective)")
     a("--attention", choices=("factored", "dense"), default="factored")
-    a("--lr", type=float, default=1e-3)
-    a("--min-lr-ratio", type=float, default=0.05)
-    a("--warmup", type=int, default=100)
-    a("--weight-decay", type=float, default=0.01)
-    a("--clip", type=float, default=1.0)
-    a("--seed", type=int, default=0)
+    add_optimizer_flags(p, lr=1e-3, weight_decay=0.01)
     a("--bf16", action=argparse.BooleanOptionalAction, default=True, help="bfloat16 autocast in training")
     a("--threads", type=int, default=None, help="torch threads of the trainer (default: cores - producer)")
     a("--device", default="cpu",
@@ -286,14 +282,6 @@ def new_backbone(args, target, layer_ids, mask_id) -> DFlashDraft:
     draft = draft.to(target.lm_head.weight.device)
     draft.attach_target(target.model.embed_tokens.weight, target.lm_head.weight)
     return draft
-
-
-def make_optimizer(model, args):
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}],
-                             lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
 
 
 def progress(step: int, train_s: float, args) -> float:

@@ -3,13 +3,12 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 from pathlib import Path
 
-import torch
-
 from draft_service.dflash import default_target_layer_ids, save_draft
+
+from . import checkpoint
 
 # ---------------------------------------------------------------- checkpoints, export, card
 
@@ -20,24 +19,11 @@ RESUME_KEYS = ("arch", "init_from", "layers", "block_size", "target_layer_ids", 
 
 
 def save_ckpt(path: Path, draft, opt, state: dict, args) -> None:
-    blob = {"model": draft.state_dict(), "optimizer": opt.state_dict(), "state": state,
-            "args": vars(args), "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}
-    tmp = path.with_suffix(".tmp")
-    torch.save(blob, tmp)
-    os.replace(tmp, path)
+    checkpoint.save(path, draft, opt, args, state=state)
 
 
 def load_ckpt(path: Path, draft, opt, args) -> dict:
-    blob = torch.load(path, weights_only=False, map_location="cpu")
-    diff = [k for k in RESUME_KEYS if blob["args"].get(k) != getattr(args, k)]
-    if diff:
-        raise SystemExit(f"{path}: checkpoint was made with different {', '.join(diff)}; "
-                         f"use the same settings or --fresh")
-    draft.load_state_dict(blob["model"])
-    opt.load_state_dict(blob["optimizer"])
-    torch.set_rng_state(blob["rng"]["torch"])
-    random.setstate(blob["rng"]["python"])
-    return blob["state"]
+    return checkpoint.load(path, draft, opt, args, RESUME_KEYS)["state"]
 
 
 def export(draft, out: Path, card: str | None, metrics: dict | None = None) -> None:

@@ -28,7 +28,8 @@ from tokenizers import Tokenizer
 from splitspec.models.config import ModelConfig
 from splitspec.models.dense import CausalLM
 
-from . import corpus, evaluate
+from . import checkpoint, corpus, evaluate
+from .optim import add_optimizer_flags, make_optimizer
 from .tokenizer import EOS, save_tokenizer, special_id, train_tokenizer
 
 DEFAULT_OUT = "models/splitspec-code-target"
@@ -58,12 +59,7 @@ def parse_args(argv=None) -> argparse.Namespace:
       help="training-time budget: the stable phase ends at (1 - decay) of it and the run's step "
            "count is fixed there (the card reports it; --steps N alone then reproduces the schedule)")
     a("--decay", type=float, default=0.2, help="fraction of the steps spent in the final LR decay")
-    a("--lr", type=float, default=2e-3)
-    a("--min-lr-ratio", type=float, default=0.05)
-    a("--warmup", type=int, default=100)
-    a("--weight-decay", type=float, default=0.1)
-    a("--clip", type=float, default=1.0)
-    a("--seed", type=int, default=0)
+    add_optimizer_flags(p, lr=2e-3, weight_decay=0.1)
     a("--bf16", action=argparse.BooleanOptionalAction, default=True,
       help="bfloat16 autocast for the matmuls (fp32 master weights); ~2x faster on AVX512-BF16 CPUs")
     a("--threads", type=int, default=None, help="torch threads (default: all cores)")
@@ -134,14 +130,6 @@ def init_weights(model: CausalLM, n_layers: int) -> None:
 
 def param_count(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())  # parameters() counts tied ones once
-
-
-def make_optimizer(model, args) -> torch.optim.AdamW:
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}],
-                             lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
 
 
 def lr_at(step: int, args, total: int | None) -> float:
@@ -229,12 +217,7 @@ def batch_at(stream: torch.Tensor, step: int, args) -> tuple[torch.Tensor, torch
 # ---------------------------------------------------------------- checkpoints
 
 def save_ckpt(path: Path, model, opt, step: int, train_seconds: float, args, total) -> None:
-    state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step, "total": total,
-             "train_seconds": train_seconds, "args": vars(args),
-             "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}
-    tmp = path.with_suffix(".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)  # atomic: a kill mid-save leaves the previous checkpoint intact
+    checkpoint.save(path, model, opt, args, step=step, total=total, train_seconds=train_seconds)
 
 
 # Settings that must match for a checkpoint to be resumed (the rest may change, e.g. eval).
@@ -245,16 +228,7 @@ RESUME_KEYS = ("vocab_size", "hidden_size", "layers", "heads", "kv_heads", "head
 
 
 def load_ckpt(path: Path, model, opt, args) -> tuple[int, float, int | None]:
-    state = torch.load(path, weights_only=False)
-    saved = state["args"]
-    diff = [k for k in RESUME_KEYS if saved.get(k) != getattr(args, k)]
-    if diff:
-        raise SystemExit(f"{path}: checkpoint was made with different {', '.join(diff)}; "
-                         f"use the same settings or --fresh")
-    model.load_state_dict(state["model"])
-    opt.load_state_dict(state["optimizer"])
-    torch.set_rng_state(state["rng"]["torch"])
-    random.setstate(state["rng"]["python"])
+    state = checkpoint.load(path, model, opt, args, RESUME_KEYS)
     return state["step"], state["train_seconds"], state["total"]
 
 
