@@ -205,7 +205,7 @@ def _interrupt(signum, frame):
 
 
 def cmd_up(args) -> int:
-    from splitspec_tools.ops.launch import port_available, start_service
+    from splitspec_tools.ops.launch import first_to_exit, port_available, run_stack, start_service
     from splitspec.models.gguf import find_gguf
 
     default_target = args.model_path is None
@@ -243,10 +243,11 @@ def cmd_up(args) -> int:
     creds = up_ops.client_credentials(args)     # mTLS with --tls-dir: up's own health checks and --prompt
     procs = []
     # SIGTERM, and SIGINT even where a non-interactive shell ignores it, must still reach the
-    # `finally` below, or the services would outlive `up`.
+    # services' stop in run_stack, or they would outlive `up`.
     signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGINT, _interrupt)
-    try:
+
+    def run() -> int:
         target = start_service("target", ["--model-path", str(model), "--device", args.device,
                                           "--dtype", args.dtype, "--sampling-backend", args.sampling_backend,
                                           "--tensor-parallel-size", str(args.tensor_parallel_size),
@@ -278,20 +279,15 @@ def cmd_up(args) -> int:
                                   api_key=up_ops.env_api_key(), raw=args.raw)
         print(f"ready: splitspec generate --gateway {gateway.address} \"def fibonacci(n):\"   (Ctrl-C stops)",
               file=sys.stderr)
-        while all(p.proc.poll() is None for p in procs):
-            time.sleep(0.5)
-        dead = next(p for p in procs if p.proc.poll() is not None)
+        dead = first_to_exit(procs)
         print(f"{dead.name} exited with code {dead.proc.returncode}; last log lines:\n{dead.log_tail()}",
               file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        return 0
-    except (RuntimeError, TimeoutError) as exc:
-        print(f"splitspec up: {exc}", file=sys.stderr)
-        return 1
-    finally:
+
+    def stop() -> None:
         for p in reversed(procs):
             p.stop()
+    return run_stack("splitspec up", run, stop)
 
 
 def main(argv=None) -> None:

@@ -96,3 +96,26 @@ def start_service(name: str, args: list[str], *, log_dir: Path, host: str = "127
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env={**os.environ, **(env or {})})
     return ServiceProcess(name, f"{host}:{port}", proc, log_path, credentials)
+
+
+def first_to_exit(procs) -> ServiceProcess:
+    """Wait until one of the running services `procs` exits: that one."""
+    procs = list(procs)
+    while all(p.proc.poll() is None for p in procs):
+        time.sleep(0.5)
+    return next(p for p in procs if p.proc.poll() is not None)
+
+
+def run_stack(program: str, run, stop) -> int:
+    """The exit code of a command that starts services (`run()`): Ctrl-C (and SIGTERM made into
+    it) is a clean stop, 0; a service that could not start, a one-line message and 1; whatever
+    way it ends, `stop()` stops the services."""
+    try:
+        return run()
+    except KeyboardInterrupt:
+        return 0
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"{program}: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        stop()

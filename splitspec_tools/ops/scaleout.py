@@ -310,12 +310,14 @@ def run_checks(top: Topology) -> dict:
 
 
 def run_inside(args) -> int:
+    from splitspec_tools.ops.launch import first_to_exit, run_stack
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="splitspec-scaleout-")).resolve()
     log_dir.mkdir(parents=True, exist_ok=True)
     hosts = setup_network(log_dir)
     top = Topology(args, log_dir)
     top.hosts = hosts
-    try:
+
+    def run() -> int:
         top.start_all()
         print(f"scale-out topology up in a private namespace (pid {os.getpid()}): gateway "
               f"{top.gateway_address}, targets {list(TARGETS.values())}, drafts {list(DRAFTS.values())}; "
@@ -323,18 +325,11 @@ def run_inside(args) -> int:
         if not args.check:
             print(f"enter it with: nsenter --target {os.getpid()} --net --mount splitspec generate --gateway "
                   f"{top.gateway_address} \"def fibonacci(n):\"   (Ctrl-C stops)", file=sys.stderr)
-            while all(s.proc.poll() is None for s in top.procs.values()):
-                time.sleep(0.5)
+            first_to_exit(top.procs.values())
             return 1
         report = run_checks(top)
         path = Path(args.report or log_dir / "report.json")
         path.write_text(json.dumps(report))
         print(f"report: {path}", file=sys.stderr)
         return 0
-    except KeyboardInterrupt:
-        return 0
-    except (RuntimeError, TimeoutError) as exc:
-        print(f"splitspec scaleout: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        top.stop()
+    return run_stack("splitspec scaleout", run, top.stop)
