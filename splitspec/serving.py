@@ -1,6 +1,7 @@
-"""What every splitspec gRPC server shares: message-size options, standard health
-(grpc.health.v1) and reflection, and a SIGTERM/SIGINT drain. The target, draft and gateway
-servers each build one `Server` and register their own servicer on `server.grpc`."""
+"""What every splitspec gRPC server shares: the flags they take alike, message-size options,
+standard health (grpc.health.v1) and reflection, a SIGTERM/SIGINT drain, the end of a session
+stream and of the process. The target, draft and gateway servers each build one `Server` and
+register their own servicer on `server.grpc`."""
 from __future__ import annotations
 
 import asyncio
