@@ -78,8 +78,7 @@ def test_the_report_marks_the_cells_below_the_bar():
     prices = [{"streams": 1, "config": "none", "step_ms": 5.0, "propose_ms": 0, "verify_ms": 0, "wire_ms": 0.1,
                "queue_ms": 0, "tau": 1.0, "tok_s_vs_none": 1.0},
               {"streams": 1, "config": "dflash", "step_ms": 15.0, "propose_ms": 6, "verify_ms": 9, "wire_ms": 2,
-               "queue_ms": 0, "tau": 2.5, "break_even_tau": 3.0, "tok_s_vs_none": 0.83},
-              {"streams": 1, "config": "target forward_ms", "forward_ms": {"1": 4.0, "8": 6.0}}]
+               "queue_ms": 0, "tau": 2.5, "break_even_tau": 3.0, "tok_s_vs_none": 0.83}]
     res = {"meta": {"command": "splitspec bench-auto", "git_revision": "x",
                     "machine": {"cpu": "cpu", "cores": 2, "torch": "2", "torch_threads": 2, "python": "3"},
                     "started": "now"}, "took_s": 1.0, "prompts": {"short": "1", "long": "1"},
@@ -87,7 +86,6 @@ def test_the_report_marks_the_cells_below_the_bar():
     md = markdown(res)
     assert "**0.90**" in md and "0/1 cells ≥ 0.95" in md
     assert "| 1 | dflash | 15.00 | 6.00 | 9.00 | 2.00 | 0.00 | 2.50 | 3.00 | 0.83 |" in md
-    assert "| 1 | 4.00 | 6.00 | 1.50 |" in md
 
 
 @pytest.mark.skipif(model_dir(None, DEFAULT_TARGET) is None or model_dir(None, DEFAULT_DRAFT) is None,
@@ -107,7 +105,7 @@ def test_smoke_end_to_end_both_launches(tmp_path):
                 assert c["greedy_mismatches"] == 0          # greedy auto is target-only's output
         assert c["prompt_tokens_mean"] > 100                # the long cell's prompts are long
     prices = res["runs"][0]["prices"]
-    steps = {r["config"]: r for r in prices if "step_ms" in r}
+    steps = {r["config"]: r for r in prices}
     assert set(steps) == {"none", "ngram", "dflash", "dflash tree 16", "dflash tree 32"}
     for name, r in steps.items():
         assert r["step_ms"] > 0 and r["tau"] >= 1.0
@@ -115,7 +113,5 @@ def test_smoke_end_to_end_both_launches(tmp_path):
             assert r["break_even_tau"] == pytest.approx(r["step_ms"] / steps["none"]["step_ms"])
             assert r["propose_ms"] >= 0 and r["verify_ms"] > 0
     assert steps["dflash"]["tau"] > 1.0                     # the bundled draft is accepted
-    fwd = next(r["forward_ms"] for r in prices if "forward_ms" in r)
-    assert set(fwd) == {"1", "8", "16", "32"} and all(v > 0 for v in fwd.values())
     assert "break-even τ" in (out / "results.md").read_text()
     assert "prices" not in res["runs"][1]                   # the price table runs on the first launch only

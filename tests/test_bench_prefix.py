@@ -14,7 +14,7 @@ from splitspec_tools.defaults import DEFAULT_DRAFT, DEFAULT_TARGET, model_dir
 
 
 def _result(key, prompt, tokens, start, wall):
-    return Result(key, prompt, Sample(tokens=tokens, wall_s=wall, ttft_s=0.0, step_sizes=[], start_s=start), 0, 0)
+    return Result(key, prompt, Sample(tokens=tokens, wall_s=wall, ttft_s=0.0, start_s=start))
 
 
 def test_ideal_counts_blocks_sent_before_up_to_the_last_prompt_token():

@@ -82,9 +82,9 @@ def test_smoke_end_to_end(tmp_path):
     assert set(cost) == {0.0, 1.0}
     for e in cost.values():
         assert e["pairs"] == 2 and e["lengths_equal"] == 2
-        for v in ("constrained", "free", "matched"):
+        for v in ("constrained", "matched"):
             assert e[v]["tokens_per_s"] > 0 and e[v]["decode_ms_per_token"] > 0
-        assert e["free"]["tokens_mean"] >= e["constrained"]["tokens_mean"]
+        assert e["matched"]["tokens_mean"] == e["constrained"]["tokens_mean"]       # the same decoding work
         assert e["tokens_per_s_ratio_vs_matched"] > 0
     probe = r["unconstrained_probe"]
     for when in ("before", "after"):

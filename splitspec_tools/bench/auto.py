@@ -1,33 +1,20 @@
 """`splitspec bench-auto`: the default method (`auto`) against target-only, cell by cell, and the
 per-step prices that decide whether drafting pays (issue 42).
 
-Cells: T in {0, 1 / top_p 0.95} x streams {1, 8, 16} x new tokens {64, 512} x prompts {short,
-long}. Short prompts are held-out function cuts of fewer than 256 tokens; long ones are longer
-cuts kept to their last ~2,000 tokens (fewer where the prompt and the generation would not fit
-the target's context: prompt + new tokens + one verify width). Every request carries token ids,
-ignores eos (so both methods do the same work) and names only its method, the way a client using
-the gateway's defaults would. In a cell, each repeat sends the same requests once with
-`method=none` and once with `method=auto` to the same gateway, the order alternating per repeat
-(none auto, auto none, ...), `streams` requests in flight at a time; tok/s = tokens ÷ the batch's
-wall time, and "auto ×" is the median over repeats of the paired ratios. At T=0 every auto output
-is compared with none's (they must be equal). A cell first times one unmeasured run of `none`
-and, where it is shorter than `--min-run-s`, sends more requests per run (whole waves of
-`streams`): the same requests run twice can read 0.8x or 1.2x of each other in a 2-second run on
-a busy host, and a longer run averages that out.
+Cells: T ∈ {0, 1 / top_p 0.95} × streams {1, 8, 16} × new tokens {64, 512} × prompts {short (held-out
+cuts of < 256 tokens), long (the last ~2,000 tokens of longer cuts, less where the generation would
+not fit the context)}. Requests carry token ids, ignore eos and name only their method, as a client
+on the gateway's defaults does. Each repeat of a cell sends the same requests once with `none` and
+once with `auto` to the same gateway, the order alternating, `streams` in flight; "auto ×" is the
+median over repeats of the paired tok/s ratios, and at T=0 every auto output must equal none's. A
+cell is first sized: one unmeasured run of `none`, and if shorter than --min-run-s more requests
+per run (whole waves): on a busy host a 2-second run of the same requests reads 0.8x-1.2x of itself.
 
-Services: `--launch up` starts them with `splitspec up` itself (a subprocess, its defaults);
-`--launch hand` starts the three services bare (`splitspec-target --model-path M`,
-`splitspec-draft --model-path D --target-model-path M`, `splitspec-gateway --target T --draft D`:
-their own defaults); `--launch up,hand` runs the grid on each in turn; `--gateway ADDR` measures
-running services (add `--target ADDR` for the forward prices).
-
-Prices (`--price-streams`, on the first launch): at each load L, the requests of L streams run
-with method none, ngram, dflash (a chain of 8) and dflash trees of 16 and 32 nodes, at T=0 on
-short prompts. From the gateway's per-request stats: a step's time, a Propose round trip, a
-Verify round trip (its wire share), τ, and the break-even τ = step ms ÷ a target-only token's ms
-at the same load, printed next to the τ measured. With the target's address it also reads the
-target's own forward_ms of a decode and of a verify of 8 / 16 / 32 nodes while L - 1 other
-streams decode: what a verify's extra rows cost in a shared batch.
+Services: `--launch up` (`splitspec up` itself, its defaults), `hand` (the three services with
+nothing but their model paths and addresses), `up,hand` (both in turn), or `--gateway ADDR`.
+Prices (`--price-streams`, first launch only): at each load, method none, ngram, dflash (a chain of
+8) and dflash trees of 16 and 32 nodes at T=0 on short prompts: a step's ms, its Propose and Verify
+round trips, τ, and the break-even τ = step ms ÷ none's.
 
     splitspec bench-auto                                   # full grid with `splitspec up`, ~40 min on 2 cores
     splitspec bench-auto --launch up,hand --repeats 3
@@ -44,8 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import stack as stacks
-from .client import Background, Gateway, Sample, request, sampling, step_prices as forward_step_prices, tok_s
-from .harness import cli, csv_items, fmt, header, log, median, metadata, step_mix, table, tau, write
+from .client import Gateway, Sample, request, sampling, tok_s
+from .harness import cli, csv_items, fmt, header, log, median, metadata, mix_cell, step_mix, table, tau, write
 from .prompts import default_prompts, digest
 
 TOP_P = 0.95
@@ -61,7 +48,6 @@ def build_parser() -> argparse.ArgumentParser:
     a = p.add_argument
     a("--launch", default="up", help="how the services start: up, hand, or both (up,hand); ignored with --gateway")
     a("--gateway", default=None, help="measure a running gateway instead of starting services")
-    a("--target", default=None, help="with --gateway: the target's address, for its forward prices")
     a("--model-path", default=None, help="target model folder (default: the bundled target)")
     a("--draft-model-path", default=None, help="draft model folder (default: the bundled draft)")
     a("--temperatures", default="0,1", help=f"temperatures of the grid (T > 0 runs with top_p {TOP_P})")
@@ -69,12 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--max-new-tokens", default="64,512", help="new tokens per request")
     a("--prompt-kinds", default="short,long", help="short (< 256 tokens) and/or long (~--long-tokens)")
     a("--long-tokens", type=int, default=2000, help="tokens of a long prompt (capped by the context)")
-    a("--min-requests", default="64:8,512:2",
-      help="NEW:N: at least N requests per batch for that generation length (a batch has max(N, streams))")
+    a("--min-requests", default="64:8,512:2", help="NEW:N: at least N requests a run at that generation length")
     a("--repeats", type=int, default=2, help="paired runs per cell (none and auto, order alternating)")
-    a("--min-run-s", type=float, default=8.0,
-      help="a cell's runs last this long at least: an unmeasured run of none, timed first, scales its request "
-           "count up (in whole waves of `streams`, at most 8x); 0: --min-requests alone")
+    a("--min-run-s", type=float, default=8.0, help="a cell's runs last this long at least (whole waves, at most "
+      "8x the requests); 0: --min-requests alone")
     a("--price-streams", default="1,8,16", help="loads of the price table ('' to skip it)")
     a("--price-new-tokens", type=int, default=64, help="new tokens of the price table's requests")
     a("--price-repeats", type=int, default=2, help="runs per price configuration and load (medians)")
@@ -88,19 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 # ------------------------------------------------------------------------------ prompts
 
-def make_prompts(tokenizer, max_context: int, args) -> dict[str, list[list[int]]]:
-    """short: held-out cuts of fewer than 256 tokens; long: cuts of more than --long-tokens,
-    kept to their last --long-tokens (the request then continues the function body)."""
-    short = []
-    for p in default_prompts(64, max_chars=700):
-        ids = tokenizer.encode(p.text).ids
-        if 16 <= len(ids) <= SHORT_MAX:
-            short.append(ids)
-    long = []
-    for p in default_prompts(96, max_chars=12000):
-        ids = tokenizer.encode(p.text).ids
-        if len(ids) >= args.long_tokens:
-            long.append(ids[-args.long_tokens:])
+def make_prompts(tokenizer, args) -> dict[str, list[list[int]]]:
+    """short: held-out cuts of 16 to 255 tokens; long: cuts of at least --long-tokens, kept to their
+    last --long-tokens (the request then continues the function body)."""
+    short = [ids for p in default_prompts(64, max_chars=700) if 16 <= len(ids := tokenizer.encode(p.text).ids) <= SHORT_MAX]
+    long = [ids[-args.long_tokens:] for p in default_prompts(96, max_chars=12000)
+            if len(ids := tokenizer.encode(p.text).ids) >= args.long_tokens]
     return {"short": short, "long": long}
 
 
@@ -217,21 +194,7 @@ def step_prices(results: list[Sample]) -> dict:
             "tau": tau(results) or 1.0, "steps": steps}
 
 
-def forward_prices(target: str, gw: Gateway, prompts: list[list[int]], load: int) -> dict:
-    """The target's own forward_ms for a decode and for verifies of 8 / 16 / 32 nodes of one
-    session, while load - 1 other streams decode through the gateway."""
-    bg = Background(gw, prompts, load - 1, 1500) if load > 1 else None
-    try:
-        if bg is not None:
-            time.sleep(1.0)          # their prefills are done; they decode in every forward
-        ms = forward_step_prices(target, prompts[:2], [8, 16, 32], rounds=6)
-    finally:
-        if bg is not None:
-            bg.stop()
-    return {str(w): round(v, 3) for w, v in ms.items()}
-
-
-def run_prices(gw: Gateway, target: str | None, prompts: list[list[int]], args, depth: int) -> list[dict]:
+def run_prices(gw: Gateway, prompts: list[list[int]], args, depth: int) -> list[dict]:
     """depth: the deepest branch the draft makes (its block size - 1): trees are that deep at most."""
     rows = []
     for load in [int(x) for x in csv_items(args.price_streams)]:
@@ -254,9 +217,6 @@ def run_prices(gw: Gateway, target: str | None, prompts: list[list[int]], args, 
             if method != "none":
                 row["break_even_tau"] = m["step_ms"] / decode_ms
             rows.append(row)
-        if target:
-            fwd = forward_prices(target, gw, prompts, load)
-            rows.append({"streams": load, "config": "target forward_ms", "forward_ms": fwd})
         log(f"prices at {load} streams: " + ", ".join(
             f"{r['config']} {fmt(r.get('step_ms'), '{:.1f}')} ms" for r in rows if r["streams"] == load and "step_ms" in r))
     return rows
@@ -271,12 +231,11 @@ def markdown(res: dict) -> str:
         out += [f"## Services: {run['services']}", "", f"`{run['description']}`", ""]
         rows = []
         for c in run["cells"]:
-            steps = " / ".join(f"{m} {v:.0%}" for m, v in c["auto_steps"].items())
             rows.append([fmt(c["temperature"], "{:g}"), str(c["streams"]), str(c["max_new_tokens"]),
                          f"{c['prompts']} ({c['prompt_tokens_mean']:.0f})", str(c["requests"]),
                          fmt(c["none_tok_s"], "{:.1f}"), fmt(c["auto_tok_s"], "{:.1f}"),
                          ("**" if c["ratio"] < 0.95 else "") + fmt(c["ratio"]) + ("**" if c["ratio"] < 0.95 else ""),
-                         " ".join(f"{x:.2f}" for x in c["ratios"]), steps, fmt(c["auto_dflash_tau"]),
+                         " ".join(f"{x:.2f}" for x in c["ratios"]), mix_cell(c["auto_steps"]), fmt(c["auto_dflash_tau"]),
                          fmt(c["auto_ngram_tau"]),
                          "–" if c["greedy_mismatches"] is None else f"{c['requests'] * c['repeats'] - c['greedy_mismatches']}"
                          f"/{c['requests'] * c['repeats']}"])
@@ -284,7 +243,7 @@ def markdown(res: dict) -> str:
                       "per repeat", "auto steps", "τ dflash", "τ ngram", "= none"], rows)
         ratios = [c["ratio"] for c in run["cells"]]
         if ratios:
-            out += ["", f"auto × none: min {min(ratios):.2f}, median {statistics.median(ratios):.2f}; "
+            out += ["", f"auto × none: min {min(ratios):.2f}, median {median(ratios):.2f}; "
                         f"{sum(r >= 0.95 for r in ratios)}/{len(ratios)} cells ≥ 0.95, "
                         f"{sum(r >= 1.0 for r in ratios)}/{len(ratios)} ≥ 1.0", ""]
         if run.get("prices"):
@@ -298,26 +257,12 @@ def markdown(res: dict) -> str:
 
 def price_markdown(prices: list[dict]) -> list[str]:
     out = ["### Prices per step (T=0, short prompts)", ""]
-    rows = []
-    for r in prices:
-        if "step_ms" not in r:
-            continue
-        rows.append([str(r["streams"]), r["config"], fmt(r["step_ms"], "{:.2f}"),
-                     fmt(r["propose_ms"], "{:.2f}") if r["config"] != "none" else "–",
-                     fmt(r["verify_ms"], "{:.2f}") if r["config"] != "none" else "–",
-                     fmt(r["wire_ms"], "{:.2f}"), fmt(r["queue_ms"], "{:.2f}"),
-                     fmt(r["tau"]), fmt(r.get("break_even_tau")), fmt(r["tok_s_vs_none"])])
     out += table(["streams", "step", "ms a step", "Propose ms", "Verify ms", "wire ms", "queue ms", "τ",
-                  "break-even τ", "tok/s × none"], rows)
-    fwd = [r for r in prices if "forward_ms" in r]
-    if fwd:
-        out += ["", "The target's forward_ms for one session's step while streams − 1 others decode:", ""]
-        widths = sorted({int(w) for r in fwd for w in r["forward_ms"]})
-        out += table(["streams", *[("decode" if w == 1 else f"verify {w}") for w in widths],
-                      *[f"verify {w} ÷ decode" for w in widths if w > 1]],
-                     [[str(r["streams"]), *[fmt(r["forward_ms"].get(str(w)), "{:.2f}") for w in widths],
-                       *[fmt(r["forward_ms"][str(w)] / r["forward_ms"]["1"]) for w in widths if w > 1]]
-                      for r in fwd])
+                  "break-even τ", "tok/s × none"],
+                 [[str(r["streams"]), r["config"], fmt(r["step_ms"], "{:.2f}"),
+                   *[fmt(r[k], "{:.2f}") if r["config"] != "none" else "–" for k in ("propose_ms", "verify_ms")],
+                   fmt(r["wire_ms"], "{:.2f}"), fmt(r["queue_ms"], "{:.2f}"), fmt(r["tau"]),
+                   fmt(r.get("break_even_tau")), fmt(r["tok_s_vs_none"])] for r in prices])
     out += ["", "ms a step: a request's time after its first token ÷ its steps (median over requests; for "
             "none a step is one token); Propose / Verify / wire / queue: the gateway's per-request totals ÷ "
             "steps; break-even τ = ms a step ÷ none's ms a step at the same load: the drafter pays where its τ "
@@ -347,18 +292,18 @@ def main(argv: list[str]) -> int:
     runs, prompt_info = [], {}
     for i, how in enumerate(launches):
         stack, gateway, target, description = (
-            (None, args.gateway, args.target, f"gateway {args.gateway}") if how == "running" else
+            (None, args.gateway, None, f"gateway {args.gateway}") if how == "running" else
             (stacks.up if how == "up" else stacks.hand)(args, model, draft, out / "logs" / how))
         gw = Gateway(gateway, timeout_s=args.timeout_s)
         try:
             log(f"{how}: gateway {gateway}, target {target}")
             info = gw.info()
-            prompts = make_prompts(tokenizer, info.max_context, args)
+            prompts = make_prompts(tokenizer, args)
             prompt_info = {k: f"{len(v)} ({digest(v)})" for k, v in prompts.items()}
             gw.send(request(prompts["short"][0], 8, sampling(0, TOP_P, 0), method="auto"))     # warm-up
             run = {"services": how, "description": description, "gateway": gateway, "cells": []}
             if i == 0 and csv_items(args.price_streams):
-                run["prices"] = run_prices(gw, target, prompts["short"], args, max(1, info.num_draft_tokens - 1))
+                run["prices"] = run_prices(gw, prompts["short"], args, max(1, info.num_draft_tokens - 1))
             for cell in grid(args):
                 ps = [fit(p, cell.max_new, info.max_context) for p in prompts[cell.kind]]
                 n, sized_s = size_cell(gw, cell, ps, max(cell.streams, needed.get(cell.max_new, 1)), args.min_run_s,

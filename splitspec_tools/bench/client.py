@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import queue
 import random
+import re
 import statistics
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -60,7 +60,7 @@ class Sample:
         return (self.step_times[-1] - self.ttft_s) / (n - 1) if n > 1 and self.step_times else None
 
 
-def request(prompt_ids, max_new: int, params: SamplingParams, *, method: str = "none", width: int = 0,
+def request(prompt_ids, max_new: int, params: SamplingParams, *, method: str = "", width: int = 0,
             tree: tuple[int, int] | None = None, depth: int | None = None, draft_sampling: str = "greedy",
             salt: str = "", ignore_eos: bool = True):
     """A Generate request of token ids. Without a width the gateway's speculative defaults apply,
@@ -68,9 +68,9 @@ def request(prompt_ids, max_new: int, params: SamplingParams, *, method: str = "
     kw = dict(temperature=params.temperature, seed=params.seed)
     if not params.greedy:
         kw.update(top_p=params.top_p, top_k=params.top_k or None)
-    req = build_request(list(prompt_ids), max_new_tokens=max_new, ignore_eos=ignore_eos, method=method,
+    req = build_request(prompt_ids if isinstance(prompt_ids, str) else list(prompt_ids), max_new_tokens=max_new, ignore_eos=ignore_eos, method=method,
                         cache_salt=salt, **kw)
-    if method != "none" and width:
+    if method not in ("", "none") and width:
         topk, width = tree or (1, width)
         req.speculative.num_draft_tokens, req.speculative.topk = width, topk
         req.speculative.num_steps = min(width - 1, depth or width - 1)
@@ -82,7 +82,7 @@ class Gateway:
     """Generate requests to one gateway over a real socket. The request's speculative settings:
     `method`, a chain of `width` (root + drafted tokens) or a tree (topk, width), draft sampling."""
 
-    def __init__(self, address: str, method: str = "none", width: int = 0, draft_sampling: str = "greedy",
+    def __init__(self, address: str, method: str = "", width: int = 0, draft_sampling: str = "greedy",
                  timeout_s: float = 900.0, tree: tuple[int, int] | None = None, depth: int | None = None):
         self.address, self.method, self.width, self.tree, self.depth = address, method, width, tree, depth
         self.draft_sampling, self.timeout_s = draft_sampling, timeout_s
@@ -162,6 +162,13 @@ def counters(address: str | None, kind: str) -> tuple[int, int] | None:
     return info.forward_passes, info.batched_steps
 
 
+def prometheus(url: str, pattern: str) -> dict[str, float]:
+    """{first group: float(second group)} of the lines of a service's /metrics that match `pattern`."""
+    import urllib.request
+    text = urllib.request.urlopen(url, timeout=30).read().decode()
+    return {k: float(v) for k, v in re.findall(pattern, text, re.MULTILINE)}
+
+
 def mean_batch(before, after) -> float | None:
     """Steps per forward between two `counters` readings; None with no forward."""
     if before is None or after is None or after[0] <= before[0]:
@@ -217,28 +224,3 @@ def step_prices(address: str, prompts: list[list[int]], widths: list[int], round
             finally:
                 s.close()
     return {w: statistics.median(v) for w, v in per.items() if v}
-
-
-class Background:
-    """n target-only requests decoding through a gateway while something else is measured."""
-
-    def __init__(self, gateway: Gateway, prompts: list[list[int]], n: int, max_new: int):
-        self.calls = [gateway.stub.Generate(gateway.request(prompts[i % len(prompts)], max_new, SamplingParams()))
-                      for i in range(n)]
-        self.threads = [threading.Thread(target=self._drain, args=(c,), daemon=True) for c in self.calls]
-        for t in self.threads:
-            t.start()
-
-    @staticmethod
-    def _drain(call) -> None:
-        try:
-            for _ in call:
-                pass
-        except grpc.RpcError:
-            pass             # cancelled when the measure is done
-
-    def stop(self) -> None:
-        for c in self.calls:
-            c.cancel()
-        for t in self.threads:
-            t.join(10)

@@ -1,36 +1,27 @@
 """`splitspec bench-prefix`: the target's prefix cache on and off, side by side, through the real
 services (issue 40, item 7).
 
-The bench starts two targets of one model, one with its prefix cache (the default) and one with
-`--disable-radix-cache`, one draft service, and a gateway in front of each target, all with the
-same flags; with `--replicas 2`, a second cache-on target and two gateways in front of both
-cache-on targets (`--routing-policy prefix`, and `round_robin` for contrast). Every request is
-greedy (eos ignored) and carries token ids, so prompt lengths are exact, and a cache_salt of its
-own run: a run starts from a cold cache (no block of another run can be reached) without a
-restart, and every configuration gets the same token ids. The text is the held-out text the
-other benches use (splitspec_tools/bench/prompts.py: function cuts from installed third-party
-packages), tokenized with the target's tokenizer, concatenated and cut into disjoint pieces of
-exact token counts, so no two pieces start alike.
+Two targets of one model, one with its prefix cache (the default) and one with
+`--disable-radix-cache`, one draft service, and a gateway in front of each; with `--replicas 2`, a
+second cache-on target behind gateways with `--routing-policy prefix` and `round_robin`. Every
+request is greedy (eos ignored), carries token ids (exact lengths) and a cache_salt of its own
+run, so a run starts cold without a restart. The text is the benches' held-out text, tokenized,
+concatenated and cut into disjoint pieces of exact token counts, no two starting alike.
 
 Workloads (sizes scaled to a CPU):
-  shared     SGLang's generated-shared-prefix shape: G groups x Q questions, a system prompt of
-             S tokens per group and a question of U tokens, O new tokens, sent group after group
-             on C streams.
-  multiturn  K conversations x T turns: a context of P tokens per conversation, then per turn a
-             U-token user message; a turn's prompt is the conversation's transcript so far
-             (context, messages and the answers the gateway returned). Sent round robin
-             A1 B1 ... A2 B2 ... (the longest reuse distance) on C streams; a turn waits for its
-             conversation's previous answer.
-  probe      TTFT of a request whose S-token prefix was sent once just before against one whose
-             S-token prefix is fresh (same lengths), in pairs whose order alternates, one stream;
-             the median ratio cached / fresh.
-  unique     N distinct prompts of S + U tokens on C streams: nothing to reuse, the cache's cost.
+  shared     SGLang's generated-shared-prefix shape: groups x questions, a system prompt per group
+             and a question each, sent group after group on C streams.
+  multiturn  conversations x turns from a context each; a turn's prompt is the transcript so far
+             (context, messages, the answers returned), sent round robin A1 B1 ... A2 B2 ... (the
+             longest reuse distance) on C streams; a turn waits for its conversation's previous one.
+  probe      TTFT of a request whose prefix was sent once just before against one with a fresh
+             prefix of the same length, in pairs whose order alternates, one stream.
+  unique     distinct prompts on C streams: nothing to reuse, the cache's cost.
 
 Every (workload, method) runs with the cache on and off in turn, the order alternating per
-repeat (on off, off on, ...); timings are medians over --repeats, τ is pooled over them. Hit rate
-= Usage.cached_tokens / Usage.prompt_tokens from the gateway's Complete, checked against the
-targets' own counters (splitspec:prefix_cache_hits / _queries) and against the ideal: the prompt
-blocks an unbounded cache could have served, from what was sent before each request.
+repeat; timings are medians over the repeats, τ is pooled over them. Hit rate = Usage.cached_tokens
+÷ Usage.prompt_tokens (the gateway's Complete), checked against the targets' counters and against
+the ideal: the prompt blocks an unbounded cache could have served, given what was sent before.
 
     splitspec bench-prefix                               # defaults, about 25 min on 2 cores
     splitspec bench-prefix --smoke                       # tiny sizes, well under a minute
@@ -39,10 +30,8 @@ blocks an unbounded cache could have served, from what was sent before each requ
 from __future__ import annotations
 
 import argparse
-import re
 import threading
 import time
-import urllib.request
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -53,8 +42,8 @@ from types import SimpleNamespace
 from splitspec.engine.prefix_cache import block_keys
 
 from . import stack as stacks
-from .client import Gateway, Sample, sampling
-from .harness import cli, csv_items, fmt, header, log, median, metadata, mix_cell, percentile, step_mix, table, write
+from .client import Gateway, Sample, prometheus, sampling
+from .harness import cli, csv_items, fmt, header, log, median, metadata, mix_cell, percentile, step_mix, table, tau, write
 from .prompts import default_prompts, digest
 
 WORKLOADS = ("shared", "multiturn", "probe", "unique")
@@ -70,12 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="splitspec bench-prefix", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
-    a("--smoke", action="store_true", help="tiny sizes (2 groups x 2 questions, 128-token system prompt, 8 new "
-      "tokens, ...; one repeat) for a quick end-to-end check; sizes given explicitly still win")
-    a("--target-model-path", default=None, help="target model folder (default: models/splitspec-code-target)")
-    a("--draft-model-path", default=None,
-      help="DFlash draft folder (default: models/splitspec-code-draft with the default target; 'none': the draft "
-           "service runs ngram and dflash is skipped)")
+    a("--smoke", action="store_true", help="tiny sizes, one repeat: a quick end-to-end check (explicit sizes win)")
+    a("--target-model-path", default=None, help="target model folder (default: the bundled target)")
+    a("--draft-model-path", default=None, help="DFlash draft folder (default: the bundled draft with the bundled "
+      "target; 'none': the draft service runs ngram)")
     a("--methods", default="none,dflash", help=f"speculative methods, comma-separated, from {', '.join(METHODS)}")
     a("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, from {', '.join(WORKLOADS)}")
     a("--groups", type=int, help="shared: groups (system prompts) [8; smoke 2]")
@@ -93,23 +80,17 @@ def build_parser() -> argparse.ArgumentParser:
     a("--unique-prompts", type=int, help="unique: prompts [16; smoke 4]")
     a("--unique-tokens", type=int, help="unique: tokens per prompt [--system-tokens + --question-tokens]")
     a("--repeats", type=int, help="runs of every cell, on/off order alternating [2; smoke 1]")
-    a("--replicas", type=int, default=1, choices=[1, 2],
-      help="2: also run multiturn through two cache-on targets behind one gateway (prefix and round_robin "
-           "routing) and report its hit rate against one replica's")
-    a("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy; outputs then must not "
-      "depend on the cache, which the bench checks)")
-    a("--top-p", type=float, default=0.95, help="nucleus sampling at temperature > 0")
+    a("--replicas", type=int, default=1, choices=[1, 2], help="2: multiturn also through two cache-on targets "
+      "behind one gateway (prefix and round_robin routing)")
+    a("--temperature", type=float, default=0.0, help="0: greedy, and outputs must not depend on the cache")
+    a("--top-p", type=float, default=0.95)
     a("--seed", type=int, default=0)
     a("--num-draft-tokens", type=int, default=None, help="verify width (default: the draft's block size, else 8)")
     a("--kv-block-size", type=int, default=16, help="the targets' --kv-block-size (the prefix cache's block)")
-    a("--kv-cache-budget-mb", type=int, default=2048,
-      help="every target's --kv-cache-budget-mb: a cache-on target keeps freed blocks cached, so its pool fills "
-           "to this over a long run (the largest default workload needs about 1 GB at once)")
-    a("--prefix-cache-hidden-mb", type=int, default=None,
-      help="the cache-on targets' --prefix-cache-hidden-mb (default: the target's own default)")
+    a("--kv-cache-budget-mb", type=int, default=2048, help="every target's (a cache-on pool fills to it)")
+    a("--prefix-cache-hidden-mb", type=int, default=None, help="the cache-on targets' (default: their own)")
     stacks.add_flags(a, request_timeout_s=900.0)
     a("--out", default="bench-out/prefix", help="folder for results.json, results.md and the service logs")
-    p.set_defaults(tree="1:2")      # Bench.resolve_width reads it; chains only here
     return p
 
 
@@ -120,9 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
 class Result:
     key: str                 # the request's name in its workload ("g3q1", "c2t0", "fresh4", ...)
     prompt: list[int]
-    sample: Sample
-    prompt_tokens: int       # Usage of the gateway's Complete
-    cached_tokens: int
+    sample: Sample           # its Usage: prompt_tokens, cached_tokens
     ideal_cached: int = 0    # what an unbounded cache could have served (set after the run)
 
     @property
@@ -139,7 +118,7 @@ class SaltedRunner(Gateway):
 
     def send_one(self, key: str, prompt: list[int], max_new: int, params) -> Result:
         sample = self.run(prompt, max_new, params, salt=self.salt)
-        return Result(key, list(prompt), sample, sample.prompt_tokens, sample.cached_tokens)
+        return Result(key, list(prompt), sample)
 
 
 class TokenText:
@@ -178,7 +157,6 @@ class PrefixBench:
         self.args, self.argv, self.skipped = args, argv, []
 
     def resolve(self) -> None:
-        from splitspec_tools.defaults import DEFAULT_DRAFT, DEFAULT_TARGET, model_dir
         a = self.args
         for name, (default, smoke) in SIZES.items():
             if getattr(a, name) is None:
@@ -188,15 +166,9 @@ class PrefixBench:
         for name in SIZES:
             if getattr(a, name) < 1:
                 raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
-        self.target_path = model_dir(a.target_model_path, DEFAULT_TARGET)
-        if self.target_path is None or not (self.target_path / "config.json").is_file():
-            raise SystemExit(f"no target model at {self.target_path or DEFAULT_TARGET} (--target-model-path)")
-        no_draft = (a.draft_model_path or "").lower() == "none"
-        default_pair = a.target_model_path is None
-        self.draft_path = (None if no_draft or (a.draft_model_path is None and not default_pair)
-                           else model_dir(a.draft_model_path, DEFAULT_DRAFT))
-        if self.draft_path is not None and not (self.draft_path / "config.json").is_file():
-            raise SystemExit(f"--draft-model-path {self.draft_path}: no config.json there")
+        self.target_path, self.draft_path = stacks.models(a.target_model_path, a.draft_model_path)
+        if self.target_path is None:
+            raise SystemExit("no target model: pass --target-model-path")
         self.workloads = csv_items(a.workloads)
         self.methods = csv_items(a.methods)
         bad = set(self.workloads) - set(WORKLOADS) or set(self.methods) - set(METHODS)
@@ -326,7 +298,7 @@ class PrefixBench:
                "routing": v.routing, "repeat": rep, **run_stats(results, wall),
                "target_hit_rate": hits / queries if queries else None, **extra,
                "outputs": {r.key: r.sample.tokens for r in results},
-               "per_request": {r.key: [r.cached_tokens, r.ideal_cached, r.sample.committed, r.sample.verify_steps]
+               "per_request": {r.key: [r.sample.cached_tokens, r.ideal_cached, r.sample.committed, r.sample.verify_steps]
                                for r in results}}
         log(f"{workload} {method} cache {v.name} rep {rep + 1}: TTFT p50 {fmt(out['ttft_ms_p50'], '{:.0f}')} ms, "
             f"{out['tokens_per_s']:.1f} tok/s, hit rate {out['hit_rate']:.3f} (ideal {out['ideal_hit_rate']:.3f}, "
@@ -389,7 +361,7 @@ class PrefixBench:
                          "probe_ttft_cached_ms_p50": percentile(cached, 50),
                          "probe_ttft_fresh_ms_p50": percentile(fresh, 50),
                          "probe_ttft_ratio": percentile(ratios, 50),
-                         "probe_cached_hit_tokens": [r.cached_tokens for r in results if r.key.startswith("cached")]}
+                         "probe_cached_hit_tokens": [r.sample.cached_tokens for r in results if r.key.startswith("cached")]}
 
     def measure(self) -> list[dict]:
         a = self.args
@@ -451,9 +423,8 @@ class PrefixBench:
 
 def target_counters(url: str) -> tuple[float, float]:
     """(prefix_cache_queries, prefix_cache_hits) of a target, from its Prometheus exporter."""
-    text = urllib.request.urlopen(url, timeout=30).read().decode()
-    got = dict(re.findall(r"^splitspec:prefix_cache_(queries|hits)(?:_total)? (\S+)$", text, re.MULTILINE))
-    return float(got.get("queries", 0.0)), float(got.get("hits", 0.0))
+    got = prometheus(url, r"^splitspec:prefix_cache_(queries|hits)(?:_total)? (\S+)$")
+    return got.get("queries", 0.0), got.get("hits", 0.0)
 
 
 def set_ideal(results: list[Result], block: int) -> None:
@@ -478,31 +449,22 @@ def set_ideal(results: list[Result], block: int) -> None:
         r.ideal_cached = n * block
 
 
-def _tau_parts(results: list[Result]) -> list[int]:
-    """[committed, verify steps]: τ's two sums, kept apart so that repeats pool."""
-    return [sum(r.sample.committed for r in results), sum(r.sample.verify_steps for r in results)]
+def _steps(results: list[Result]) -> dict:
+    """τ's two sums, kept apart so that repeats pool (harness.tau reads them)."""
+    return {"committed": sum(r.sample.committed for r in results), "verify_steps": sum(r.sample.verify_steps for r in results)}
 
 
 def run_stats(results: list[Result], wall: float) -> dict:
-    prompt = sum(r.prompt_tokens for r in results)
-    hits = [r for r in results if r.cached_tokens > 0]
-    misses = [r for r in results if r.cached_tokens == 0]
-    ttft = [r.sample.ttft_s * 1e3 for r in results]
-    tokens = sum(len(r.sample.tokens) for r in results)
-    parts = {"all": _tau_parts(results), "hit": _tau_parts(hits), "miss": _tau_parts(misses)}
-    return {"requests": len(results), "requests_hit": len(hits), "requests_miss": len(misses),
-            "prompt_tokens": prompt, "cached_tokens": sum(r.cached_tokens for r in results),
-            "hit_rate": sum(r.cached_tokens for r in results) / prompt if prompt else 0.0,
+    prompt, cached = sum(r.sample.prompt_tokens for r in results), sum(r.sample.cached_tokens for r in results)
+    hits = [r for r in results if r.sample.cached_tokens > 0]
+    ttft, tokens = [r.sample.ttft_s * 1e3 for r in results], sum(len(r.sample.tokens) for r in results)
+    return {"requests": len(results), "requests_hit": len(hits), "requests_miss": len(results) - len(hits),
+            "prompt_tokens": prompt, "cached_tokens": cached, "hit_rate": cached / prompt if prompt else 0.0,
             "ideal_hit_rate": sum(r.ideal_cached for r in results) / prompt if prompt else 0.0,
             "ttft_ms_p50": percentile(ttft, 50), "ttft_ms_p90": percentile(ttft, 90),
-            "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
-            "tau": parts["all"][0] / parts["all"][1] if parts["all"][1] else None, "tau_parts": parts,
-            "steps_by_method": step_mix([r.sample for r in results]) or {}}
-
-
-def _pooled(parts: list[list[int]]) -> float | None:
-    c, s = sum(p[0] for p in parts), sum(p[1] for p in parts)
-    return c / s if s else None
+            "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall, "tau": tau([r.sample for r in results]),
+            "steps": {"all": _steps(results), "hit": _steps(hits), "miss": _steps([r for r in results if r not in hits])},
+            "steps_by_method": step_mix([r.sample for r in results])}
 
 
 MEDIAN_FIELDS = ("ttft_ms_p50", "ttft_ms_p90", "tokens_per_s", "hit_rate", "ideal_hit_rate", "target_hit_rate",
@@ -511,56 +473,37 @@ MEDIAN_FIELDS = ("ttft_ms_p50", "ttft_ms_p90", "tokens_per_s", "hit_rate", "idea
 
 def summarize_cells(runs: list[dict]) -> list[dict]:
     """One cell per (workload, method, variant): medians over the repeats, τ pooled over them; the
-    τ of the requests that hit, and of the same requests in the cache-off runs; outputs equal to
-    the cache-off run's of the same repeat (at T=0 the cache must not change a token)."""
+    τ of the requests that hit, and of the same requests in the cache-off run of the same repeat;
+    outputs equal to that run's (at T=0 the cache must not change a token)."""
     cells = []
-    keys = list(dict.fromkeys((r["workload"], r["method"], r["variant"]) for r in runs))
-    for w, m, v in keys:
+    for w, m, v in dict.fromkeys((r["workload"], r["method"], r["variant"]) for r in runs):
         mine = [r for r in runs if (r["workload"], r["method"], r["variant"]) == (w, m, v)]
         offs = {r["repeat"]: r for r in runs if (r["workload"], r["method"], r["variant"]) == (w, m, "off")}
-        # The plain target (method none, cache off): at T=0 every output must equal its own.
-        plains = {r["repeat"]: r for r in runs if (r["workload"], r["method"], r["variant"]) == (w, "none", "off")}
-        cell = {"workload": w, "method": m, "variant": v, "cache": mine[0]["cache"], "replicas": mine[0]["replicas"],
-                "routing": mine[0]["routing"], "repeats": len(mine), "requests": mine[0]["requests"],
-                **{f: median([r.get(f) for r in mine]) for f in MEDIAN_FIELDS if any(f in r for r in mine)},
-                **{f"{f}_runs": [r.get(f) for r in mine] for f in ("ttft_ms_p50", "tokens_per_s", "hit_rate")},
-                "requests_hit": sum(r["requests_hit"] for r in mine), "requests_miss": sum(r["requests_miss"] for r in mine),
-                "tau": _pooled([r["tau_parts"]["all"] for r in mine]),
-                "tau_hit": _pooled([r["tau_parts"]["hit"] for r in mine]),
-                "tau_miss": _pooled([r["tau_parts"]["miss"] for r in mine])}
-        same, matches, compared = [], 0, 0
-        cell["output_mismatches"] = []      # [repeat, request, first differing token, "cache off" | "target-only"]
+        hit_on, hit_off, compared, mismatches = [], [], 0, []
         for r in mine:
-            off, plain = offs.get(r["repeat"]), plains.get(r["repeat"])
-            if off is not None and v != "off":
-                for key, (cached, _, c, s) in r["per_request"].items():
-                    if cached > 0 and key in off["per_request"]:
-                        same.append([c, s, *off["per_request"][key][2:]])
-                for key, tokens in r["outputs"].items():
-                    compared += 1
-                    matches += off["outputs"].get(key) == tokens
-            for ref, label in ((off, "cache off"), (plain, "target-only")):
-                if ref is None or ref is r:
-                    continue
-                for key, tokens in r["outputs"].items():
-                    other = ref["outputs"].get(key)
-                    if other is not None and other != tokens:
-                        at = next((i for i, (x, y) in enumerate(zip(tokens, other)) if x != y), min(len(tokens), len(other)))
-                        cell["output_mismatches"].append([r["repeat"] + 1, key, at, label])
-        cell["tau_hit_requests_on"] = _pooled([p[:2] for p in same]) if v != "off" else None
-        cell["tau_hit_requests_off"] = _pooled([p[2:] for p in same]) if v != "off" else None
-        cell["outputs_equal_to_off"] = [matches, compared] if v != "off" else None
-        if m == "none":     # target-only: every step commits one token
-            for f in ("tau", "tau_hit", "tau_miss", "tau_hit_requests_on", "tau_hit_requests_off"):
-                cell[f] = None
-        cell["steps_by_method"] = step_mix([SimpleNamespace(steps_by_method=r["steps_by_method"]) for r in mine]) or {}
-        # Requests that got fewer cached tokens than the ideal, where a request's ideal is its own:
-        # multiturn and probe send a request only after what it could reuse has finished. (Concurrent
-        # requests of one prefix share the computing of its blocks, so shared's hits spread over them.)
-        cell["short_requests"] = ([[r["repeat"] + 1, key, cached, ideal] for r in mine
-                                   for key, (cached, ideal, _, _) in r["per_request"].items() if cached < ideal]
-                                  if v != "off" and w in ("multiturn", "probe") else [])
-        cells.append(cell)
+            off = offs.get(r["repeat"])
+            if off is None or v == "off":
+                continue
+            for key, (cached, _, c, n) in r["per_request"].items():
+                if cached > 0 and key in off["per_request"]:
+                    hit_on.append({"committed": c, "verify_steps": n})
+                    hit_off.append(dict(zip(("committed", "verify_steps"), off["per_request"][key][2:])))
+            compared += len(r["outputs"])
+            mismatches += [[r["repeat"] + 1, k] for k, toks in r["outputs"].items() if off["outputs"].get(k) != toks]
+        spec = m != "none"      # target-only: every step commits one token
+        cells.append({
+            "workload": w, "method": m, "variant": v, "cache": mine[0]["cache"], "replicas": mine[0]["replicas"],
+            "routing": mine[0]["routing"], "repeats": len(mine), "requests": mine[0]["requests"],
+            **{f: median([r.get(f) for r in mine]) for f in MEDIAN_FIELDS if any(f in r for r in mine)},
+            **{f"{f}_runs": [r.get(f) for r in mine] for f in ("ttft_ms_p50", "tokens_per_s", "hit_rate")},
+            "requests_hit": sum(r["requests_hit"] for r in mine), "requests_miss": sum(r["requests_miss"] for r in mine),
+            **{f"tau{'' if k == 'all' else '_' + k}": tau([r["steps"][k] for r in mine]) if spec else None
+               for k in ("all", "hit", "miss")},
+            "tau_hit_requests_on": tau(hit_on) if spec and v != "off" else None,
+            "tau_hit_requests_off": tau(hit_off) if spec and v != "off" else None,
+            "outputs_equal_to_off": [compared - len(mismatches), compared] if v != "off" else None,
+            "output_mismatches": mismatches,      # [repeat, request] whose output differs from the cache-off run's
+            "steps_by_method": step_mix([SimpleNamespace(steps_by_method=r["steps_by_method"]) for r in mine])})
     return cells
 
 
@@ -605,37 +548,25 @@ def flags(r: dict) -> list[str]:
     out = []
     for c in r["cells"]:
         name = f"{c['workload']} / {c['method']} / cache {c['variant']}"
-        if not c["cache"] and c["hit_rate"]:
-            out.append(f"{name}: hit rate {c['hit_rate']:.3f} with the cache off")
-        if c["cache"] and c["workload"] == "unique" and c["hit_rate"]:
-            out.append(f"{name}: hit rate {c['hit_rate']:.3f} on prompts that share no block")
+        if c["hit_rate"] and (not c["cache"] or c["workload"] == "unique"):
+            out.append(f"{name}: hit rate {c['hit_rate']:.3f} where nothing can be reused")
         if c["cache"] and c["replicas"] == 1 and c["ideal_hit_rate"] and c["hit_rate"] < 0.9 * c["ideal_hit_rate"]:
             out.append(f"{name}: hit rate {c['hit_rate']:.3f} is below 90 % of the ideal {c['ideal_hit_rate']:.3f}")
-        if c["replicas"] == 1 and c["short_requests"]:
-            out.append(f"{name}: {len(c['short_requests'])} request(s) got fewer cached tokens than the ideal "
-                       "(repeat, request, cached, ideal): " + ", ".join(
-                           f"({n}, {k}, {got}, {ideal})" for n, k, got, ideal in c["short_requests"][:12]))
         if c.get("target_hit_rate") is not None and abs(c["target_hit_rate"] - c["hit_rate"]) > 0.01:
-            out.append(f"{name}: Usage says hit rate {c['hit_rate']:.3f}, the targets' counters "
-                       f"{c['target_hit_rate']:.3f}")
+            out.append(f"{name}: Usage says hit rate {c['hit_rate']:.3f}, the targets' counters {c['target_hit_rate']:.3f}")
         on, off = c.get("tau_hit_requests_on"), c.get("tau_hit_requests_off")
         if on and off and abs(on / off - 1) > 0.02:
-            out.append(f"{name}: τ of the requests that hit is {on:.3f} with the cache on, {off:.3f} on the same "
-                       f"requests with it off" + (" (auto picks each step's drafter from measured timings, so its "
-                                                  "τ moves between runs)" if c["method"] == "auto" else ""))
-        bad = c["output_mismatches"]
-        if bad and r["run"]["temperature"] == 0:
-            out.append(f"{name}: {len(bad)} greedy output(s) differ (repeat, request, first differing token, from "
-                       "what): " + ", ".join(f"({n}, {k}, {i}, {what})" for n, k, i, what in bad[:12]))
-    repeats = r["run"]["sizes"]["repeats"]
+            out.append(f"{name}: τ of the requests that hit is {on:.3f} with the cache on, {off:.3f} with it off")
+        if c["output_mismatches"] and r["run"]["temperature"] == 0:
+            out.append(f"{name}: {len(c['output_mismatches'])} greedy output(s) differ from the cache-off run's "
+                       "(repeat, request): " + ", ".join(map(str, c["output_mismatches"][:12])))
     for row in r["ratios"]:
-        if row["workload"] == "unique" and row.get("tokens_per_s_on_over_off") and row["tokens_per_s_on_over_off"] < 0.95:
-            out.append(f"unique / {row['method']}: tok/s with the cache on is {row['tokens_per_s_on_over_off']:.2f}x "
-                       f"that with it off (nothing to reuse: should be ~1; median of {repeats} repeat(s))")
+        if row["workload"] == "unique" and (row["tokens_per_s_on_over_off"] or 1) < 0.95:
+            out.append(f"unique / {row['method']}: tok/s on ÷ off {row['tokens_per_s_on_over_off']:.2f} (nothing to reuse)")
     for x in r["replicas"]:
         if x["variant"].endswith("prefix") and x["ratio"] is not None and x["ratio"] < 0.9:
             out.append(f"multiturn / {x['method']}: with prefix routing, 2 replicas keep {x['ratio']:.2f}x the hit "
-                       f"rate of 1 (a conversation whose turn went to the other replica loses its cache there)")
+                       "rate of 1")
     return out
 
 
@@ -645,20 +576,15 @@ CELL_COLUMNS = [
     ("workload", lambda c: c["workload"]),
     ("method", lambda c: c["method"]),
     ("cache", lambda c: c["variant"]),
-    ("TTFT p50 ms", lambda c: fmt(c["ttft_ms_p50"], "{:.0f}")),
-    ("TTFT p90 ms", lambda c: fmt(c["ttft_ms_p90"], "{:.0f}")),
+    ("TTFT p50 / p90 ms", lambda c: f"{fmt(c['ttft_ms_p50'], '{:.0f}')} / {fmt(c['ttft_ms_p90'], '{:.0f}')}"),
     ("tok/s", lambda c: fmt(c["tokens_per_s"], "{:.1f}")),
-    ("hit rate", lambda c: fmt(c["hit_rate"], "{:.3f}")),
-    ("ideal", lambda c: fmt(c["ideal_hit_rate"], "{:.3f}")),
-    ("target counters", lambda c: fmt(c.get("target_hit_rate"), "{:.3f}")),
-    ("τ", lambda c: fmt(c["tau"])),
-    ("τ hit", lambda c: fmt(c["tau_hit"])),
-    ("τ miss", lambda c: fmt(c["tau_miss"])),
-    ("τ hit reqs on / off", lambda c: f"{fmt(c['tau_hit_requests_on'])} / {fmt(c['tau_hit_requests_off'])}"
-     if c["tau_hit_requests_on"] is not None else "–"),
+    ("hit rate (ideal, targets' counters)", lambda c: f"{fmt(c['hit_rate'], '{:.3f}')} ({fmt(c['ideal_hit_rate'], '{:.3f}')}, "
+     f"{fmt(c.get('target_hit_rate'), '{:.3f}')})"),
+    ("τ (hit / miss)", lambda c: f"{fmt(c['tau'])} ({fmt(c['tau_hit'])} / {fmt(c['tau_miss'])})"),
+    ("τ hit reqs on / off", lambda c: f"{fmt(c['tau_hit_requests_on'])} / {fmt(c['tau_hit_requests_off'])}"),
     ("requests hit/miss", lambda c: f"{c['requests_hit']}/{c['requests_miss']}"),
-    ("steps dflash/ngram/none", lambda c: mix_cell(c["steps_by_method"])),
-    ("= off outputs", lambda c: "–" if not c["outputs_equal_to_off"] else "/".join(map(str, c["outputs_equal_to_off"]))),
+    ("steps", lambda c: mix_cell(c["steps_by_method"])),
+    ("= off outputs", lambda c: "/".join(map(str, c["outputs_equal_to_off"] or [])) or "–"),
 ]
 
 RATIO_COLUMNS = [
@@ -710,22 +636,13 @@ def markdown(r: dict) -> str:
     lines += [f"- {f}" for f in r["flags"]] or ["- none"]
     if r["skipped"]:
         lines += ["", "Not run: " + "; ".join(r["skipped"])]
-    lines += ["", "Columns: TTFT (client-side, request sent to first token) p50/p90 and tok/s (output tokens ÷ the "
-              "run's wall time, all streams) are medians over the repeats; hit rate = Σ Usage.cached_tokens ÷ Σ "
-              "Usage.prompt_tokens (the gateway's Complete), median over the repeats; ideal = the prompt blocks an "
-              "unbounded cache could have served (blocks before each prompt's last token that a request sent "
-              "earlier had: its prompt, and its output too if it had finished); target counters = Δ "
-              "splitspec:prefix_cache_hits ÷ Δ splitspec:prefix_cache_queries of the cell's target(s); τ = "
-              "committed tokens per verify step (accepted drafts + bonus) pooled over the repeats, overall, over the "
-              "requests with cached tokens (hit) and without (miss); τ hit reqs on / off = the requests that hit, "
-              "with the cache on, and the same requests in the cache-off run of the same repeat; = off outputs: "
-              "outputs equal, token for token, to the cache-off run's (same repeat; the flags also compare every "
-              "output with the plain target's, method none with the cache off); steps = share of verify steps "
-              "per drafter (auto's choice); on/off ratios are medians of the repeats' paired ratios (probe: TTFT "
-              "p50 on/off is the cached request's; its cells' TTFT percentiles pool the primes, cached and fresh "
-              "requests). In shared, the requests of a group that arrive together share the computing of its "
-              "system prompt (one waits a forward and takes the block another computed), so most of them report "
-              "some cached tokens and hit/miss there is not first-of-group/others.", ""]
+    lines += ["", "TTFT (client-side) and tok/s (output tokens ÷ the run's wall time) are medians over the repeats; "
+              "hit rate = Σ cached ÷ Σ prompt tokens (Usage), ideal = the prompt blocks an unbounded cache could "
+              "have served given what was sent before, targets' counters = Δ prefix_cache_hits ÷ Δ queries; τ = "
+              "committed tokens per verify step pooled over the repeats (all requests, those with cached tokens, "
+              "those without); τ hit reqs on / off = the requests that hit, and the same requests with the cache off; "
+              "= off outputs: outputs equal to the cache-off run's, token for token; on/off = medians of the "
+              "repeats' paired ratios (probe: the cached request's TTFT).", ""]
     return "\n".join(lines)
 
 

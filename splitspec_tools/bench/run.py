@@ -31,18 +31,17 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
     a("--target-model-path", default=None, help="target model folder or .gguf (default: the bundled target)")
-    a("--draft-model-path", default=None, help="DFlash draft folder (default: the bundled draft with the bundled "
-      "target; 'none': no draft, the draft service runs ngram and the dflash configurations are skipped)")
-    a("--gateway", default=None, help="use this running gateway (host:port) instead of starting services")
-    a("--target", default=None, help="running target service (its step prices; with no --gateway the bench "
-      "starts only a gateway in front of --target / --draft)")
-    a("--draft", default=None, help="running draft service (with --target and no --gateway)")
+    a("--draft-model-path", default=None, help="DFlash draft (default: the bundled one with the bundled target; "
+      "'none': the draft service runs ngram)")
+    a("--gateway", default=None, help="a running gateway (host:port) instead of starting services")
+    a("--target", default=None, help="a running target (its step prices; without --gateway the bench starts a "
+      "gateway in front of --target / --draft)")
+    a("--draft", default=None, help="a running draft service")
     a("--configs", default=",".join(CONFIGS), help=f"from {','.join(CONFIGS)} (target, the baseline, always runs)")
     a("--temperatures", default="0,1.0", help="comma-separated; top_p applies when > 0")
     a("--top-p", type=float, default=0.95)
     a("--draft-sampling", default="greedy,sample", help="draft modes at T > 0: greedy and/or sample")
-    a("--prompts", default=None, help="JSONL file ({\"prompt\": ...} or {\"token_ids\": [...]} a line), "
-      "'humaneval' (chat-wrapped), or 'chat'; default: function cuts from installed third-party packages")
+    a("--prompts", default=None, help="a JSONL file, 'humaneval' or 'chat' (default: held-out function cuts)")
     a("--num-prompts", type=int, default=50)
     a("--max-prompt-chars", type=int, default=1500, help="context kept before each default cut")
     a("--max-prompt-tokens", type=int, default=512, help="longer prompts keep their last tokens")
@@ -98,7 +97,9 @@ class Bench:
             self.gateway = gw.address
             self.services = "target, draft and gateway started by the bench" if not a.target else \
                 f"target {a.target}, draft {a.draft}, gateway started by the bench"
-        info = Gateway(self.gateway).info()
+        gw = Gateway(self.gateway)
+        info = gw.info()
+        gw.close()
         self.max_context = info.max_context or 4096
         if not info.draft_model_id:
             self.skip([k for k in self.configs if k != "target"], f"the gateway at {self.gateway} has no draft service")
@@ -326,13 +327,11 @@ def markdown(r: dict) -> str:
         lines.append("")
     if r["skipped"]:
         lines += ["Not run: " + "; ".join(r["skipped"]), ""]
-    lines += ["tok/s: tokens ÷ wall time over all requests; speedup: ÷ target-only's over the same prompts and "
-              "seeds; τ: tokens committed per verify step (accepted drafts + bonus), pooled; step ms: wall time per "
-              "verify step, and the Propose and Verify round trips in it (wire: their part outside both models, "
-              "queue: their waits in the services' batches); ideal = τ × t(decode) ÷ t(verify at the mean verify "
-              "width), efficiency = speedup ÷ ideal; steps: share of steps per drafter (auto's choice); = target: "
-              "greedy outputs equal to target-only's, token for token; batch: steps per forward the service ran "
-              "(Δ GetInfo counters).", ""]
+    lines += ["speedup: tok/s ÷ target-only's on the same prompts and seeds; τ: tokens committed per verify step; "
+              "step ms: wall time per verify step and the Propose / Verify round trips in it (wire: outside both "
+              "models, queue: in the services' batches); ideal = τ × t(decode) ÷ t(verify at the mean width), "
+              "efficiency = speedup ÷ ideal; = target: greedy outputs equal to target-only's; batch: steps per "
+              "forward the service ran.", ""]
     return "\n".join(lines)
 
 
