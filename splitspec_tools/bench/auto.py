@@ -237,8 +237,8 @@ def markdown(res: dict) -> str:
                          ("**" if c["ratio"] < 0.95 else "") + fmt(c["ratio"]) + ("**" if c["ratio"] < 0.95 else ""),
                          " ".join(f"{x:.2f}" for x in c["ratios"]), mix_cell(c["auto_steps"]), fmt(c["auto_dflash_tau"]),
                          fmt(c["auto_ngram_tau"]),
-                         "–" if c["greedy_mismatches"] is None else f"{c['requests'] * c['repeats'] - c['greedy_mismatches']}"
-                         f"/{c['requests'] * c['repeats']}"])
+                         "–" if c["greedy_mismatches"] is None else
+                         f"{c['requests'] * c['repeats'] - c['greedy_mismatches']}/{c['requests'] * c['repeats']}"])
         out += table(["T", "streams", "new", "prompts (tokens)", "requests", "none tok/s", "auto tok/s", "auto ×",
                       "per repeat", "auto steps", "τ dflash", "τ ngram", "= none"], rows)
         ratios = [c["ratio"] for c in run["cells"]]

@@ -68,8 +68,8 @@ def request(prompt_ids, max_new: int, params: SamplingParams, *, method: str = "
     kw = dict(temperature=params.temperature, seed=params.seed)
     if not params.greedy:
         kw.update(top_p=params.top_p, top_k=params.top_k or None)
-    req = build_request(prompt_ids if isinstance(prompt_ids, str) else list(prompt_ids), max_new_tokens=max_new, ignore_eos=ignore_eos, method=method,
-                        cache_salt=salt, **kw)
+    req = build_request(prompt_ids if isinstance(prompt_ids, str) else list(prompt_ids), max_new_tokens=max_new,
+                        ignore_eos=ignore_eos, method=method, cache_salt=salt, **kw)
     if method not in ("", "none") and width:
         topk, width = tree or (1, width)
         req.speculative.num_draft_tokens, req.speculative.topk = width, topk

@@ -125,10 +125,11 @@ class DraftBench:
             for runner in runners:
                 runner.close()
             rows = [summarize(dr, s, f, t, mode, name) for dr, s, f in zip(self.drafts, samples, fwd)]
+            ref_ms = rows[0]["draft_forward_ms_p50"]
             for r in rows:
                 r.update(tau_vs_first=ratio(r["tau"], rows[0]["tau"]),
-                         draft_forward_ms_vs_first=None if None in (r["draft_forward_ms_p50"], rows[0]["draft_forward_ms_p50"])
-                         else r["draft_forward_ms_p50"] - rows[0]["draft_forward_ms_p50"])
+                         draft_forward_ms_vs_first=None if r["draft_forward_ms_p50"] is None or ref_ms is None
+                         else r["draft_forward_ms_p50"] - ref_ms)
             entries += rows
         return entries, mismatches
 
@@ -196,7 +197,7 @@ class DraftBench:
 def summarize(draft: dict, samples: list, fwd: list, t: float, mode: str, name: str) -> dict:
     steps = sum(s.verify_steps for s in samples)
     depth = max((len(s.accepted_per_position) for s in samples), default=0)
-    per_step = lambda attr: percentile([getattr(s, attr) / s.verify_steps for s in samples if s.verify_steps], 50)  # noqa: E731
+    per_step = lambda k: percentile([getattr(s, k) / s.verify_steps for s in samples if s.verify_steps], 50)  # noqa: E731
     tokens, wall = sum(len(s.tokens) for s in samples), sum(s.wall_s for s in samples)
     return {"setting": name, "temperature": t, "draft_sampling": mode if t > 0 else None, "draft": draft["label"],
             "architecture": draft["architecture"], "requests": len(samples), "tokens": tokens, "wall_s": wall,
@@ -215,7 +216,8 @@ def markdown(r: dict) -> str:
     run, entries, first = r["run"], r["results"], r["drafts"][0]["label"]
     lines = header("splitspec bench-drafts", r["meta"],
                    f"target: `{run['target_model']}`; drafts: " + ", ".join(
-                       f"`{d['label']}` ({d['architecture']}, block {d['block_size']}, `{d['path']}`)" for d in r["drafts"]),
+                       f"`{d['label']}` ({d['architecture']}, block {d['block_size']}, `{d['path']}`)"
+                       for d in r["drafts"]),
                    f"prompts: {run['num_prompts']} ({run['prompt_source']}, {run['prompt_tokens_mean']:.0f} tokens on "
                    f"average); {run['max_new_tokens']} new tokens each (eos ignored); repeats {run['repeats']}; verify "
                    f"width {run['num_draft_tokens']}; method dflash; drafts interleaved per prompt; took "
@@ -223,7 +225,8 @@ def markdown(r: dict) -> str:
     lines += table(["setting", "draft", "τ", "τ ÷ first", "ceiling τ", "share of ceiling", "tok/s",
                     "draft forward ms/Propose p50", "Δ draft ms vs first", "Propose / Verify ms/step p50"],
                    [[e["setting"], f"{e['draft']} ({e['architecture'].replace('DraftModel', '')})",
-                     fmt(e["tau"]), fmt(e["tau_vs_first"], "{:.2f}x"), fmt(e["ceiling_tau"]), fmt(e["ceiling_share"], "{:.0%}"),
+                     fmt(e["tau"]), fmt(e["tau_vs_first"], "{:.2f}x"), fmt(e["ceiling_tau"]),
+                     fmt(e["ceiling_share"], "{:.0%}"),
                      fmt(e["tokens_per_s"], "{:.1f}"), fmt(e["draft_forward_ms_p50"]),
                      fmt(e["draft_forward_ms_vs_first"], "{:+.2f}"),
                      f"{fmt(e['propose_ms_per_step_p50'], '{:.1f}')} / {fmt(e['verify_ms_per_step_p50'], '{:.1f}')}"]
@@ -238,7 +241,8 @@ def markdown(r: dict) -> str:
             rows.append([e["setting"], "ceiling", *[fmt(x, "{:.3f}") for x in e["ceiling_reach_per_position"][:depth]]])
         rows.append([e["setting"], e["draft"], *[fmt(x, "{:.3f}") for x in e["per_position_acceptance"]]])
     lines += ["", "## P(slot k accepted): share of verify steps whose draft at depth k was accepted", ""]
-    lines += table(["setting", "draft", *map(str, range(1, depth + 1))], [row + ["–"] * (depth + 2 - len(row)) for row in rows])
+    lines += table(["setting", "draft", *map(str, range(1, depth + 1))],
+                   [row + ["–"] * (depth + 2 - len(row)) for row in rows])
     ll = r["lossless"]
     lines += ["", (f"**LOSSLESS CHECK FAILED at T=0: {len(ll['mismatches'])} output(s) differ between drafts:** "
                    + "; ".join(ll["mismatches"][:10])) if ll["mismatches"] else

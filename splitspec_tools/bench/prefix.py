@@ -35,7 +35,6 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -48,11 +47,17 @@ from .prompts import default_prompts, digest
 
 WORKLOADS = ("shared", "multiturn", "probe", "unique")
 METHODS = ("none", "dflash", "auto", "ngram")
-# Sizes: (default, --smoke). None: follows another size (see PrefixBench.sizes).
-SIZES = {"groups": (8, 2), "questions": (8, 2), "system_tokens": (1536, 128), "question_tokens": (64, 64),
-         "max_new_tokens": (64, 8), "concurrency": (8, 2), "conversations": (8, 2), "turns": (4, 2),
-         "context_tokens": (1024, 128), "probe_pairs": (6, 1), "probe_prefix_tokens": (None, None),
-         "probe_new_tokens": (8, 4), "unique_prompts": (16, 4), "unique_tokens": (None, None), "repeats": (2, 1)}
+# Sizes: (default, --smoke, what). None: follows another size (PrefixBench.resolve).
+SIZES = {"groups": (8, 2, "shared: groups (system prompts)"), "questions": (8, 2, "shared: questions per group"),
+         "system_tokens": (1536, 128, "shared: system prompt tokens"),
+         "question_tokens": (64, 64, "question and user-message tokens"),
+         "max_new_tokens": (64, 8, "new tokens a request (shared, multiturn, unique)"),
+         "concurrency": (8, 2, "streams (shared, multiturn, unique)"),
+         "conversations": (8, 2, "multiturn: conversations"), "turns": (4, 2, "multiturn: turns a conversation"),
+         "context_tokens": (1024, 128, "multiturn: a conversation's first context"),
+         "probe_pairs": (6, 1, "probe: (cached, fresh) pairs"), "probe_prefix_tokens": (None, None, "probe: prefix tokens"),
+         "probe_new_tokens": (8, 4, "probe: new tokens"), "unique_prompts": (16, 4, "unique: prompts"),
+         "unique_tokens": (None, None, "unique: tokens a prompt"), "repeats": (2, 1, "runs of every cell")}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,21 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
       "target; 'none': the draft service runs ngram)")
     a("--methods", default="none,dflash", help=f"speculative methods, comma-separated, from {', '.join(METHODS)}")
     a("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, from {', '.join(WORKLOADS)}")
-    a("--groups", type=int, help="shared: groups (system prompts) [8; smoke 2]")
-    a("--questions", type=int, help="shared: questions per group [8; smoke 2]")
-    a("--system-tokens", type=int, help="shared: system prompt tokens per group [1536; smoke 128]")
-    a("--question-tokens", type=int, help="question and user-message tokens [64]")
-    a("--max-new-tokens", type=int, help="new tokens per request of shared, multiturn and unique [64; smoke 8]")
-    a("--concurrency", type=int, help="streams of shared, multiturn and unique [8; smoke 2]")
-    a("--conversations", type=int, help="multiturn: conversations [8; smoke 2]")
-    a("--turns", type=int, help="multiturn: turns per conversation [4; smoke 2]")
-    a("--context-tokens", type=int, help="multiturn: tokens of each conversation's first context [1024; smoke 128]")
-    a("--probe-pairs", type=int, help="probe: (cached, fresh) pairs per run [6; smoke 1]")
-    a("--probe-prefix-tokens", type=int, help="probe: prefix tokens [--system-tokens]")
-    a("--probe-new-tokens", type=int, help="probe: new tokens per request [8; smoke 4]")
-    a("--unique-prompts", type=int, help="unique: prompts [16; smoke 4]")
-    a("--unique-tokens", type=int, help="unique: tokens per prompt [--system-tokens + --question-tokens]")
-    a("--repeats", type=int, help="runs of every cell, on/off order alternating [2; smoke 1]")
+    for name, (default, smoke, what) in SIZES.items():
+        a(f"--{name.replace('_', '-')}", type=int, help=f"{what} [{default or 'follows'}; smoke {smoke or 'follows'}]")
     a("--replicas", type=int, default=1, choices=[1, 2], help="2: multiturn also through two cache-on targets "
       "behind one gateway (prefix and round_robin routing)")
     a("--temperature", type=float, default=0.0, help="0: greedy, and outputs must not depend on the cache")
@@ -158,7 +150,7 @@ class PrefixBench:
 
     def resolve(self) -> None:
         a = self.args
-        for name, (default, smoke) in SIZES.items():
+        for name, (default, smoke, _) in SIZES.items():
             if getattr(a, name) is None:
                 setattr(a, name, smoke if a.smoke else default)
         a.probe_prefix_tokens = a.probe_prefix_tokens or a.system_tokens
@@ -201,8 +193,6 @@ class PrefixBench:
             proc = stack.target([*common, *extra, "--metrics-port", str(port)], name=f"target-{name}")
             targets[name] = (proc, f"http://127.0.0.1:{port}/metrics")
         draft = stack.draft(self.draft_path)
-        log(f"starting targets {', '.join(f'{n} {p.address}' for n, (p, _) in targets.items())} and draft "
-            f"{draft.address} (logs: {logs})")
         stack.wait(*(p for p, _ in targets.values()), draft)
         gateways = []
         for v in self.variants:
@@ -231,12 +221,12 @@ class PrefixBench:
             if longest[w] > room:
                 raise SystemExit(f"{w}: sequences of {longest[w]} tokens exceed the target's context "
                                  f"({stacks.max_context(self.target_path)} - {self.width + 2}); lower its sizes")
-        need = {"shared": a.groups * (a.system_tokens + a.questions * a.question_tokens),
-                "multiturn": a.conversations * (a.context_tokens + a.turns * a.question_tokens),
-                "probe": a.probe_pairs * (2 * a.probe_prefix_tokens + 3 * a.question_tokens),
-                "unique": a.unique_prompts * a.unique_tokens}
-        # Every workload's pieces are cut, run or not, so a workload's token ids do not depend on --workloads.
-        total = sum(need.values()) + 2 * 256       # + the warm-up prompts
+        # Every workload's pieces are cut, run or not, so a workload's token ids do not depend on
+        # --workloads; + the warm-up prompts.
+        total = (a.groups * (a.system_tokens + a.questions * a.question_tokens)
+                 + a.conversations * (a.context_tokens + a.turns * a.question_tokens)
+                 + a.probe_pairs * (2 * a.probe_prefix_tokens + 3 * a.question_tokens)
+                 + a.unique_prompts * a.unique_tokens + 2 * 256)
         tok = stacks.tokenizer(self.target_path)
         n, stream = max(8, total // 600), []
         while True:
@@ -378,7 +368,7 @@ class PrefixBench:
 
     def run(self) -> dict:
         a = self.args
-        started, t0 = datetime.now(timezone.utc), time.perf_counter()
+        t0 = time.perf_counter()
         meta = metadata("splitspec bench-prefix", self.argv)
         self.resolve()
         self.width = stacks.draft_width(self.draft_path, self.args.num_draft_tokens)
@@ -400,7 +390,7 @@ class PrefixBench:
         sizes = {name: getattr(a, name) for name in SIZES}
         results = {
             "meta": meta,
-            "run": {"started": started.isoformat(timespec="seconds"), "duration_s": time.perf_counter() - t0,
+            "run": {"duration_s": time.perf_counter() - t0,
                     "target_model": str(self.target_path), "draft_model": str(self.draft_path or "") or None,
                     "services": self.services, "workloads": self.workloads, "methods": self.methods,
                     "variants": [v.name for v in self.variants], "sizes": sizes, "smoke": a.smoke,
@@ -451,7 +441,8 @@ def set_ideal(results: list[Result], block: int) -> None:
 
 def _steps(results: list[Result]) -> dict:
     """τ's two sums, kept apart so that repeats pool (harness.tau reads them)."""
-    return {"committed": sum(r.sample.committed for r in results), "verify_steps": sum(r.sample.verify_steps for r in results)}
+    return {"committed": sum(r.sample.committed for r in results),
+            "verify_steps": sum(r.sample.verify_steps for r in results)}
 
 
 def run_stats(results: list[Result], wall: float) -> dict:
@@ -562,7 +553,8 @@ def flags(r: dict) -> list[str]:
                        "(repeat, request): " + ", ".join(map(str, c["output_mismatches"][:12])))
     for row in r["ratios"]:
         if row["workload"] == "unique" and (row["tokens_per_s_on_over_off"] or 1) < 0.95:
-            out.append(f"unique / {row['method']}: tok/s on ÷ off {row['tokens_per_s_on_over_off']:.2f} (nothing to reuse)")
+            out.append(f"unique / {row['method']}: tok/s on ÷ off {row['tokens_per_s_on_over_off']:.2f}, with "
+                       "nothing to reuse")
     for x in r["replicas"]:
         if x["variant"].endswith("prefix") and x["ratio"] is not None and x["ratio"] < 0.9:
             out.append(f"multiturn / {x['method']}: with prefix routing, 2 replicas keep {x['ratio']:.2f}x the hit "
@@ -578,8 +570,8 @@ CELL_COLUMNS = [
     ("cache", lambda c: c["variant"]),
     ("TTFT p50 / p90 ms", lambda c: f"{fmt(c['ttft_ms_p50'], '{:.0f}')} / {fmt(c['ttft_ms_p90'], '{:.0f}')}"),
     ("tok/s", lambda c: fmt(c["tokens_per_s"], "{:.1f}")),
-    ("hit rate (ideal, targets' counters)", lambda c: f"{fmt(c['hit_rate'], '{:.3f}')} ({fmt(c['ideal_hit_rate'], '{:.3f}')}, "
-     f"{fmt(c.get('target_hit_rate'), '{:.3f}')})"),
+    ("hit rate (ideal, targets' counters)", lambda c: f"{fmt(c['hit_rate'], '{:.3f}')} "
+     f"({fmt(c['ideal_hit_rate'], '{:.3f}')}, {fmt(c.get('target_hit_rate'), '{:.3f}')})"),
     ("τ (hit / miss)", lambda c: f"{fmt(c['tau'])} ({fmt(c['tau_hit'])} / {fmt(c['tau_miss'])})"),
     ("τ hit reqs on / off", lambda c: f"{fmt(c['tau_hit_requests_on'])} / {fmt(c['tau_hit_requests_off'])}"),
     ("requests hit/miss", lambda c: f"{c['requests_hit']}/{c['requests_miss']}"),
@@ -601,22 +593,12 @@ RATIO_COLUMNS = [
 def markdown(r: dict) -> str:
     meta, run = r["meta"], r["run"]
     s = run["sizes"]
-    lines = header("splitspec bench-prefix", meta)[:-1] + [
-             f"- target: `{run['target_model']}`; draft: `{run['draft_model'] or 'none (ngram)'}`; verify width "
-             f"{run['num_draft_tokens']}; KV block {run['kv_block_size']}; T={run['temperature']:g}, eos ignored",
-             f"- services: {run['services']}",
-             f"- text: {run['text_source']} (digest {run['text_digest']})",
-             f"- shared: {s['groups']} groups x {s['questions']} questions, {s['system_tokens']}-token system prompts, "
-             f"{s['question_tokens']}-token questions, {s['max_new_tokens']} new tokens, {s['concurrency']} streams",
-             f"- multiturn: {s['conversations']} conversations x {s['turns']} turns, {s['context_tokens']}-token "
-             f"contexts, {s['question_tokens']}-token messages, {s['max_new_tokens']} new tokens, round robin, "
-             f"{s['concurrency']} streams",
-             f"- probe: {s['probe_pairs']} pairs, {s['probe_prefix_tokens']}-token prefixes + {s['question_tokens']} "
-             f"tokens, {s['probe_new_tokens']} new tokens, one stream",
-             f"- unique: {s['unique_prompts']} prompts of {s['unique_tokens']} tokens, {s['max_new_tokens']} new "
-             f"tokens, {s['concurrency']} streams",
-             f"- repeats {s['repeats']} (cache on/off order alternating); started {run['started']}, took "
-             f"{run['duration_s']:.0f} s", "", "## Cells", ""]
+    lines = header("splitspec bench-prefix", meta,
+                   f"target: `{run['target_model']}`; draft: `{run['draft_model'] or 'none (ngram)'}`; verify width "
+                   f"{run['num_draft_tokens']}; KV block {run['kv_block_size']}; T={run['temperature']:g}, eos ignored",
+                   f"services: {run['services']}", f"text: {run['text_source']} (digest {run['text_digest']})",
+                   "sizes: " + ", ".join(f"{k} {v}" for k, v in s.items()) + " (cache on/off order alternating "
+                   f"per repeat); took {run['duration_s']:.0f} s") + ["## Cells", ""]
     lines += table([c for c, _ in CELL_COLUMNS], [[f(c) for _, f in CELL_COLUMNS] for c in r["cells"]])
     lines += ["", "## Cache on ÷ off", ""]
     lines += table([c for c, _ in RATIO_COLUMNS], [[f(x) for _, f in RATIO_COLUMNS] for x in r["ratios"]])

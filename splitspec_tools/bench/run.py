@@ -297,9 +297,11 @@ def markdown(r: dict) -> str:
                        [[e["name"], fmt(e["tokens_per_s"], "{:.1f}"), fmt(e["speedup"]), fmt(e["accept_length"]),
                          fmt(e["ttft_ms_p50"], "{:.1f}"), fmt(e["itl_ms_p50"]),
                          fmt((e["per_step_ms"] or {}).get("total"), "{:.1f}"),
-                         " / ".join(fmt((e["per_step_ms"] or {}).get(k), "{:.1f}") for k in ("draft", "verify", "wire", "queue")),
+                         " / ".join(fmt((e["per_step_ms"] or {}).get(k), "{:.1f}")
+                                    for k in ("draft", "verify", "wire", "queue")),
                          fmt(e["ideal_speedup"]), fmt(e["efficiency"]), mix_cell(e["steps_by_method"]),
-                         "–" if e["greedy_matches"] is None else f"{e['greedy_matches']}/{e['requests']}"] for e in entries])
+                         "–" if e["greedy_matches"] is None else f"{e['greedy_matches']}/{e['requests']}"]
+                        for e in entries])
         spec = [e for e in entries if e["per_position_acceptance"]]
         if spec:
             depth = max(len(e["per_position_acceptance"]) for e in spec)

@@ -516,9 +516,10 @@ def summarize_cost(rows: list[dict], temps: list[float]) -> list[dict]:
                     "ttft_ms_p50": percentile([r["ttft_ms"] for r in vs], 50)}
         c, m = _per_repeat([x["constrained"] for x in pairs]), _per_repeat([x["matched"] for x in pairs])
         e["tokens_per_s_ratio_vs_matched"] = median([c[k] / m[k] for k in c if c[k] and m.get(k)])
-        e["decode_ms_ratio_vs_matched"] = ratio(e["constrained"]["decode_ms_per_token"], e["matched"]["decode_ms_per_token"])
-        e["grammar_cost_tokens_per_s"] = 1 - e["tokens_per_s_ratio_vs_matched"] if e["tokens_per_s_ratio_vs_matched"] else None
-        e["grammar_cost_decode"] = e["decode_ms_ratio_vs_matched"] - 1 if e["decode_ms_ratio_vs_matched"] else None
+        rate = e["tokens_per_s_ratio_vs_matched"]
+        decode = ratio(e["constrained"]["decode_ms_per_token"], e["matched"]["decode_ms_per_token"])
+        e.update(decode_ms_ratio_vs_matched=decode, grammar_cost_tokens_per_s=1 - rate if rate else None,
+                 grammar_cost_decode=decode - 1 if decode else None)
         out.append(e)
     return out
 
@@ -590,8 +591,8 @@ def markdown(r: dict) -> str:
         lines += table(["T", "pairs", "decode ms/token constrained / matched", "tok/s constrained / matched",
                         "cost: tok/s", "cost: decode ms/token"],
                        [[f"{e['temperature']:g}", str(e["pairs"]),
-                         f"{fmt(e['constrained']['decode_ms_per_token'], '{:.3f}')} / {fmt(e['matched']['decode_ms_per_token'], '{:.3f}')}",
-                         f"{fmt(e['constrained']['tokens_per_s'], '{:.1f}')} / {fmt(e['matched']['tokens_per_s'], '{:.1f}')}",
+                         " / ".join(fmt(e[v]["decode_ms_per_token"], "{:.3f}") for v in ("constrained", "matched")),
+                         " / ".join(fmt(e[v]["tokens_per_s"], "{:.1f}") for v in ("constrained", "matched")),
                          fmt(e["grammar_cost_tokens_per_s"], "{:.1%}"), fmt(e["grammar_cost_decode"], "{:.1%}")]
                         for e in r["cost"]])
         lines += ["", "matched = the same request without the constraint, ignore_eos, as many tokens as the "

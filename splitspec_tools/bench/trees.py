@@ -163,9 +163,9 @@ def verify_cost_part(model, tok, args) -> list[dict]:
 
 
 def markdown(res: dict) -> str:
-    lines = header("splitspec bench-trees", res["meta"]) + ["## Accept length, chain vs tree (in process, same draft and prompts)", ""]
-    lines += table(["prompt tokens", "T", "draft mode", "τ chain", "τ tree", "τ tree ÷ chain", "tok/s chain", "tok/s tree",
-                    "tok/s tree ÷ chain", "ms/step chain", "ms/step tree", "T=0 mismatches"],
+    lines = header("splitspec bench-trees", res["meta"]) + ["## Accept length, chain vs tree (in process)", ""]
+    lines += table(["prompt tokens", "T", "draft mode", "τ chain", "τ tree", "τ tree ÷ chain", "tok/s chain",
+                    "tok/s tree", "tok/s tree ÷ chain", "ms/step chain", "ms/step tree", "T=0 mismatches"],
                    [[str(r["prompt_tokens"]), f"{r['temperature']:g}", r["draft_sampling"], f"{r['chain_tau']:.2f}",
                      f"{r['tree_tau']:.2f}", f"{r['tau_tree_over_chain']:.2f}", f"{r['chain_tok_s']:.1f}",
                      f"{r['tree_tok_s']:.1f}", f"{r['tok_s_tree_over_chain']:.2f}", f"{r['chain_ms_per_step']:.1f}",
