@@ -93,9 +93,9 @@ def test_figures_are_consistent(bench_run):
         b = base[e["temperature"]]
         assert e["speedup"] == pytest.approx(e["tokens_per_s"] / b["tokens_per_s"])
         if e["config"] == "target":
-            assert e["accept_length"] in (None, 1.0) and e["per_position_acceptance"] == []
+            assert e["tau"] in (None, 1.0) and e["per_position_acceptance"] == []
         elif e["method"] != "auto":       # auto may decode target-only throughout
-            assert 1.0 <= e["accept_length"] <= 8
+            assert 1.0 <= e["tau"] <= 8
             assert all(0.0 <= x <= 1.0 for x in e["per_position_acceptance"])
             assert e["per_position_acceptance"] == sorted(e["per_position_acceptance"], reverse=True)
             assert e["ideal_speedup"] > 0 and e["efficiency"] == pytest.approx(e["speedup"] / e["ideal_speedup"])
@@ -142,7 +142,7 @@ def test_json_matches_markdown(bench_run):
     for e in results["configs"]:
         row = next(r for s, r in rows if s.startswith(f"temperature {e['temperature']:g}") and r["configuration"] == e["name"])
         assert row["tok/s"] == f"{e['tokens_per_s']:.1f}" and row["speedup"] == f"{e['speedup']:.2f}"
-        assert row["τ"] == ("–" if e["accept_length"] is None else f"{e['accept_length']:.2f}")
+        assert row["τ"] == ("–" if e["tau"] is None else f"{e['tau']:.2f}")
         assert row["= target"] == ("–" if e["greedy_matches"] is None else f"{e['greedy_matches']}/{e['requests']}")
     for c in results["concurrency"]:
         row = next(r for s, r in rows if s == "Concurrency" and r["streams"] == str(c["streams"])

@@ -92,3 +92,36 @@ def test_bench_drafts_end_to_end(tmp_path, monkeypatch):
     assert "Lossless check: at T=0 all drafts gave the same tokens on 2/2" in md
     r["lossless"]["mismatches"] = ["dflash2 ≠ dflash on p (repeat 1)"]     # how a failure reads
     assert "**LOSSLESS CHECK FAILED at T=0: 1 output(s) differ between drafts:** dflash2 ≠ dflash" in markdown(r)
+
+
+def test_bench_drafts_by_prompt_length(tmp_path, monkeypatch):
+    """--prompt-lengths runs the same prompts at each length, cut to their last L tokens, reports
+    τ per length (with the T=0 ceiling) and a by-length table; T=0 streams stay target-only greedy."""
+    target = tiny_target_dir(1024)
+    model = load_model(target)
+    save_draft(new_draft(model.cfg, num_layers=1, block_size=B, mask_token_id=2, seed=5), tmp_path / "dflash")
+    sent = []
+
+    class Recording(drafts_bench.Gateway):
+        def run(self, prompt_ids, max_new, params, **kw):
+            sample = super().run(prompt_ids, max_new, params, **kw)
+            sent.append((list(prompt_ids), max_new, sample))
+            return sample
+    monkeypatch.setattr(drafts_bench, "Gateway", Recording)
+    out = tmp_path / "out"
+    argv = ["--draft", str(tmp_path / "dflash"), "--target-model-path", str(target), "--num-prompts", "2",
+            "--max-new-tokens", "6", "--prompt-lengths", "12,40", "--temperatures", "0", "--warmup", "0",
+            "--ceiling-paths", "0", "--out", str(out)]
+    assert main(argv) == 0
+    r = json.loads((out / "results.json").read_text())
+    assert r["run"]["prompt_lengths"] == [12, 40]
+    assert [(e["prompt_tokens"], e["ceiling_tau"]) for e in r["results"]] == [(12, B), (40, B)]
+    assert [len(ids) for ids, _, _ in sent] == [12, 12, 40, 40]
+    for short, long in zip(sent[:2], sent[2:]):
+        assert short[0] == long[0][-12:]            # the same prompt, less of what comes before
+    for ids, n, s in sent:
+        assert s.tokens == generate(model, ids, n)
+    md = (out / "results.md").read_text()
+    assert "## By prompt length" in md and "τ @12" in md and "ms @40" in md
+    with pytest.raises(SystemExit, match="exceed the target's context"):
+        main(argv[:-2] + ["--out", str(out), "--prompt-lengths", "5000"])

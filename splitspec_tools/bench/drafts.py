@@ -11,6 +11,10 @@ Reported per draft and setting: τ, P(slot k accepted), tok/s, the draft's forwa
 
     splitspec bench-drafts --draft runs/out-dflash --draft runs/out-dflash2      # ~25 min on 2 idle cores
     splitspec bench-drafts --draft A --draft B --num-prompts 10 --ceiling-paths 0    # no ceiling
+    splitspec bench-drafts --draft A --draft B --prompt-lengths 128,512,1024,1800   # τ by prompt length
+
+With --prompt-lengths the same long prompts run at every length, each cut to its last L tokens: a
+length changes only how much of the file before the function the models see.
 """
 from __future__ import annotations
 
@@ -21,8 +25,8 @@ from pathlib import Path
 
 from . import stack as stacks
 from .client import Gateway, prometheus, sampling
-from .harness import cli, csv_items, fmt, header, log, metadata, percentile, ratio, table, tau, write
-from .prompts import load_prompts
+from .harness import cli, csv_items, fmt, header, log, metadata, percentile, ratio, summary, table, tau, write
+from .prompts import default_prompts, digest, load_jsonl, load_prompts
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--max-prompt-chars", type=int, default=1500)
     a("--max-prompt-tokens", type=int, default=512)
     a("--max-new-tokens", type=int, default=128, help="tokens per request (eos ignored)")
+    a("--prompt-lengths", default="", metavar="L1,L2,…", help="every setting at each prompt length (tokens)")
     a("--repeats", type=int, default=1)
     a("--warmup", type=int, default=2, help="warm-up requests per draft and setting (not timed)")
     a("--temperatures", default="0,1.0")
@@ -81,11 +86,30 @@ class DraftBench:
         self.settings = [(t, m) for t in self.temperatures for m in (["greedy"] if t == 0 else modes)]
 
     def prompts(self) -> None:
+        """`self.by_length`: L → the prompts cut to their last L tokens (None: as `splitspec bench` cuts them)."""
         a = self.args
+        self.lengths = [int(x) for x in csv_items(a.prompt_lengths)]
         room = stacks.max_context(self.target_path) - a.max_new_tokens - self.width - 2
-        self.ids, self.names, self.source = load_prompts(a.prompts, a.num_prompts, self.target_path,
-                                                         max_chars=a.max_prompt_chars,
-                                                         max_tokens=max(1, min(a.max_prompt_tokens, room)))
+        if not self.lengths:
+            ids, self.names, self.source = load_prompts(a.prompts, a.num_prompts, self.target_path,
+                                                        max_chars=a.max_prompt_chars,
+                                                        max_tokens=max(1, min(a.max_prompt_tokens, room)))
+            self.by_length = {None: ids}
+            return
+        if max(self.lengths) > room:
+            raise SystemExit(f"--prompt-lengths: {max(self.lengths)} tokens + {a.max_new_tokens} new exceed the "
+                             f"target's context; the longest length can be at most {room}")
+        tok, kept, self.names = stacks.tokenizer(self.target_path), [], []
+        for p in (load_jsonl(a.prompts) if a.prompts else
+                  default_prompts(a.num_prompts * 4, max_chars=max(a.max_prompt_chars, 8 * max(self.lengths)))):
+            ids = list(p.token_ids) or tok.encode(p.text).ids
+            if len(ids) >= max(self.lengths) and len(kept) < a.num_prompts:
+                kept.append(ids)
+                self.names.append(p.id)
+        if not kept:
+            raise SystemExit(f"--prompt-lengths: no prompt has {max(self.lengths)} tokens")
+        self.by_length = {L: [ids[-L:] for ids in kept] for L in self.lengths}
+        self.source = f"prompts of at least {max(self.lengths)} tokens cut to their last L, digest {digest(kept)}"
 
     def start(self) -> None:
         from splitspec_tools.ops.launch import free_port
@@ -99,8 +123,8 @@ class DraftBench:
         self.gateways = [stack.gateway(target.address, p.address, name=f"gateway{i}") for i, p in enumerate(drafts)]
         stack.wait(*self.gateways)
 
-    def measure(self) -> tuple[list[dict], list[str]]:
-        a, ids, entries, mismatches = self.args, self.ids, [], []
+    def measure(self, L: int | None, ids: list[list[int]]) -> tuple[list[dict], list[str]]:
+        a, entries, mismatches, at = self.args, [], [], f" at {L} prompt tokens" if L else ""
         for t, mode in self.settings:
             runners = [Gateway(gw.address, "dflash", self.width, mode, a.timeout_s) for gw in self.gateways]
             name = "T=0" if t == 0 else f"T={t:g} top_p {a.top_p:g}, {'sampled' if mode == 'sample' else 'greedy'} drafts"
@@ -117,30 +141,31 @@ class DraftBench:
                         s1, n1 = propose_ms(self.drafts[d]["metrics"])
                         fwd[d].append((s1 - s0) * 1e3 / (n1 - n0) if n1 > n0 else None)
                     if t == 0:      # lossless: every draft must give the reference draft's tokens
-                        mismatches += [f"{self.drafts[d]['label']} ≠ {self.drafts[0]['label']} on {self.names[i]} "
+                        mismatches += [f"{self.drafts[d]['label']} ≠ {self.drafts[0]['label']} on {self.names[i]}{at} "
                                        f"(repeat {rep + 1})" for d in range(1, len(runners))
                                        if samples[d][-1].tokens != samples[0][-1].tokens]
-                    log(f"{name} rep {rep + 1}/{a.repeats} prompt {i + 1}/{len(ids)}: τ " +
+                    log(f"{name}{at} rep {rep + 1}/{a.repeats} prompt {i + 1}/{len(ids)}: τ " +
                         ", ".join(f"{dr['label']} {fmt(tau(s[-1:]))}" for dr, s in zip(self.drafts, samples)))
             for runner in runners:
                 runner.close()
             rows = [summarize(dr, s, f, t, mode, name) for dr, s, f in zip(self.drafts, samples, fwd)]
             ref_ms = rows[0]["draft_forward_ms_p50"]
             for r in rows:
-                r.update(tau_vs_first=ratio(r["tau"], rows[0]["tau"]),
+                r.update(prompt_tokens=L or sum(map(len, ids)) / len(ids), length_key=L,
+                         tau_vs_first=ratio(r["tau"], rows[0]["tau"]),
                          draft_forward_ms_vs_first=None if r["draft_forward_ms_p50"] is None or ref_ms is None
                          else r["draft_forward_ms_p50"] - ref_ms)
             entries += rows
         return entries, mismatches
 
     def ceilings(self) -> dict:
-        """`splitspec ceiling` on the same prompts, width and settings, in this process once the
-        services are gone; keyed by T. At T=0 the target is deterministic, so a perfect drafter's τ
-        is the width: nothing to compute."""
+        """`splitspec ceiling` on the same prompts, width and settings, per prompt length, in this
+        process once the services are gone; keyed by (length, T). At T=0 the target is
+        deterministic, so a perfect drafter's τ is the width: nothing to compute."""
         a = self.args
         exact = {"greedy_tau": float(self.width), "greedy_reach_per_position": [1.0] * (self.width - 1),
                  "seconds": 0.0, "source": "exact (the target is deterministic at T=0)"}
-        out = {0.0: exact} if 0 in self.temperatures else {}
+        out = {(L, 0.0): exact for L in self.by_length} if 0 in self.temperatures else {}
         hot = sorted({t for t, _ in self.settings if t > 0})
         if hot and a.ceiling_paths <= 0:
             self.skipped.append("ceiling at T > 0: --ceiling-paths 0")
@@ -151,11 +176,11 @@ class DraftBench:
 
         from .ceiling import ceiling
         model, offsets = load_model(self.target_path, device=a.device), list(range(0, a.max_new_tokens, 40))
-        for t in hot:
+        for (L, ids), t in ((kv, t) for kv in self.by_length.items() for t in hot):
             t0 = time.perf_counter()
-            res = ceiling(model, self.ids, block_size=self.width, num_paths=a.ceiling_paths, offsets=offsets,
+            res = ceiling(model, ids, block_size=self.width, num_paths=a.ceiling_paths, offsets=offsets,
                           params=SamplingParams(temperature=t, top_p=a.top_p).validate(), seed=a.seed)
-            out[t] = {**res, "seconds": time.perf_counter() - t0,
+            out[(L, t)] = {**res, "seconds": time.perf_counter() - t0,
                       "source": f"splitspec ceiling, {a.ceiling_paths} paths/context, offsets {offsets}"}
         return out
 
@@ -165,51 +190,43 @@ class DraftBench:
         try:
             self.prompts()
             self.start()
-            entries, mismatches = self.measure()
+            for L, ids in self.by_length.items():
+                e, m = self.measure(L, ids)
+                entries, mismatches = entries + e, mismatches + m
         finally:
             if self.stack is not None:
                 self.stack.stop()
         ceil = self.ceilings()
         for e in entries:
-            c = ceil.get(e["temperature"])
+            c = ceil.get((e.pop("length_key"), e["temperature"]))
             key = "sampled" if e["draft_sampling"] == "sample" else "greedy"
             e["ceiling_tau"] = c[f"{key}_tau"] if c else None
             e["ceiling_share"] = ratio(e["tau"], e["ceiling_tau"])
             e["ceiling_reach_per_position"] = c[f"{key}_reach_per_position"] if c else None
         for d in self.drafts:
             d.pop("metrics", None)
-        some = self.ids
+        some = next(iter(self.by_length.values()))
         results = {
             "meta": meta,
             "run": {"duration_s": time.perf_counter() - t0, "target_model": str(self.target_path),
                     "num_prompts": len(some), "prompt_source": self.source,
                     "prompt_tokens_mean": sum(map(len, some)) / len(some), "max_new_tokens": a.max_new_tokens,
-                    "repeats": a.repeats, "num_draft_tokens": self.width, "seed": a.seed},
+                    "repeats": a.repeats, "num_draft_tokens": self.width, "prompt_lengths": self.lengths, "seed": a.seed},
             "drafts": self.drafts,
-            "ceilings": {f"{t:g}": c for t, c in ceil.items()},
+            "ceilings": {(f"{L}:{t:g}" if L else f"{t:g}"): c for (L, t), c in ceil.items()},
             "results": entries,
-            "lossless": {"requests": len(some) * a.repeats if 0.0 in self.temperatures else 0,
+            "lossless": {"requests": len(some) * a.repeats * len(self.by_length) if 0.0 in self.temperatures else 0,
                          "mismatches": mismatches},
             "skipped": self.skipped}
         return results, 1 if mismatches else 0
 
 
 def summarize(draft: dict, samples: list, fwd: list, t: float, mode: str, name: str) -> dict:
-    steps = sum(s.verify_steps for s in samples)
-    depth = max((len(s.accepted_per_position) for s in samples), default=0)
     per_step = lambda k: percentile([getattr(s, k) / s.verify_steps for s in samples if s.verify_steps], 50)  # noqa: E731
-    tokens, wall = sum(len(s.tokens) for s in samples), sum(s.wall_s for s in samples)
     return {"setting": name, "temperature": t, "draft_sampling": mode if t > 0 else None, "draft": draft["label"],
-            "architecture": draft["architecture"], "requests": len(samples), "tokens": tokens, "wall_s": wall,
-            "tokens_per_s": tokens / wall, "verify_steps": steps, "tau": tau(samples),
-            # share of verify steps whose draft at depth k was accepted (= P(slots 1..k all accepted))
-            "per_position_acceptance": [sum(s.accepted_per_position[k] for s in samples
-                                            if k < len(s.accepted_per_position)) / steps for k in range(depth)]
-            if steps else [],
+            "architecture": draft["architecture"], **summary(samples, "dflash"),
             "draft_forward_ms_p50": percentile(fwd, 50),
-            "propose_ms_per_step_p50": per_step("draft_ms"), "verify_ms_per_step_p50": per_step("verify_ms"),
-            "method_mismatches": sum(1 for s in samples if s.method_ran and s.method_ran != "dflash"),
-            "draft_fallbacks": sum(s.draft_fallbacks for s in samples)}
+            "propose_ms_per_step_p50": per_step("draft_ms"), "verify_ms_per_step_p50": per_step("verify_ms")}
 
 
 def markdown(r: dict) -> str:
@@ -222,17 +239,27 @@ def markdown(r: dict) -> str:
                    f"average); {run['max_new_tokens']} new tokens each (eos ignored); repeats {run['repeats']}; verify "
                    f"width {run['num_draft_tokens']}; method dflash; drafts interleaved per prompt; took "
                    f"{run['duration_s']:.0f} s") + ["## τ through the services", ""]
-    lines += table(["setting", "draft", "τ", "τ ÷ first", "ceiling τ", "share of ceiling", "tok/s",
+    lines += table(["setting", "prompt tokens", "draft", "τ", "τ ÷ first", "ceiling τ", "share of ceiling", "tok/s",
                     "draft forward ms/Propose p50", "Δ draft ms vs first", "Propose / Verify ms/step p50"],
-                   [[e["setting"], f"{e['draft']} ({e['architecture'].replace('DraftModel', '')})",
+                   [[e["setting"], fmt(e["prompt_tokens"], "{:.0f}"), f"{e['draft']} ({e['architecture'].replace('DraftModel', '')})",
                      fmt(e["tau"]), fmt(e["tau_vs_first"], "{:.2f}x"), fmt(e["ceiling_tau"]),
                      fmt(e["ceiling_share"], "{:.0%}"),
                      fmt(e["tokens_per_s"], "{:.1f}"), fmt(e["draft_forward_ms_p50"]),
                      fmt(e["draft_forward_ms_vs_first"], "{:+.2f}"),
                      f"{fmt(e['propose_ms_per_step_p50'], '{:.1f}')} / {fmt(e['verify_ms_per_step_p50'], '{:.1f}')}"]
                     for e in entries])
+    if run["prompt_lengths"]:
+        Ls, at = run["prompt_lengths"], {(e["setting"], e["draft"], e["prompt_tokens"]): e for e in entries}
+        cells = lambda s, d: [at.get((s, d, L)) for L in Ls]  # noqa: E731
+        lines += ["", "## By prompt length", "", "τ (share of the ceiling) and draft ms per Propose, the same prompts "
+                  "cut to their last L tokens:", ""]
+        lines += table(["setting", "draft", *[f"τ @{L}" for L in Ls], *[f"ms @{L}" for L in Ls]],
+                       [[s, d, *[f"{fmt(c['tau'])} ({fmt(c['ceiling_share'], '{:.0%}')})" if c else "–" for c in cells(s, d)],
+                         *[fmt(c["draft_forward_ms_p50"]) if c else "–" for c in cells(s, d)]]
+                        for s, d in dict.fromkeys((e["setting"], e["draft"]) for e in entries)])
     lines += ["", "Ratios to the first draft:", ""]
-    lines += [f"- {e['setting']}: {e['draft']} / {first} τ = {fmt(e['tau_vs_first'], '{:.2f}x')}, draft forward "
+    lines += [f"- {e['setting']}" + (f" at {e['prompt_tokens']:.0f} prompt tokens" if run["prompt_lengths"] else "") +
+              f": {e['draft']} / {first} τ = {fmt(e['tau_vs_first'], '{:.2f}x')}, draft forward "
               f"{fmt(e['draft_forward_ms_vs_first'], '{:+.2f}')} ms per Propose" for e in entries if e["draft"] != first]
     depth = max((len(e["per_position_acceptance"]) for e in entries), default=0)
     rows = []

@@ -58,6 +58,26 @@ def tau(samples) -> float | None:
     return sum(get(s, "committed") for s in samples) / steps if steps else None
 
 
+def summary(samples, method: str | None = None) -> dict:
+    """What every bench reports of a set of requests: tok/s (tokens ÷ their summed wall time), τ,
+    P(slot k accepted) (the share of verify steps whose draft at depth k was accepted), TTFT and ITL
+    medians (ms), the drafters' shares of the steps, and the requests that ran another method than
+    asked or fell back to the target alone."""
+    tokens, wall, steps = (sum(len(s.tokens) for s in samples), sum(s.wall_s for s in samples),
+                           sum(s.verify_steps for s in samples))
+    depth = max((len(s.accepted_per_position) for s in samples), default=0) if method not in (None, "none") else 0
+    return {"requests": len(samples), "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+            "verify_steps": steps, "tau": tau(samples),
+            "per_position_acceptance": [sum(s.accepted_per_position[k] for s in samples
+                                            if k < len(s.accepted_per_position)) / steps for k in range(depth)]
+            if steps else [],
+            "ttft_ms_p50": percentile([s.ttft_s * 1e3 for s in samples], 50),
+            "itl_ms_p50": percentile([s.itl_s * 1e3 for s in samples if s.itl_s is not None], 50),
+            "steps_by_method": step_mix(samples) or None,
+            "method_mismatches": sum(bool(s.method_ran) and s.method_ran != method for s in samples) if method else 0,
+            "draft_fallbacks": sum(s.draft_fallbacks for s in samples)}
+
+
 def step_mix(samples) -> dict[str, float]:
     """Share of steps per drafter that ran (auto's choice), from the gateway's stats."""
     counts: dict[str, int] = {}

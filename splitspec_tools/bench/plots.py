@@ -29,7 +29,7 @@ def plot(r: dict, out: Path) -> list[Path]:
             if e["per_position_acceptance"]:
                 acc = e["per_position_acceptance"]
                 axes[0][col].plot(range(1, len(acc) + 1), acc, marker="o",
-                                  label=f"{e['name']} (τ {e['accept_length']:.2f})")
+                                  label=f"{e['name']} (τ {e['tau']:.2f})")
         axes[0][col].set(title=f"T={t:g}: acceptance per draft position", xlabel="draft position k",
                          ylabel="share of verify steps accepting k", ylim=(0, 1.02))
         if entries and any(e["per_position_acceptance"] for e in entries):

@@ -16,8 +16,8 @@ from pathlib import Path
 
 from . import stack as stacks
 from .client import Gateway, counters, mean_batch, sampling, step_prices, target_info, tok_s
-from .harness import (cli, csv_items, fmt, header, log, median, metadata, mix_cell, percentile, ratio, step_mix, table,
-                      tau, write)
+from .harness import (cli, csv_items, fmt, header, log, median, metadata, mix_cell, percentile, ratio, step_mix,
+                      summary, table, tau, write)
 from .prompts import load_prompts
 
 # key: (method, tree?): every configuration is a Generate request through the gateway.
@@ -240,28 +240,17 @@ class Bench:
 def summarize(name: str, key: str, mode: str | None, t: float, samples: list, base: list, prices: dict | None,
               names: list[str]) -> dict:
     """One configuration at one temperature; `base[i]` is target-only's request on samples[i]'s prompt and seed."""
-    tokens, wall = sum(len(s.tokens) for s in samples), sum(s.wall_s for s in samples)
-    steps = sum(s.verify_steps for s in samples)
-    rate = lambda xs: sum(len(s.tokens) for s in xs) / sum(s.wall_s for s in xs)
-    positions = [sum(s.accepted_per_position[k] for s in samples if k < len(s.accepted_per_position))
-                 for k in range(max((len(s.accepted_per_position) for s in samples), default=0))]
-    e = {"name": name, "config": key, "method": CONFIGS[key][0], "temperature": t, "draft_sampling": mode,
-         "requests": len(samples), "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
-         "speedup": rate(samples) / rate(base), "accept_length": tau(samples), "verify_steps": steps,
-         "per_position_acceptance": [c / steps for c in positions] if steps and key != "target" else [],
-         "ttft_ms_p50": percentile([s.ttft_s * 1e3 for s in samples], 50),
-         "itl_ms_p50": percentile([s.itl_s * 1e3 for s in samples if s.itl_s is not None], 50),
-         "per_step_ms": {k: sum(getattr(s, f"{k}_ms") for s in samples) / steps
-                         for k in ("draft", "verify", "wire", "queue")} if steps else None,
-         "steps_by_method": step_mix(samples) or None,
-         "method_mismatches": sum(bool(s.method_ran) and s.method_ran != CONFIGS[key][0] for s in samples),
-         "draft_fallbacks": sum(s.draft_fallbacks for s in samples), "ideal_speedup": None, "efficiency": None}
+    e = {"name": name, "config": key, "temperature": t, "draft_sampling": mode, **summary(samples, CONFIGS[key][0])}
+    steps = e["verify_steps"]
+    e.update(method=CONFIGS[key][0], speedup=e["tokens_per_s"] / summary(base)["tokens_per_s"], ideal_speedup=None,
+             efficiency=None, per_step_ms={k: sum(getattr(s, f"{k}_ms") for s in samples) / steps
+                                           for k in ("draft", "verify", "wire", "queue")} if steps else None)
     if e["per_step_ms"]:
-        e["per_step_ms"]["total"] = wall * 1e3 / steps
+        e["per_step_ms"]["total"] = e["wall_s"] * 1e3 / steps
     if prices and steps and key != "target":
         # The physical limit: τ × t(decode) ÷ t(verify at this configuration's mean verify width).
         width = 1 + sum(s.draft_tokens for s in samples) / steps
-        e["ideal_speedup"] = e["accept_length"] * prices[1] / interpolate(prices, width)
+        e["ideal_speedup"] = e["tau"] * prices[1] / interpolate(prices, width)
         e["efficiency"] = e["speedup"] / e["ideal_speedup"]
     e["greedy_mismatches"] = ([names[i % len(names)] for i, (s, b) in enumerate(zip(samples, base))
                                if s.tokens != b.tokens] if t == 0 else None)
@@ -294,7 +283,7 @@ def markdown(r: dict) -> str:
         lines += [f"## {temperature_title(t)}", ""]
         lines += table(["configuration", "tok/s", "speedup", "τ", "TTFT p50 ms", "ITL p50 ms", "step ms",
                         "draft / verify / wire / queue ms", "ideal", "efficiency", "steps", "= target"],
-                       [[e["name"], fmt(e["tokens_per_s"], "{:.1f}"), fmt(e["speedup"]), fmt(e["accept_length"]),
+                       [[e["name"], fmt(e["tokens_per_s"], "{:.1f}"), fmt(e["speedup"]), fmt(e["tau"]),
                          fmt(e["ttft_ms_p50"], "{:.1f}"), fmt(e["itl_ms_p50"]),
                          fmt((e["per_step_ms"] or {}).get("total"), "{:.1f}"),
                          " / ".join(fmt((e["per_step_ms"] or {}).get(k), "{:.1f}")
