@@ -150,14 +150,17 @@ def stat_ref():
     return SimpleNamespace(probs=reference_probs, chi2=chi2_pvalue)
 
 
-@pytest.fixture(scope="module")
-def torch_one_thread():
-    """One torch thread for a module of many tiny forwards (thread start-up costs more than it
-    saves); the previous count is restored after the module."""
+def _one_torch_thread():
+    """One torch thread for many tiny forwards (thread start-up costs more than it saves); the
+    previous count is restored after."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+torch_one_thread = pytest.fixture(scope="module", name="torch_one_thread")(_one_torch_thread)   # for a module
+one_thread = pytest.fixture(name="one_thread")(_one_torch_thread)                               # for one test
 
 
 @pytest.fixture(scope="module")
@@ -173,6 +176,16 @@ def model(target_dir):
     """`target_dir` loaded in process: the reference the services must equal."""
     from splitspec.models.loader import load_model
     return load_model(target_dir)
+
+
+@pytest.fixture(scope="module")
+def draft_dir(model, tmp_path_factory):
+    """A tiny random DFlash draft of `model` (one layer, block 8), saved for a draft service to
+    load; a module that needs another draft defines its own."""
+    from draft_service.dflash import new_draft, save_draft
+    path = tmp_path_factory.mktemp("draft") / "tiny-dflash"
+    save_draft(new_draft(model.cfg, num_layers=1, block_size=8, mask_token_id=2, seed=3), path)
+    return path
 
 
 @pytest.fixture(scope="session")

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import functools
 import json
+import queue
 import tempfile
 from pathlib import Path
 
@@ -106,6 +107,40 @@ def gateway_stub(address: str) -> tuple[grpc.Channel, gateway_pb2_grpc.Generatio
 def target_stub(address: str) -> tuple[grpc.Channel, target_pb2_grpc.TargetStub]:
     ch = grpc.insecure_channel(address)
     return ch, target_pb2_grpc.TargetStub(ch)
+
+
+class SessionStream:
+    """A Session stream (the target's or the draft's) driven one message at a time: `send(**kind)`
+    puts one `request` message, `recv()` takes the next answer."""
+
+    def __init__(self, address: str, stub, request):
+        self.ch = grpc.insecure_channel(address)
+        self.request = request
+        self.q: queue.Queue = queue.Queue()
+        self.responses = stub(self.ch).Session(iter(self.q.get, None), timeout=60)
+
+    def send(self, **kind):
+        self.q.put(self.request(**kind))
+        return self
+
+    def recv(self):
+        return next(self.responses)
+
+    def refused(self, messages: list[dict]) -> grpc.RpcError:
+        """Send `messages` (each the kind=message of one request), then read until the server
+        ends the stream: its error (a stream that ends without one fails the test)."""
+        for m in messages:
+            self.send(**m)
+        try:
+            while True:
+                self.recv()
+        except grpc.RpcError as exc:
+            return exc
+
+    def close(self):
+        self.q.put(None)
+        self.responses.cancel()
+        self.ch.close()
 
 
 def finish_with_one_failover(calls, firsts, want) -> None:

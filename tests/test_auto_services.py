@@ -9,17 +9,16 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-import torch
 
 from draft_service.dflash import new_draft, save_draft
 from gateway.policy import sampling_bucket
 from service_helpers import (collect, fixed_prices, gateway_stub, inproc_gateway, repeating_prompts, running_stack,
-                             target_info)
+                             sampled_runs, target_info)
 from splitspec_tools.client import build_request
-from splitspec.engine.sample import SamplingParams, probs_from_logits
+from splitspec.engine.sample import SamplingParams
 from splitspec.v1 import gateway_pb2
-from target_service.engine import forward_sequences, generate
-from test_dflash import chi_square_pvalue
+from target_service.engine import generate
+from sampling_law import assert_follows, exact_joint
 
 N_PROMPTS, N_NEW = 16, 64
 
@@ -82,22 +81,6 @@ def test_auto_greedy_equals_target_only_using_both_drafters_and_several_k(stub, 
     assert len([k for k in ks if k > 0]) >= 3, ks
 
 
-def exact_joint(model, prompt, params, n):
-    """Target-only probability of every n-token continuation with non-zero probability."""
-    out = {}
-    with torch.no_grad():
-        def walk(prefix, p):
-            if len(prefix) == n:
-                out[tuple(prefix)] = p
-                return
-            logits = forward_sequences(model, torch.tensor([prompt + prefix])).logits[0, -1]
-            probs = probs_from_logits(logits, params)
-            for t in torch.nonzero(probs).flatten().tolist():
-                walk(prefix + [t], p * float(probs[t]))
-        walk([], 1.0)
-    return out
-
-
 @pytest.mark.parametrize("draft_sampling", ["greedy", "sample"])
 def test_auto_sampling_follows_the_target_distribution(services, model, draft_sampling):
     prompt = [7, 8, 9, 7, 8, 9, 7, 8]          # repeats: the n-gram index offers drafts too
@@ -121,23 +104,13 @@ def test_auto_sampling_follows_the_target_distribution(services, model, draft_sa
     with inproc_gateway(target.address, draft.address, measurements=prices, num_draft_tokens=8,
                         target_lookahead=False) as address:
         _, stub = gateway_stub(address)
-
-        def run(seed):
-            req = build_request(prompt, max_new_tokens=n, ignore_eos=True, temperature=1.0, top_k=3, seed=seed)
-            req.speculative.method = "auto"
-            req.speculative.draft_sampling = draft_sampling
-            ids, _, complete = collect(stub.Generate(req, timeout=120))
-            return tuple(ids), complete.stats
-        with ThreadPoolExecutor(8) as pool:
-            results = list(pool.map(run, range(samples)))
-    counts = collections.Counter(ids for ids, _ in results)
-    assert set(counts) <= set(joint)
+        results = sampled_runs(stub, prompt, n, samples, method="auto", draft_sampling=draft_sampling)
     drafted = sum(1 for _, st in results if any(s.k for s in st.steps))
     methods = collections.Counter(s.method for _, st in results for s in st.steps)
     print(f"{draft_sampling}: {drafted} of {samples} requests verified drafts; methods {methods}")
     assert drafted >= samples // 2, drafted
     assert methods["dflash"] and methods["ngram"], methods
-    assert chi_square_pvalue(counts, joint, samples) > 1e-3
+    assert_follows([ids for ids, _ in results], joint, samples)
 
 
 def test_target_only_runs_are_extended_without_a_gap(stub, services, model):

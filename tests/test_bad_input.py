@@ -4,17 +4,16 @@ services stay healthy and keep serving afterwards."""
 from __future__ import annotations
 
 import math
-import queue
 import time
 
 import grpc
 import pytest
 
-from service_helpers import (collect, garbage_error, gateway_stub, running_gateway, running_target, target_info,
-                             target_stub, tiny_target_dir)
+from service_helpers import (SessionStream, collect, garbage_error, gateway_stub, running_gateway, running_target,
+                             target_info, tiny_target_dir)
 from splitspec_tools.client import build_request
 from splitspec_tools.ops.launch import health_status
-from splitspec.v1 import common_pb2, gateway_pb2, target_pb2
+from splitspec.v1 import common_pb2, gateway_pb2, target_pb2, target_pb2_grpc
 from splitspec.wire import tensor_to_pb
 
 import torch
@@ -103,25 +102,9 @@ def test_gateway_refuses_bad_input(services, request_msg, code, field):
     assert field in err.value.details()
 
 
-class Stream:
+def Stream(address) -> SessionStream:
     """A Target.Session stream driven one message at a time."""
-
-    def __init__(self, address):
-        self.ch, stub = target_stub(address)
-        self.q: queue.Queue = queue.Queue()
-        self.responses = stub.Session(iter(self.q.get, None), timeout=60)
-
-    def send(self, **kind):
-        self.q.put(target_pb2.TargetRequest(**kind))
-        return self
-
-    def recv(self):
-        return next(self.responses)
-
-    def close(self):
-        self.q.put(None)
-        self.responses.cancel()
-        self.ch.close()
+    return SessionStream(address, target_pb2_grpc.TargetStub, target_pb2.TargetRequest)
 
 
 def open_msg(prompt=(5, 6, 7), **kw):
@@ -225,13 +208,9 @@ def test_target_refuses_bad_messages(services, messages, code, text):
     s = Stream(services[0].address)
     try:
         assert good.recv().HasField("opened")
-        for m in messages:
-            s.send(**m)
-        with pytest.raises(grpc.RpcError) as err:
-            while True:
-                s.recv()
-        assert err.value.code() == code
-        assert text in err.value.details()
+        err = s.refused(messages)
+        assert err.code() == code
+        assert text in err.details()
         good.send(decode=target_pb2.TargetDecode(n=1))
         assert good.recv().token.length == 5
     finally:

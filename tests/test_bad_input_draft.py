@@ -4,7 +4,6 @@ another stream is unaffected. Also: the max-running-requests and message-size li
 and garbage bytes on the wire."""
 from __future__ import annotations
 
-import queue
 import time
 
 import grpc
@@ -13,7 +12,7 @@ import torch
 
 from draft_service.architectures import load_draft
 from draft_service.dflash import new_draft, save_draft
-from service_helpers import garbage_error, running_draft, tiny_target_dir
+from service_helpers import SessionStream, garbage_error, running_draft, tiny_target_dir
 from splitspec_tools.ops.launch import health_status
 from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from splitspec.wire import tensor_to_pb
@@ -44,25 +43,9 @@ def draft(dirs, tmp_path_factory):
         yield svc
 
 
-class Stream:
+def Stream(address) -> SessionStream:
     """A Draft.Session stream driven one message at a time."""
-
-    def __init__(self, address):
-        self.ch = grpc.insecure_channel(address)
-        self.q: queue.Queue = queue.Queue()
-        self.responses = draft_pb2_grpc.DraftStub(self.ch).Session(iter(self.q.get, None), timeout=60)
-
-    def send(self, **kind):
-        self.q.put(draft_pb2.DraftRequest(**kind))
-        return self
-
-    def recv(self):
-        return next(self.responses)
-
-    def close(self):
-        self.q.put(None)
-        self.responses.cancel()
-        self.ch.close()
+    return SessionStream(address, draft_pb2_grpc.DraftStub, draft_pb2.DraftRequest)
 
 
 def hidden(n, f, dtype=torch.float32):
@@ -144,13 +127,9 @@ def test_draft_refuses_bad_messages(draft, feat, index):
     s = Stream(draft.address)
     try:
         assert good.recv().HasField("opened")
-        for m in messages:
-            s.send(**m)
-        with pytest.raises(grpc.RpcError) as err:
-            while True:
-                s.recv()
-        assert err.value.code() == code, err.value.details()
-        assert text in (err.value.details() or ""), err.value.details()
+        err = s.refused(messages)
+        assert err.code() == code, err.details()
+        assert text in (err.details() or ""), err.details()
         good.send(propose=draft_pb2.DraftPropose(base_len=4, new_token_ids=[9]))
         assert len(good.recv().proposal.tree.token_ids) == 7
     finally:

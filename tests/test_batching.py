@@ -27,7 +27,8 @@ from target_service.engine import TargetSequence, forward_sequences, generate
 from target_service.torch_verifier import TorchVerifier
 from splitspec.models.loader import load_model
 from target_service.runner import Decode, Prefill, Verify, run_batch
-from test_dflash import chi_square_pvalue, exact_joint, make_draft, one_thread  # noqa: F401 - a fixture
+from sampling_law import chi_square_pvalue
+from test_dflash import exact_joint, make_draft
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -12,7 +12,7 @@ import pytest
 
 from service_helpers import ROOT, tiny_target_dir
 from splitspec_tools import cli
-from splitspec.flags import PREFIX, ListFlag, apply_env, env_name
+from splitspec.flags import PREFIX, ListFlag, apply_env, check_ranges, env_name
 from splitspec_tools.ops.launch import free_port
 from target_service import server as target_server
 from gateway import server as gateway_server
@@ -146,6 +146,19 @@ def test_a_variable_the_flag_would_refuse_is_refused(var, raw, monkeypatch):
     monkeypatch.setenv(var, raw)
     with pytest.raises(SystemExit):
         target_server.build_parser()
+
+
+def test_a_flag_out_of_its_range_exits_naming_it():
+    args = argparse.Namespace(streams=0, duration_s=2.0, spare=-1, zero=0, nan=float("nan"))
+    with pytest.raises(SystemExit, match="^splitspec loadtest: --streams must be positive$"):
+        check_ranges(args, positive=("duration_s", "streams"), program="splitspec loadtest")
+    with pytest.raises(SystemExit, match="^--spare must be >= 0$"):
+        check_ranges(args, positive=("duration_s",), non_negative=("zero", "spare"))
+    with pytest.raises(SystemExit, match="^--nan must be positive$"):
+        check_ranges(args, positive=("nan",))
+    check_ranges(args, positive=("duration_s",), non_negative=("zero",))
+    with pytest.raises(SystemExit, match="^--max-context must be >= 0$"):
+        target_server.check_args(target_server.build_parser().parse_args(["--model-path", "x", "--max-context", "-1"]))
 
 
 def test_configuration_doc_lists_every_flag_and_variable():

@@ -19,7 +19,6 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from draft_service.dflash import new_draft, save_draft
 from service_helpers import ROOT, collect, gateway_stub, repeating_prompts, running
 from splitspec_tools.client import build_request
 from splitspec_tools.ops.launch import free_port
@@ -56,14 +55,6 @@ def scrape(port: int) -> set[str]:
         names.update(s.name for s in fam.samples)
         names.update(fam.name + suffix for suffix in SUFFIXES.get(fam.type, ()))
     return names
-
-
-@pytest.fixture(scope="module")
-def draft_dir(model, tmp_path_factory):
-    d = new_draft(model.cfg, num_layers=1, block_size=8, mask_token_id=2, seed=3)
-    path = tmp_path_factory.mktemp("draft") / "tiny-dflash"
-    save_draft(d, path)
-    return path
 
 
 @pytest.fixture(scope="module")

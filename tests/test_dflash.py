@@ -8,7 +8,6 @@ import random
 
 import pytest
 import torch
-from scipy import stats as sstats
 
 from draft_service.architectures import load_draft
 from draft_service.dflash import (DFlashConfig, DraftCache, default_target_layer_ids, draft_block, draft_blocks, new_draft,
@@ -20,22 +19,15 @@ from splitspec.models.config import ConfigError
 from target_service.engine import TargetSequence, forward_sequences, generate
 from splitspec.models.loader import load_model
 from splitspec.engine.sample import SamplingParams, probs_from_logits
+from sampling_law import chi_square_pvalue
+from tiny_models import rough_draft
 
 
 def make_draft(target, block_size=4, num_layers=2, seed=0):
     d = new_draft(target.cfg, num_layers=num_layers, block_size=block_size,
                   mask_token_id=target.cfg.vocab_size - 1, seed=seed,
                   target_layer_ids=[0, target.cfg.num_hidden_layers - 1])
-    # Non-trivial norms so a forgotten norm cannot match by luck.
-    g = torch.Generator().manual_seed(seed + 7)
-    with torch.no_grad():
-        for name, p in d.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
-            elif p.dim() == 2:
-                p.normal_(0, 0.2, generator=g)
-    d.attach_target(target.model.embed_tokens.weight, target.lm_head.weight)
-    return d.eval()
+    return rough_draft(d, target, seed=seed + 7, std=0.2).eval()
 
 
 def reference_block_logits(d, features, last_token, position, window=None):
@@ -81,15 +73,6 @@ def reference_block_logits(d, features, last_token, position, window=None):
         x = x + (torch.nn.functional.silu(h @ m.gate_proj.weight.T) * (h @ m.up_proj.weight.T)) @ m.down_proj.weight.T
     x = rms(x, d.norm.weight)
     return (x @ d._target["lm_head"].T)[1:]
-
-
-@pytest.fixture
-def one_thread():
-    """Thousands of tiny forwards: thread start-up costs more than it saves."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")
@@ -287,24 +270,6 @@ def exact_joint(target, prompt, params, n=2):
             for t in range(V):
                 table[prefix + (t,)] = float(p_first[prefix[0]] * p_next[t]) if n == 2 else None
     return table
-
-
-def chi_square_pvalue(counts, probs, total):
-    """Pool cells with expected count < 5 into one, then a chi-square goodness of fit."""
-    obs, exp, rest_o, rest_e = [], [], 0.0, 0.0
-    for key, p in probs.items():
-        e = p * total
-        if e < 5:
-            rest_o += counts.get(key, 0)
-            rest_e += e
-        else:
-            obs.append(counts.get(key, 0))
-            exp.append(e)
-    if rest_e > 0:
-        obs.append(rest_o)
-        exp.append(rest_e)
-    scale = sum(obs) / sum(exp)
-    return sstats.chisquare(obs, [e * scale for e in exp]).pvalue
 
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0, top_p=0.9),

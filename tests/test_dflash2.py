@@ -21,7 +21,8 @@ from splitspec.models.config import ConfigError
 from target_service.engine import TargetSequence, generate
 from splitspec.models.loader import load_model
 
-from test_dflash import chi_square_pvalue, exact_joint, one_thread  # noqa: F401 - fixture
+from sampling_law import chi_square_pvalue
+from test_dflash import exact_joint
 
 
 @pytest.fixture(scope="module")
@@ -249,7 +250,7 @@ def test_greedy_dflash2_speculation_equals_target_only(target, width):
 
 
 @pytest.mark.parametrize("draft_sampling", ["greedy", "sample"])
-def test_dflash2_sampling_matches_target_distribution(tiny_model_factory, one_thread, draft_sampling):  # noqa: F811
+def test_dflash2_sampling_matches_target_distribution(tiny_model_factory, one_thread, draft_sampling):
     target = load_model(tiny_model_factory("qwen3", vocab_size=24, seed=41))
     d = make_dflash2(target, block_size=4, seed=5)
     params = SamplingParams(temperature=1.0, top_p=0.9)

@@ -160,8 +160,7 @@ def test_services_on_a_packed_target_equal_transformers_and_follow_its_distribut
     from service_helpers import collect, gateway_stub, running_stack
     from splitspec_tools.client import build_request
     from splitspec.engine.sample import SamplingParams
-    from test_auto_services import exact_joint
-    from test_dflash import chi_square_pvalue
+    from sampling_law import chi_square_pvalue, exact_joint
     packed_dir, twin_dir = mx_pair
     hf = AutoModelForCausalLM.from_pretrained(str(twin_dir), dtype=torch.float32).eval()
     model = load_model(packed_dir)

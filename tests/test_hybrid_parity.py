@@ -24,13 +24,7 @@ FAMILIES = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Hundreds of tiny forwards: thread start-up costs more than it saves."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("torch_one_thread")     # hundreds of tiny forwards
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))

@@ -8,18 +8,14 @@ import collections
 
 import pytest
 
+from scheduler_helpers import run_scheduler
 from service_helpers import tiny_target_dir
-from splitspec.engine.kv_pool import KVPool
-from splitspec.engine.loop import EngineLoop
 from splitspec.engine.sample import SamplingParams
 from target_service import lookahead
 from target_service.engine import generate
 from splitspec.models.loader import load_model
 from target_service.lookahead import MIN_GAIN, MIN_TOKENS, best_k, expected_accepted
-from target_service.scheduler import Scheduler
-from target_service.torch_verifier import TorchVerifier
-from test_auto_services import exact_joint
-from test_dflash import chi_square_pvalue
+from sampling_law import chi_square_pvalue, exact_joint
 
 # (rates, k_max, (fixed, per row, per token, per verify row) ms, rows, tokens, verify_rows, produced) -> k
 # Each case worked out by hand below it: a k-token chain adds c·k + v ms to the forward and an
@@ -76,20 +72,12 @@ def run(model, body, cheap_verify: bool = True):
     """body(sched) on a scheduler whose lookahead prices verifies as nearly free when
     `cheap_verify` (so that drafts are verified wherever a match exists, whatever this CPU's
     timings): the paths under test then run on every match."""
-    async def main():
-        engine = EngineLoop()
-        try:
-            cfg = model.cfg
-            pool = KVPool(num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads,
-                          head_dim=cfg.head_dim, num_blocks=512, block_size=4)
-            sched = Scheduler(model, verifier=TorchVerifier(), engine=engine, pool=pool, max_running=16,
-                              max_queued=64, max_batched_tokens=128, chunked_prefill_size=32, max_context=1024)
-            if cheap_verify:
-                sched.lookahead.forward.coef = lambda: (1.0, 1.0, 0.0, 0.0)
-            return await body(sched)
-        finally:
-            engine.stop()
-    return asyncio.run(main())
+    async def priced(sched):
+        if cheap_verify:
+            sched.lookahead.forward.coef = lambda: (1.0, 1.0, 0.0, 0.0)
+        return await body(sched)
+    return run_scheduler(model, priced, blocks=512, max_running=16, max_queued=64, max_batched_tokens=128,
+                         chunked_prefill_size=32, max_context=1024)
 
 
 async def decode_all(sched, name, prompt, params, n, look):

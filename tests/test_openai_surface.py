@@ -14,14 +14,13 @@ import openai
 import pytest
 import torch
 
-from draft_service.dflash import new_draft, save_draft
 from service_helpers import collect, gateway_stub, running_gateway, running_stack
 from splitspec_tools.client import build_request
-from splitspec.engine.penalties import process_logits
-from splitspec.engine.sample import SamplingParams, probs_from_logits
+from splitspec.engine.sample import SamplingParams
 from splitspec_tools.ops.launch import free_port
 from target_service.engine import TargetSequence, forward_sequences
 from conftest import chi2_pvalue
+from sampling_law import exact_joint
 
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
             "{% if shout %}LOUDLY {% endif %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
@@ -35,9 +34,7 @@ TARGET_CONTEXT = 1024
 
 
 @pytest.fixture(scope="module")
-def services(model, target_dir, tmp_path_factory):
-    draft_dir = tmp_path_factory.mktemp("draft") / "tiny-dflash"
-    save_draft(new_draft(model.cfg, num_layers=1, block_size=8, mask_token_id=2, seed=3), draft_dir)
+def services(target_dir, draft_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
     port = free_port()
     with running_stack(target_dir, logs, draft_dir, "--http-port", str(port), "--chat-template", TEMPLATE,
@@ -230,23 +227,6 @@ def test_penalties_and_logit_bias_greedy_equal_every_method(client, services, mo
                                        logit_bias={"65": 100}, extra_body={"speculative": {"method": "ngram"},
                                                                            "min_tokens": 10})
     assert forced.choices[0].text == "A" * 10 or len(set(forced.choices[0].text)) == 1
-
-
-def exact_joint(model, prompt, params, n):
-    """Target-only probability of every n-token continuation, with the processors applied to
-    each prefix's own generated tokens."""
-    out = {}
-    with torch.no_grad():
-        def walk(prefix, p):
-            if len(prefix) == n:
-                out[tuple(prefix)] = p
-                return
-            logits = forward_sequences(model, torch.tensor([prompt + prefix])).logits[0, -1:]
-            probs = probs_from_logits(process_logits(logits, params, prompt, prefix)[0], params)
-            for t in torch.nonzero(probs).flatten().tolist():
-                walk(prefix + [t], p * float(probs[t]))
-        walk([], 1.0)
-    return out
 
 
 def test_sampling_with_penalties_follows_the_target_distribution(services, model):

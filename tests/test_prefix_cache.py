@@ -12,17 +12,15 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from hybrid_models import save_tiny_kimi
+from scheduler_helpers import run_scheduler
 from service_helpers import tiny_target_dir
 from splitspec.engine.kv_pool import BlockTable, KVPool, PoolExhausted
-from splitspec.engine.loop import EngineLoop
 from splitspec.engine.prefix_cache import PrefixCache, block_keys, namespace_key
 from splitspec.engine.sample import SamplingParams
 from splitspec.engine.tree import Tree
 from target_service.engine import generate
 from splitspec.models.loader import load_model
 from target_service.pools import make_pool
-from target_service.scheduler import Scheduler
-from target_service.torch_verifier import TorchVerifier
 
 BS = 4
 
@@ -165,18 +163,9 @@ def kimi():
 
 
 def run(model, body, *, cache=True, blocks=200, checkpoints=4, features=1 << 24, **kw):
-    async def main():
-        engine = EngineLoop()
-        try:
-            pool = make_pool(model, num_blocks=blocks, block_size=BS, max_sessions=4, prefix_cache=cache,
-                             feature_budget_bytes=features, state_checkpoints=checkpoints)
-            sched = Scheduler(model, verifier=TorchVerifier(), engine=engine, pool=pool, **{
-                "max_running": 4, "max_queued": 16, "max_batched_tokens": 64, "chunked_prefill_size": 8,
-                "max_context": 256, "model_id": "tiny", **kw})
-            return await body(sched)
-        finally:
-            engine.stop()
-    return asyncio.run(main())
+    pool = make_pool(model, num_blocks=blocks, block_size=BS, max_sessions=4, prefix_cache=cache,
+                     feature_budget_bytes=features, state_checkpoints=checkpoints)
+    return run_scheduler(model, body, pool=pool, **{"model_id": "tiny", **kw})
 
 
 async def complete(sched, sid, prompt, n, params=None, **kw):

@@ -21,8 +21,7 @@ from splitspec.serving import free_port
 from splitspec.v1 import common_pb2, target_pb2
 from target_service.engine import generate
 from splitspec.models.loader import load_model
-from test_auto_services import exact_joint
-from test_dflash import chi_square_pvalue
+from sampling_law import chi_square_pvalue, exact_joint
 
 N_NEW = 16
 PREFIX = [(11 * i) % 90 + 5 for i in range(40)]       # 2 full blocks of 16 and a partial one

@@ -14,7 +14,6 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from draft_service.dflash import new_draft, save_draft
 from service_helpers import (STARTUP_TIMEOUT_S, collect, gateway_stub, running, running_gateway, target_info)
 from splitspec_tools.client import build_request
 from splitspec_tools.ops.launch import start_service
@@ -23,14 +22,6 @@ from target_service.engine import generate
 
 MAX_CONTEXT = TARGET_CONTEXT = 1024
 N_LONG = 240            # long enough to kill a service while the request is still running
-
-
-@pytest.fixture(scope="module")
-def draft_dir(model, tmp_path_factory):
-    d = new_draft(model.cfg, num_layers=1, block_size=8, mask_token_id=2, seed=3)
-    path = tmp_path_factory.mktemp("draft") / "tiny-dflash"
-    save_draft(d, path)
-    return path
 
 
 class Cluster:

@@ -8,16 +8,14 @@ import threading
 
 import pytest
 
+from scheduler_helpers import kv_pool, run_scheduler
 from service_helpers import tiny_target_dir
-from splitspec.engine.kv_pool import KVPool
-from splitspec.engine.loop import EngineLoop
 from splitspec.engine.sample import SamplingParams
 from splitspec.engine.tree import Tree
 from target_service.engine import TargetSequence, generate
-from target_service.torch_verifier import TorchVerifier
 from splitspec.models.loader import load_model
 from target_service.runner import Decode, Verify
-from target_service.scheduler import AdmissionError, ContextError, Scheduler
+from target_service.scheduler import AdmissionError, ContextError
 
 
 @pytest.fixture(scope="module")
@@ -25,23 +23,11 @@ def model():
     return load_model(tiny_target_dir())
 
 
-def make_pool(model, blocks=256, block_size=4):
-    cfg = model.cfg
-    return KVPool(num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
-                  num_blocks=blocks, block_size=block_size)
+make_pool = kv_pool
 
 
 def run(model, body, blocks=256, **kw):
-    async def main():
-        engine = EngineLoop()
-        try:
-            sched = Scheduler(model, verifier=TorchVerifier(), engine=engine, pool=make_pool(model, blocks), **{
-                "max_running": 4, "max_queued": 16, "max_batched_tokens": 64, "chunked_prefill_size": 8,
-                "max_context": 256, **kw})
-            return await body(sched)
-        finally:
-            engine.stop()
-    return asyncio.run(main())
+    return run_scheduler(model, body, blocks=blocks, **kw)
 
 
 def test_concurrent_sessions_share_forwards_and_match_the_reference(model):

@@ -28,14 +28,6 @@ def prompts():
 
 
 @pytest.fixture(scope="module")
-def draft_dir(model, tmp_path_factory):
-    d = new_draft(model.cfg, num_layers=1, block_size=8, mask_token_id=2, seed=3)
-    path = tmp_path_factory.mktemp("draft") / "tiny-dflash"
-    save_draft(d, path)
-    return path
-
-
-@pytest.fixture(scope="module")
 def services(target_dir, draft_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
     # A draft timeout a loaded machine cannot hit: a fallback would leave a request undrafted.

@@ -13,18 +13,16 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from scheduler_helpers import run_scheduler
 from service_helpers import collect, gateway_stub, running_gateway, target_info, tiny_target_dir
 from splitspec_tools.client import build_request
-from splitspec.engine.kv_pool import KVPool
-from splitspec.engine.loop import EngineLoop
 from splitspec.engine.sample import SamplingParams
 from splitspec.engine.tree import Tree
 from splitspec_tools.ops.launch import free_port
 from target_service import server as target_server
 from target_service.engine import generate
 from splitspec.models.loader import load_model
-from target_service.scheduler import Scheduler, StepFailed
-from target_service.torch_verifier import TorchVerifier
+from target_service.scheduler import StepFailed
 
 STREAMS, N = 8, 24
 
@@ -41,18 +39,8 @@ def prompt_for(i: int) -> list[int]:
 
 
 def run(model, body):
-    async def main():
-        engine = EngineLoop()
-        try:
-            cfg = model.cfg
-            pool = KVPool(num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads,
-                          head_dim=cfg.head_dim, num_blocks=512, block_size=4)
-            sched = Scheduler(model, verifier=TorchVerifier(), engine=engine, pool=pool, max_running=STREAMS,
-                              max_queued=16, max_batched_tokens=256, chunked_prefill_size=64, max_context=256)
-            return await body(sched)
-        finally:
-            engine.stop()
-    return asyncio.run(main())
+    return run_scheduler(model, body, blocks=512, max_running=STREAMS, max_batched_tokens=256,
+                         chunked_prefill_size=64)
 
 
 class FaultyGuide:

@@ -591,15 +591,19 @@ def test_a_target_refusal_is_a_400_naming_the_source_field(tokenizer_json):
     asyncio.run(main())
 
 
-def test_tool_calls_come_back_in_openais_shape(tokenizer_json):
-    tools = [WEATHER, TIME]
+async def with_tools(app, script, text: str, **extra) -> bytes:
+    """The body of a 200 to a chat offering the weather and time tools, the fake target answering `text`."""
+    script.text = text
+    status, raw = await post(app, CHAT, {"messages": MESSAGES, "tools": [WEATHER, TIME], **extra})
+    assert status == 200, raw
+    return raw
 
+
+def test_tool_calls_come_back_in_openais_shape(tokenizer_json):
     async def main():
         async with stack(tokenizer_json) as (_, app, opens, script):
             # Calls only: content null, finish_reason tool_calls.
-            script.text = f"{CALL}\n{CALL2}"
-            status, raw = await post(app, CHAT, {"messages": MESSAGES, "tools": tools, "tool_choice": "required"})
-            assert status == 200, raw
+            raw = await with_tools(app, script, f"{CALL}\n{CALL2}", tool_choice="required")
             choice = json.loads(raw)["choices"][0]
             msg = choice["message"]
             assert choice["finish_reason"] == "tool_calls" and msg["content"] is None
@@ -611,43 +615,35 @@ def test_tool_calls_come_back_in_openais_shape(tokenizer_json):
             assert "<|tools|>get_weather:" in prompt and "get_time:" in prompt
 
             # auto: text and a call.
-            script.text = f"Checking.\n{CALL}"
-            status, raw = await post(app, CHAT, {"messages": MESSAGES, "tools": tools})
+            raw = await with_tools(app, script, f"Checking.\n{CALL}")
             choice = json.loads(raw)["choices"][0]
             assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Checking."
             assert len(choice["message"]["tool_calls"]) == 1
 
             # none: the block is text, no calls; a plain answer under auto is plain too.
             for extra in ({"tool_choice": "none"}, {}):
-                script.text = CALL if extra else "It is sunny."
-                status, raw = await post(app, CHAT, {"messages": MESSAGES, "tools": tools, **extra})
+                raw = await with_tools(app, script, CALL if extra else "It is sunny.", **extra)
                 choice = json.loads(raw)["choices"][0]
                 assert choice["finish_reason"] == "stop" and choice["message"]["content"] == script.text
                 assert "tool_calls" not in choice["message"]
 
             # A conversation with an earlier call: its arguments reach the template as an object.
             opens.clear()
-            script.text = "Sunny."
             history = MESSAGES + [
                 {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
                     "name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
                 {"role": "tool", "tool_call_id": "call_1", "content": "12C"}]
-            status, raw = await post(app, CHAT, {"messages": history, "tools": tools})
-            assert status == 200, raw
+            await with_tools(app, script, "Sunny.", messages=history)
             prompt = FakeTarget(tokenizer_json, [], script).tok.decode(list(opens[-1].prompt_token_ids))
             assert "[call get_weather city=Oslo]" in prompt and "<|tool|>12C" in prompt
     asyncio.run(main())
 
 
 def test_streamed_tool_calls_are_deltas(tokenizer_json):
-    tools = [WEATHER, TIME]
-
     async def main():
         async with stack(tokenizer_json) as (_, app, _, script):
-            script.text = f"Let me look.\n{CALL}\n{CALL2}"
-            status, raw = await post(app, CHAT, {"messages": MESSAGES, "tools": tools, "stream": True,
-                                                 "stream_options": {"include_usage": True}})
-            assert status == 200, raw
+            raw = await with_tools(app, script, f"Let me look.\n{CALL}\n{CALL2}", stream=True,
+                                   stream_options={"include_usage": True})
             chunks = [e for e in events(raw) if e["choices"]]
             deltas = [e["choices"][0]["delta"] for e in chunks]
             content = "".join(d.get("content") or "" for d in deltas)
@@ -662,9 +658,7 @@ def test_streamed_tool_calls_are_deltas(tokenizer_json):
             assert events(raw)[-1]["usage"]["completion_tokens"] > 0
 
             # tool_choice none: streamed as text, finish stop.
-            script.text = CALL
-            status, raw = await post(app, CHAT, {"messages": MESSAGES, "tools": tools, "tool_choice": "none",
-                                                 "stream": True})
+            raw = await with_tools(app, script, CALL, tool_choice="none", stream=True)
             chunks = [e for e in events(raw) if e["choices"]]
             assert "".join(e["choices"][0]["delta"].get("content") or "" for e in chunks) == CALL
             assert chunks[-1]["choices"][0]["finish_reason"] == "stop"

@@ -12,8 +12,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+from scheduler_helpers import run_scheduler
 from service_helpers import tiny_target_dir
-from splitspec.engine.loop import EngineLoop
 from splitspec.engine.sample import SamplingParams, probs_from_logits
 from splitspec.engine.tree import Tree
 from splitspec.v1 import common_pb2
@@ -21,9 +21,7 @@ from target_service.engine import forward_sequences
 from splitspec.grammar import GrammarError, Grammars, Guide, choice_grammar, rewrite_tree
 from splitspec.models.loader import load_model, load_tokenizer
 from target_service.pools import make_pool
-from target_service.scheduler import Scheduler
-from target_service.torch_verifier import TorchVerifier
-from test_dflash import chi_square_pvalue
+from sampling_law import chi_square_pvalue, walk_joint
 
 REGEX = "[ab]{1,3}c[ab]*"     # several tokens fit at most positions, one (c) at some
 
@@ -132,16 +130,8 @@ def constrained_greedy(model, guide, prompt, n):
 
 
 def run(model, body):
-    async def main():
-        engine = EngineLoop()
-        try:
-            pool = make_pool(model, num_blocks=128, block_size=4, max_sessions=4)
-            sched = Scheduler(model, verifier=TorchVerifier(), engine=engine, pool=pool, max_running=4,
-                              max_queued=64, max_batched_tokens=128, chunked_prefill_size=64, max_context=256)
-            return await body(sched)
-        finally:
-            engine.stop()
-    return asyncio.run(main())
+    return run_scheduler(model, body, pool=make_pool(model, num_blocks=128, block_size=4, max_sessions=4),
+                         max_queued=64, max_batched_tokens=128, chunked_prefill_size=64)
 
 
 PROMPT = [5, 9, 14, 3]
@@ -175,20 +165,13 @@ def test_greedy_speculation_under_a_grammar_equals_target_only(grammars, model, 
 
 
 def masked_joint(model, grammars, prompt, params, n, regex):
-    out = {}
-    with torch.no_grad():
-        def walk(prefix, p):
-            if len(prefix) == n:
-                out[tuple(prefix)] = p
-                return
-            g = regex_guide(grammars, model, regex)
-            g.advance(prefix)
-            logits = forward_sequences(model, torch.tensor([prompt + prefix])).logits[0, -1]
-            probs = probs_from_logits(logits.masked_fill(~g.allowed(), float("-inf")), params)
-            for t in torch.nonzero(probs).flatten().tolist():
-                walk(prefix + [t], p * float(probs[t]))
-        walk([], 1.0)
-    return out
+    """Target-only probability of every n-token continuation, masked by the grammar at each prefix."""
+    def probs_after(prefix):
+        g = regex_guide(grammars, model, regex)
+        g.advance(prefix)
+        logits = forward_sequences(model, torch.tensor([prompt + prefix])).logits[0, -1]
+        return probs_from_logits(logits.masked_fill(~g.allowed(), float("-inf")), params)
+    return walk_joint(n, probs_after)
 
 
 @pytest.mark.parametrize("mode", ["deterministic", "sampled"])

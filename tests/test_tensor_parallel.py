@@ -28,8 +28,7 @@ from splitspec_tools.ops.launch import free_port
 from splitspec.v1 import target_pb2, target_pb2_grpc
 from target_service.engine import TargetSequence, generate
 from splitspec.models.loader import load_model
-from test_auto_services import exact_joint
-from test_dflash import chi_square_pvalue
+from sampling_law import chi_square_pvalue, exact_joint
 from tiny_models import save_tiny_model
 from tp_ranks import check_sharded
 

@@ -26,7 +26,7 @@ from splitspec_tools.train.draft_objective import (Anchors, Teacher, block_mask,
 from target_service.engine import TargetSequence, forward_sequences, generate
 from splitspec.models.loader import load_model
 from splitspec.engine.sample import SamplingParams
-from tiny_models import save_tiny_model
+from tiny_models import rough_draft, save_tiny_model
 
 BLOCK = 8
 
@@ -46,15 +46,7 @@ def target(target_dir):
 def make_draft(target, num_layers=2, seed=0):
     d = new_draft(target.cfg, num_layers=num_layers, block_size=BLOCK, mask_token_id=1, seed=seed,
                   target_layer_ids=[0, 1, 2])
-    g = torch.Generator().manual_seed(seed + 3)
-    with torch.no_grad():   # non-trivial norms and larger weights: a forgotten term cannot match by luck
-        for name, p in d.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
-            elif p.dim() == 2:
-                p.normal_(0, 0.1, generator=g)
-    d.attach_target(target.model.embed_tokens.weight, target.lm_head.weight)
-    return d
+    return rough_draft(d, target, seed=seed + 3, std=0.1)
 
 
 def sequence(target, n_seqs, S, seed=0):

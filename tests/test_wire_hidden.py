@@ -12,7 +12,6 @@ import grpc
 import pytest
 import torch
 
-from draft_service.dflash import new_draft, save_draft
 from service_helpers import collect, running_stack
 from splitspec_tools.client import build_request
 from splitspec.colocation import HostShare, divide
@@ -70,14 +69,6 @@ def test_dtype_mismatch_is_refused_by_name():
 # --- through the services ------------------------------------------------------------------------
 
 TARGET_CONTEXT = 1024
-
-
-@pytest.fixture(scope="module")
-def draft_dir(model, tmp_path_factory):
-    d = new_draft(model.cfg, num_layers=1, block_size=8, mask_token_id=2, seed=3)
-    path = tmp_path_factory.mktemp("draft") / "tiny-dflash"
-    save_draft(d, path)
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -209,3 +209,18 @@ def edit_config(path: str | Path, **changes) -> dict:
             raw[key] = value
     file.write_text(json.dumps(raw, indent=2) + "\n")
     return raw
+
+
+def rough_draft(draft, target, *, seed: int, std: float):
+    """`draft` (a fresh DFlash draft) with norms away from 1 and matrices of `std`, so a
+    forgotten norm or term cannot match a reference by luck, reading `target`'s embeddings
+    and head."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in draft.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
+            elif p.dim() == 2:
+                p.normal_(0, std, generator=g)
+    draft.attach_target(target.model.embed_tokens.weight, target.lm_head.weight)
+    return draft
