@@ -1,3 +1,3 @@
-"""Benchmark harness (`splitspec bench`, `python -m splitspec_tools.bench`): target-only, DFlash and
-n-gram speculation through the gRPC services, the same loop in one process, and transformers,
-on the same held-out prompts. See docs/benchmarks.md."""
+"""The benches (docs/benchmarks.md): one harness (stack.py starts the services, client.py speaks to
+them, harness.py holds the statistics, metadata and report writers) and a workload per bench on it:
+run.py (`splitspec bench`), auto.py, prefix.py, structured.py, drafts.py, trees.py, ceiling.py."""

@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from .harness import header, log, metadata, table, write
+from .harness import header, log, metadata, ratio, table, tau, write
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -87,7 +87,7 @@ def tau_part(model, draft, tok, args) -> list[dict]:
         for t in [float(x) for x in args.temperatures.split(",")]:
             modes = ["greedy"] if t == 0 else args.draft_sampling.split(",")
             for mode in modes:
-                acc = {"chain": [0, 0, 0.0, 0], "tree": [0, 0, 0.0, 0]}     # committed, steps, seconds, tokens
+                acc = {"chain": [[], 0.0, 0], "tree": [[], 0.0, 0]}     # the loop's stats, seconds, tokens
                 mismatches = 0
                 for i, prompt in enumerate(prompts):
                     params = SamplingParams(temperature=t, top_p=args.top_p if t > 0 else 1.0,
@@ -97,24 +97,21 @@ def tau_part(model, draft, tok, args) -> list[dict]:
                     for name, (w, k) in (("chain", (args.chain_width, 1)), ("tree", (tree_width, topk))):
                         out, st, secs = run_generation(model, draft, prompt, params=params, draft_params=dp,
                                                        width=w, topk=k, max_new=args.max_new_tokens)
-                        a = acc[name]
-                        a[0] += st.committed
-                        a[1] += st.verify_steps
-                        a[2] += secs
-                        a[3] += len(out)
+                        acc[name][0].append(st)
+                        acc[name][1] += secs
+                        acc[name][2] += len(out)
                         outs[name] = out
                     mismatches += t == 0 and outs["chain"] != outs["tree"]
                 row = {"prompt_tokens": length, "temperature": t, "draft_sampling": mode,
                        "top_p": args.top_p if t > 0 else None, "prompts": len(prompts), "t0_mismatches": mismatches}
-                for name, (c, s, secs, n) in acc.items():
-                    row[f"{name}_tau"] = c / s if s else None
-                    row[f"{name}_tok_s"] = n / secs if secs else None
-                    row[f"{name}_ms_per_step"] = 1e3 * secs / s if s else None
-                row["tau_tree_over_chain"] = (row["tree_tau"] / row["chain_tau"]) if row["chain_tau"] else None
-                row["tok_s_tree_over_chain"] = (row["tree_tok_s"] / row["chain_tok_s"]) if row["chain_tok_s"] else None
-                print(f"[bench-trees] {length} tokens, T={t:g} {mode}: τ chain {row['chain_tau']:.2f} tree "
-                      f"{row['tree_tau']:.2f} ({row['tau_tree_over_chain']:.2f}x), tok/s "
-                      f"{row['tok_s_tree_over_chain']:.2f}x", file=sys.stderr)
+                for name, (stats, secs, n) in acc.items():
+                    steps = sum(st.verify_steps for st in stats)
+                    row.update({f"{name}_tau": tau(stats), f"{name}_tok_s": ratio(n, secs),
+                                f"{name}_ms_per_step": ratio(1e3 * secs, steps)})
+                row["tau_tree_over_chain"] = ratio(row["tree_tau"], row["chain_tau"])
+                row["tok_s_tree_over_chain"] = ratio(row["tree_tok_s"], row["chain_tok_s"])
+                log(f"{length} tokens, T={t:g} {mode}: τ chain {row['chain_tau']:.2f} tree {row['tree_tau']:.2f} "
+                    f"({row['tau_tree_over_chain']:.2f}x), tok/s {row['tok_s_tree_over_chain']:.2f}x")
                 rows.append(row)
     return rows
 
