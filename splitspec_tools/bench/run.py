@@ -6,6 +6,7 @@ ideal speed-up. Writes results.json, results.md and (with matplotlib) PNG plots.
     splitspec bench                                   # default models, default prompts, everything
     splitspec bench --configs target,ngram-grpc --num-prompts 10 --temperatures 0 --concurrency ''
     splitspec bench --gateway 127.0.0.1:50050 --target 127.0.0.1:50051   # running services
+    splitspec bench --prompts humaneval --configs target,ngram-grpc,auto-grpc,transformers,llamacpp   # + other engines
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from . import stack as stacks
 from .client import Gateway, counters, mean_batch, sampling, step_prices, target_info, tok_s
 from .harness import (cli, csv_items, fmt, header, log, median, metadata, mix_cell, percentile, ratio, step_mix,
                       summary, table, tau, write)
+from .baselines import BASELINES, make, unavailable
 from .prompts import load_prompts
 
 # key: (method, tree?): every configuration is a Generate request through the gateway.
@@ -37,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--target", default=None, help="a running target (its step prices; without --gateway the bench starts a "
       "gateway in front of --target / --draft)")
     a("--draft", default=None, help="a running draft service")
-    a("--configs", default=",".join(CONFIGS), help=f"from {','.join(CONFIGS)} (target, the baseline, always runs)")
+    a("--configs", default=",".join(CONFIGS), help=f"from {','.join((*CONFIGS, *BASELINES))} (target, the "
+      "baseline, always runs; transformers and llamacpp: other engines on the same weights, one stream)")
     a("--temperatures", default="0,1.0", help="comma-separated; top_p applies when > 0")
     a("--top-p", type=float, default=0.95)
     a("--draft-sampling", default="greedy,sample", help="draft modes at T > 0: greedy and/or sample")
@@ -76,9 +79,11 @@ class Bench:
         if not self.temperatures or set(self.modes) - {"greedy", "sample"} or not self.modes:
             raise SystemExit("--temperatures: values >= 0; --draft-sampling: greedy and/or sample")
         wanted = csv_items(args.configs)
-        if set(wanted) - set(CONFIGS):
-            raise SystemExit(f"--configs: unknown {sorted(set(wanted) - set(CONFIGS))}; choose from {', '.join(CONFIGS)}")
-        self.configs = [k for k in CONFIGS if k in wanted or k == "target"]
+        if set(wanted) - set(CONFIGS) - set(BASELINES):
+            raise SystemExit(f"--configs: unknown {sorted(set(wanted) - set(CONFIGS) - set(BASELINES))}; "
+                             f"choose from {', '.join((*CONFIGS, *BASELINES))}")
+        self.configs = [k for k in (*CONFIGS, *BASELINES) if k in wanted or k == "target"]
+        self.baselines = {}
         self.stack = stacks.Stack(args, self.target_path, self.width, Path(args.out) / "logs")
 
     def start(self) -> None:
@@ -104,7 +109,10 @@ class Bench:
         if not info.draft_model_id:
             self.skip([k for k in self.configs if k != "target"], f"the gateway at {self.gateway} has no draft service")
         elif self.draft_path is None and not (a.gateway or a.draft):
-            self.skip([k for k in self.configs if CONFIGS[k][0] == "dflash"], "no DFlash draft (--draft-model-path)")
+            self.skip([k for k in self.configs if method_of(k) == "dflash"], "no DFlash draft (--draft-model-path)")
+        for k in [k for k in self.configs if k in BASELINES]:
+            if why := unavailable(k, self.target_path):
+                self.skip([k], why)
 
     def skip(self, keys, why: str) -> None:
         for k in keys:
@@ -123,11 +131,19 @@ class Bench:
         self.prompt_ids, self.prompt_names, self.prompt_source = load_prompts(
             a.prompts, a.num_prompts, self.target_path, max_chars=a.max_prompt_chars,
             max_tokens=max(1, min(a.max_prompt_tokens, room)), tokenizer=tokenizer)
+        for k in [k for k in self.configs if k in BASELINES]:
+            import torch
+            n_ctx = max(map(len, self.prompt_ids)) + a.max_new_tokens + 8
+            self.baselines[k] = make(k, self.target_path, torch.get_num_threads(), n_ctx)
+            self.runners.append(self.baselines[k])
 
     def runs(self, temperature: float) -> list[tuple[str, str, str | None, Gateway]]:
         """(name, config, draft sampling, runner) for one temperature, in interleaving order."""
         out = []
         for key in self.configs:
+            if key in BASELINES:
+                out.append((key, key, None, self.baselines[key]))
+                continue
             method, tree = CONFIGS[key]
             modes = self.modes if key in DRAFT_SAMPLING and temperature > 0 else [None]
             for mode in modes:
@@ -171,7 +187,7 @@ class Bench:
         """Each (streams, T) point runs every configuration back to back, --sweep-repeats times in turn:
         a point's tok/s is the median of its runs, × target the median of the paired ratios."""
         a = self.args
-        keys = [k for k in csv_items(a.sweep_configs) if k in self.configs]
+        keys = [k for k in csv_items(a.sweep_configs) if k in self.configs and k in CONFIGS]
         temps = [float(t) for t in csv_items(a.sweep_temperatures)] if a.sweep_temperatures else self.temperatures[:1]
         out = []
         for t in temps:
@@ -240,14 +256,14 @@ class Bench:
 def summarize(name: str, key: str, mode: str | None, t: float, samples: list, base: list, prices: dict | None,
               names: list[str]) -> dict:
     """One configuration at one temperature; `base[i]` is target-only's request on samples[i]'s prompt and seed."""
-    e = {"name": name, "config": key, "temperature": t, "draft_sampling": mode, **summary(samples, CONFIGS[key][0])}
+    e = {"name": name, "config": key, "temperature": t, "draft_sampling": mode, **summary(samples, method_of(key))}
     steps = e["verify_steps"]
-    e.update(method=CONFIGS[key][0], speedup=e["tokens_per_s"] / summary(base)["tokens_per_s"], ideal_speedup=None,
+    e.update(method=method_of(key), speedup=e["tokens_per_s"] / summary(base)["tokens_per_s"], ideal_speedup=None,
              efficiency=None, per_step_ms={k: sum(getattr(s, f"{k}_ms") for s in samples) / steps
                                            for k in ("draft", "verify", "wire", "queue")} if steps else None)
     if e["per_step_ms"]:
         e["per_step_ms"]["total"] = e["wall_s"] * 1e3 / steps
-    if prices and steps and key != "target":
+    if prices and steps and key in CONFIGS and key != "target":
         # The physical limit: τ × t(decode) ÷ t(verify at this configuration's mean verify width).
         width = 1 + sum(s.draft_tokens for s in samples) / steps
         e["ideal_speedup"] = e["tau"] * prices[1] / interpolate(prices, width)
@@ -256,6 +272,10 @@ def summarize(name: str, key: str, mode: str | None, t: float, samples: list, ba
                                if s.tokens != b.tokens] if t == 0 else None)
     e["greedy_matches"] = len(samples) - len(e["greedy_mismatches"]) if t == 0 else None
     return e
+
+
+def method_of(key: str) -> str:
+    return CONFIGS[key][0] if key in CONFIGS else "none"
 
 
 def interpolate(table_: dict, x: float) -> float:
