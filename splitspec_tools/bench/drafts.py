@@ -66,8 +66,6 @@ class DraftBench:
         from draft_service.architectures import draft_classes
         self.args, self.argv, self.skipped, self.stack = args, argv, [], None
         self.target_path, _ = stacks.models(args.target_model_path, "none")
-        if self.target_path is None:
-            raise SystemExit("no target model: pass --target-model-path")
         self.drafts = []
         for path in map(Path, args.draft):
             if not (path / "config.json").is_file():
@@ -112,13 +110,11 @@ class DraftBench:
         self.source = f"prompts of at least {max(self.lengths)} tokens cut to their last L, digest {digest(kept)}"
 
     def start(self) -> None:
-        from splitspec_tools.ops.launch import free_port
         self.stack = stack = stacks.Stack(self.args, self.target_path, self.width, Path(self.args.out) / "logs")
         target, drafts = stack.target(), []
         for i, d in enumerate(self.drafts):
-            port = free_port()
-            drafts.append(stack.draft(Path(d["path"]), ["--metrics-port", str(port)], name=f"draft{i}"))
-            d["metrics"] = f"http://127.0.0.1:{port}/metrics"
+            flags, d["metrics"] = stacks.metrics_port()
+            drafts.append(stack.draft(Path(d["path"]), flags, name=f"draft{i}"))
         stack.wait(target, *drafts)
         self.gateways = [stack.gateway(target.address, p.address, name=f"gateway{i}") for i, p in enumerate(drafts)]
         stack.wait(*self.gateways)

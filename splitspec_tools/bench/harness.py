@@ -26,6 +26,14 @@ def csv_items(s: str) -> list[str]:
     return [x.strip() for x in (s or "").split(",") if x.strip()]
 
 
+def apply_sizes(args, sizes: dict) -> None:
+    """Every size flag left unset takes its value from `sizes` (name: (default, --smoke value, ...)),
+    so that explicit flags win over --smoke."""
+    for name, (default, smoke, *_) in sizes.items():
+        if getattr(args, name) is None:
+            setattr(args, name, smoke if args.smoke else default)
+
+
 # ------------------------------------------------------------------------------ statistics
 
 def median(values) -> float | None:
@@ -149,6 +157,12 @@ def fmt(value, spec: str = "{:.2f}") -> str:
 def table(header_: list[str], rows: list[list[str]]) -> list[str]:
     out = ["| " + " | ".join(header_) + " |", "|" + "|".join("---" for _ in header_) + "|"]
     return out + ["| " + " | ".join(r) + " |" for r in rows]
+
+
+def tail(flags: list[str], skipped: list[str], note: str) -> list[str]:
+    """The end of a results.md: what looks wrong, what did not run, how to read the tables."""
+    return (["## Flags", "", *([f"- {f}" for f in flags] or ["- none"])]
+            + (["", "Not run: " + "; ".join(skipped)] if skipped else []) + ["", note, ""])
 
 
 def write(out: Path, results: dict, markdown: str) -> None:

@@ -159,8 +159,6 @@ class PrefixBench:
             if getattr(a, name) < 1:
                 raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
         self.target_path, self.draft_path = stacks.models(a.target_model_path, a.draft_model_path)
-        if self.target_path is None:
-            raise SystemExit("no target model: pass --target-model-path")
         self.workloads = csv_items(a.workloads)
         self.methods = csv_items(a.methods)
         bad = set(self.workloads) - set(WORKLOADS) or set(self.methods) - set(METHODS)

@@ -69,9 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
 class Bench:
     def __init__(self, args):
         self.args, self.skipped, self.runners = args, [], []
-        self.target_path, self.draft_path = stacks.models(args.target_model_path, args.draft_model_path)
-        if self.target_path is None and not (args.gateway or args.target):
-            raise SystemExit("no target model: pass --target-model-path (or --gateway/--target)")
+        self.target_path, self.draft_path = stacks.models(args.target_model_path, args.draft_model_path,
+                                                          required=not (args.gateway or args.target))
         self.width = stacks.draft_width(self.draft_path, args.num_draft_tokens)
         self.tree = tuple(int(x) for x in args.tree.split(":"))
         self.temperatures = [float(t) for t in csv_items(args.temperatures)]

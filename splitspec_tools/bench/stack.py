@@ -25,12 +25,14 @@ def add_flags(add, request_timeout_s: float = 900.0) -> None:
     add("--startup-timeout-s", type=float, default=600.0)
 
 
-def models(target: str | None, draft: str | None) -> tuple[Path | None, Path | None]:
+def models(target: str | None, draft: str | None, required: bool = True) -> tuple[Path | None, Path | None]:
     """(target folder, draft folder or None). The bundled draft is paired only with the bundled
     target, for which it was trained; draft 'none' means no draft (the draft service runs n-gram)."""
     from splitspec.models.loader import model_folder
     from splitspec_tools.defaults import DEFAULT_DRAFT, DEFAULT_TARGET, model_dir
     target_path = model_dir(target, DEFAULT_TARGET)
+    if target_path is None and required:
+        raise SystemExit("no target model: pass --target-model-path")
     if target_path is not None:             # a .gguf file: the folder built from its metadata
         target_path = model_folder(target_path)
         if not (target_path / "config.json").is_file():
@@ -53,6 +55,13 @@ def draft_width(draft_path: Path | None, asked: int | None = None) -> int:
     if width < 2:
         raise SystemExit("--num-draft-tokens must be >= 2")
     return width
+
+
+def metrics_port() -> tuple[list[str], str]:
+    """The flags that give a service a Prometheus exporter on a free port, and its URL."""
+    from splitspec_tools.ops.launch import free_port
+    port = free_port()
+    return ["--metrics-port", str(port)], f"http://127.0.0.1:{port}/metrics"
 
 
 class Stack:

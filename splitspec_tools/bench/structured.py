@@ -264,8 +264,6 @@ class StructuredBench:
         if min(a.num_prompts, a.repeats, a.max_new_tokens) < 1:
             raise SystemExit("--num-prompts, --repeats and --max-new-tokens must be >= 1")
         self.target_path, _ = stacks.models(a.target_model_path, "none")
-        if self.target_path is None:
-            raise SystemExit("no target model: pass --target-model-path")
         self.methods = ["none", *[m for m in csv_items(a.methods) if m != "none"]]
         self.shapes, self.temperatures = csv_items(a.shapes), [float(t) for t in csv_items(a.temperatures)]
         if set(self.methods) - set(METHODS) or set(self.shapes) - set(SHAPES) or not self.shapes or not self.temperatures:
