@@ -42,7 +42,8 @@ from splitspec.engine.prefix_cache import block_keys
 
 from . import stack as stacks
 from .client import Gateway, Sample, prometheus, sampling
-from .harness import cli, csv_items, fmt, header, log, median, metadata, mix_cell, percentile, step_mix, table, tau, write
+from .harness import (apply_sizes, cli, csv_items, fmt, header, log, median, metadata, mix_cell, percentile, step_mix,
+                      table, tail, tau, write)
 from .prompts import default_prompts, digest
 
 WORKLOADS = ("shared", "multiturn", "probe", "unique")
@@ -96,10 +97,6 @@ class Result:
     sample: Sample           # its Usage: prompt_tokens, cached_tokens
     ideal_cached: int = 0    # what an unbounded cache could have served (set after the run)
 
-    @property
-    def end_s(self) -> float:
-        return self.sample.start_s + self.sample.wall_s
-
 
 class SaltedRunner(Gateway):
     """Requests that carry `salt` as their cache_salt; results that keep the Complete's Usage."""
@@ -109,8 +106,7 @@ class SaltedRunner(Gateway):
         self.salt = salt
 
     def send_one(self, key: str, prompt: list[int], max_new: int, params) -> Result:
-        sample = self.run(prompt, max_new, params, salt=self.salt)
-        return Result(key, list(prompt), sample)
+        return Result(key, list(prompt), self.run(prompt, max_new, params, salt=self.salt))
 
 
 class TokenText:
@@ -150,9 +146,7 @@ class PrefixBench:
 
     def resolve(self) -> None:
         a = self.args
-        for name, (default, smoke, _) in SIZES.items():
-            if getattr(a, name) is None:
-                setattr(a, name, smoke if a.smoke else default)
+        apply_sizes(a, SIZES)
         a.probe_prefix_tokens = a.probe_prefix_tokens or a.system_tokens
         a.unique_tokens = a.unique_tokens or a.system_tokens + a.question_tokens
         for name in SIZES:
@@ -177,7 +171,6 @@ class PrefixBench:
                               Variant("on x2 round_robin", True, 2, "round_robin")]
 
     def start_services(self) -> None:
-        from splitspec_tools.ops.launch import free_port
         a = self.args
         logs = Path(a.out) / "logs"
         common = ["--kv-block-size", str(a.kv_block_size), "--kv-cache-budget-mb", str(a.kv_cache_budget_mb)]
@@ -187,9 +180,8 @@ class PrefixBench:
         for name, extra in (("on", hidden), ("off", ["--disable-radix-cache"]), ("on2", hidden)):
             if name == "on2" and a.replicas < 2:
                 continue
-            port = free_port()
-            proc = stack.target([*common, *extra, "--metrics-port", str(port)], name=f"target-{name}")
-            targets[name] = (proc, f"http://127.0.0.1:{port}/metrics")
+            flags, url = stacks.metrics_port()
+            targets[name] = (stack.target([*common, *extra, *flags], name=f"target-{name}"), url)
         draft = stack.draft(self.draft_path)
         stack.wait(*(p for p, _ in targets.values()), draft)
         gateways = []
@@ -274,7 +266,10 @@ class PrefixBench:
         before = [target_counters(u) for u in v.metrics]
         t0 = time.perf_counter()
         try:
-            results, extra = getattr(self, f"_{workload}")(runner, rep)
+            if workload in ("shared", "unique"):      # the prompts all at once, C streams
+                results, extra = self._concurrent(runner, getattr(self, workload), a.max_new_tokens), {}
+            else:
+                results, extra = getattr(self, f"_{workload}")(runner, rep)
         finally:
             runner.close()
         wall = time.perf_counter() - t0
@@ -297,12 +292,6 @@ class PrefixBench:
         params = sampling(self.args.temperature, self.args.top_p, self.args.seed)
         with ThreadPoolExecutor(self.args.concurrency) as pool:
             return list(pool.map(lambda job: runner.send_one(job[0], job[1], max_new, params), jobs))
-
-    def _shared(self, runner, rep):
-        return self._concurrent(runner, self.shared, self.args.max_new_tokens), {}
-
-    def _unique(self, runner, rep):
-        return self._concurrent(runner, self.unique, self.args.max_new_tokens), {}
 
     def _multiturn(self, runner, rep):
         """Round robin over the conversations, turn by turn; the pool takes jobs in order, so a
@@ -382,7 +371,8 @@ class PrefixBench:
         finally:
             if self.stack is not None:
                 self.stack.stop()
-        cells = summarize_cells(runs)
+        by = by_cell(runs)
+        cells = summarize_cells(by)
         for r in runs:
             del r["outputs"]         # compared in the cells; the token ids would swell the JSON
         sizes = {name: getattr(a, name) for name in SIZES}
@@ -397,8 +387,8 @@ class PrefixBench:
                     "prefix_cache_hidden_mb": a.prefix_cache_hidden_mb, "text_source": self.text_source,
                     "text_digest": self.text_digest, "seed": a.seed},
             "cells": cells,
-            "ratios": ratios(cells, runs),
-            "replicas": replica_ratios(runs) if a.replicas == 2 else [],
+            "ratios": ratios(cells, by),
+            "replicas": replica_ratios(by) if a.replicas == 2 else [],
             "runs": runs,
             "skipped": self.skipped,
         }
@@ -428,7 +418,7 @@ def set_ideal(results: list[Result], block: int) -> None:
         seen = set()
         for o in order[:i]:
             prompt_keys, seq_keys = keys[id(o)]
-            seen.update(seq_keys if o.end_s <= r.sample.start_s else prompt_keys)
+            seen.update(seq_keys if o.sample.end_s <= r.sample.start_s else prompt_keys)
         n = 0
         for k in keys[id(r)][0][:(len(r.prompt) - 1) // block]:
             if k not in seen:
@@ -460,18 +450,24 @@ MEDIAN_FIELDS = ("ttft_ms_p50", "ttft_ms_p90", "tokens_per_s", "hit_rate", "idea
                  "probe_ttft_cached_ms_p50", "probe_ttft_fresh_ms_p50", "probe_ttft_ratio")
 
 
-def summarize_cells(runs: list[dict]) -> list[dict]:
+def by_cell(runs: list[dict]) -> dict[tuple, list[dict]]:
+    """The runs of each (workload, method, variant), in the order they first ran."""
+    out: dict[tuple, list[dict]] = {}
+    for r in runs:
+        out.setdefault((r["workload"], r["method"], r["variant"]), []).append(r)
+    return out
+
+
+def summarize_cells(by: dict) -> list[dict]:
     """One cell per (workload, method, variant): medians over the repeats, τ pooled over them; the
     τ of the requests that hit, and of the same requests in the cache-off run of the same repeat;
     outputs equal to that run's (at T=0 the cache must not change a token)."""
     cells = []
-    for w, m, v in dict.fromkeys((r["workload"], r["method"], r["variant"]) for r in runs):
-        mine = [r for r in runs if (r["workload"], r["method"], r["variant"]) == (w, m, v)]
-        offs = {r["repeat"]: r for r in runs if (r["workload"], r["method"], r["variant"]) == (w, m, "off")}
+    for (w, m, v), mine in by.items():
+        offs = {r["repeat"]: r for r in by.get((w, m, "off"), [])} if v != "off" else {}
         hit_on, hit_off, compared, mismatches = [], [], 0, []
         for r in mine:
-            off = offs.get(r["repeat"])
-            if off is None or v == "off":
+            if (off := offs.get(r["repeat"])) is None:
                 continue
             for key, (cached, _, c, n) in r["per_request"].items():
                 if cached > 0 and key in off["per_request"]:
@@ -496,40 +492,34 @@ def summarize_cells(runs: list[dict]) -> list[dict]:
     return cells
 
 
-def _paired(runs: list[dict], w: str, m: str, num: str, den: str, f: str) -> float | None:
-    a = {r["repeat"]: r.get(f) for r in runs if (r["workload"], r["method"], r["variant"]) == (w, m, num)}
-    b = {r["repeat"]: r.get(f) for r in runs if (r["workload"], r["method"], r["variant"]) == (w, m, den)}
-    return median([a[k] / b[k] for k in a if k in b and a[k] is not None and b[k]])
+def _paired(by: dict, w: str, m: str, num: str, den: str, f: str) -> float | None:
+    """The median over the repeats of field f's ratio, variant num ÷ variant den."""
+    b = {r["repeat"]: r.get(f) for r in by.get((w, m, den), [])}
+    return median([r[f] / b[r["repeat"]] for r in by.get((w, m, num), []) if r.get(f) is not None and b.get(r["repeat"])])
 
 
-def ratios(cells: list[dict], runs: list[dict]) -> list[dict]:
+def ratios(cells: list[dict], by: dict) -> list[dict]:
     """Cache on ÷ off per (workload, method): the median of the repeats' paired ratios."""
-    out = []
+    cell, out = {(c["workload"], c["method"], c["variant"]): c for c in cells}, []
     for w, m in dict.fromkeys((c["workload"], c["method"]) for c in cells):
-        row = {"workload": w, "method": m}
-        for f in ("ttft_ms_p50", "ttft_ms_p90", "tokens_per_s"):
-            row[f"{f}_on_over_off"] = _paired(runs, w, m, "on", "off", f)
-        if w == "probe":    # its TTFT percentiles pool primes, cached and fresh requests: the cached one's
-            row["ttft_ms_p50_on_over_off"] = _paired(runs, w, m, "on", "off", "probe_ttft_cached_ms_p50")
-            row["ttft_ms_p90_on_over_off"] = None
-        on, off = (next(c for c in cells if (c["workload"], c["method"], c["variant"]) == (w, m, v))
-                   for v in ("on", "off"))
-        row["hit_rate_on"], row["tau_on"] = on["hit_rate"], on["tau"]
-        row["tau_on_over_off"] = on["tau"] / off["tau"] if on["tau"] and off["tau"] else None
-        out.append(row)
+        on, off = cell[(w, m, "on")], cell[(w, m, "off")]
+        probe = w == "probe"    # its TTFT percentiles pool primes, cached and fresh requests: the cached one's
+        out.append({"workload": w, "method": m,
+                    "ttft_ms_p50_on_over_off": _paired(by, w, m, "on", "off",
+                                                       "probe_ttft_cached_ms_p50" if probe else "ttft_ms_p50"),
+                    "ttft_ms_p90_on_over_off": None if probe else _paired(by, w, m, "on", "off", "ttft_ms_p90"),
+                    "tokens_per_s_on_over_off": _paired(by, w, m, "on", "off", "tokens_per_s"),
+                    "hit_rate_on": on["hit_rate"], "tau_on": on["tau"],
+                    "tau_on_over_off": on["tau"] / off["tau"] if on["tau"] and off["tau"] else None})
     return out
 
 
-def replica_ratios(runs: list[dict]) -> list[dict]:
+def replica_ratios(by: dict) -> list[dict]:
     """multiturn hit rate with two replicas ÷ with one, per method and routing policy."""
-    out = []
-    for m in dict.fromkeys(r["method"] for r in runs if r["workload"] == "multiturn"):
-        for v in ("on x2 prefix", "on x2 round_robin"):
-            one = [r["hit_rate"] for r in runs if (r["workload"], r["method"], r["variant"]) == ("multiturn", m, "on")]
-            two = [r["hit_rate"] for r in runs if (r["workload"], r["method"], r["variant"]) == ("multiturn", m, v)]
-            out.append({"method": m, "variant": v, "hit_rate_1": median(one), "hit_rate_2": median(two),
-                        "ratio": _paired(runs, "multiturn", m, v, "on", "hit_rate")})
-    return out
+    hits = lambda m, v: median([r["hit_rate"] for r in by.get(("multiturn", m, v), [])])     # noqa: E731
+    return [{"method": m, "variant": v, "hit_rate_1": hits(m, "on"), "hit_rate_2": hits(m, v),
+             "ratio": _paired(by, "multiturn", m, v, "on", "hit_rate")}
+            for m in dict.fromkeys(m for w, m, _ in by if w == "multiturn") for v in ("on x2 prefix", "on x2 round_robin")]
 
 
 def flags(r: dict) -> list[str]:
@@ -562,32 +552,6 @@ def flags(r: dict) -> list[str]:
 
 # ------------------------------------------------------------------------------ markdown
 
-CELL_COLUMNS = [
-    ("workload", lambda c: c["workload"]),
-    ("method", lambda c: c["method"]),
-    ("cache", lambda c: c["variant"]),
-    ("TTFT p50 / p90 ms", lambda c: f"{fmt(c['ttft_ms_p50'], '{:.0f}')} / {fmt(c['ttft_ms_p90'], '{:.0f}')}"),
-    ("tok/s", lambda c: fmt(c["tokens_per_s"], "{:.1f}")),
-    ("hit rate (ideal, targets' counters)", lambda c: f"{fmt(c['hit_rate'], '{:.3f}')} "
-     f"({fmt(c['ideal_hit_rate'], '{:.3f}')}, {fmt(c.get('target_hit_rate'), '{:.3f}')})"),
-    ("τ (hit / miss)", lambda c: f"{fmt(c['tau'])} ({fmt(c['tau_hit'])} / {fmt(c['tau_miss'])})"),
-    ("τ hit reqs on / off", lambda c: f"{fmt(c['tau_hit_requests_on'])} / {fmt(c['tau_hit_requests_off'])}"),
-    ("requests hit/miss", lambda c: f"{c['requests_hit']}/{c['requests_miss']}"),
-    ("steps", lambda c: mix_cell(c["steps_by_method"])),
-    ("= off outputs", lambda c: "/".join(map(str, c["outputs_equal_to_off"] or [])) or "–"),
-]
-
-RATIO_COLUMNS = [
-    ("workload", lambda r: r["workload"]),
-    ("method", lambda r: r["method"]),
-    ("TTFT p50 on/off", lambda r: fmt(r["ttft_ms_p50_on_over_off"])),
-    ("TTFT p90 on/off", lambda r: fmt(r["ttft_ms_p90_on_over_off"])),
-    ("tok/s on/off", lambda r: fmt(r["tokens_per_s_on_over_off"])),
-    ("τ on/off", lambda r: fmt(r["tau_on_over_off"], "{:.3f}")),
-    ("hit rate on", lambda r: fmt(r["hit_rate_on"], "{:.3f}")),
-]
-
-
 def markdown(r: dict) -> str:
     meta, run = r["meta"], r["run"]
     s = run["sizes"]
@@ -597,9 +561,20 @@ def markdown(r: dict) -> str:
                    f"services: {run['services']}", f"text: {run['text_source']} (digest {run['text_digest']})",
                    "sizes: " + ", ".join(f"{k} {v}" for k, v in s.items()) + " (cache on/off order alternating "
                    f"per repeat); took {run['duration_s']:.0f} s") + ["## Cells", ""]
-    lines += table([c for c, _ in CELL_COLUMNS], [[f(c) for _, f in CELL_COLUMNS] for c in r["cells"]])
+    lines += table(["workload", "method", "cache", "TTFT p50 / p90 ms", "tok/s", "hit rate (ideal, targets' counters)",
+                    "τ (hit / miss)", "τ hit reqs on / off", "requests hit/miss", "steps", "= off outputs"],
+                   [[c["workload"], c["method"], c["variant"], f"{fmt(c['ttft_ms_p50'], '{:.0f}')} / "
+                     f"{fmt(c['ttft_ms_p90'], '{:.0f}')}", fmt(c["tokens_per_s"], "{:.1f}"),
+                     f"{fmt(c['hit_rate'], '{:.3f}')} ({fmt(c['ideal_hit_rate'], '{:.3f}')}, "
+                     f"{fmt(c.get('target_hit_rate'), '{:.3f}')})", f"{fmt(c['tau'])} ({fmt(c['tau_hit'])} / "
+                     f"{fmt(c['tau_miss'])})", f"{fmt(c['tau_hit_requests_on'])} / {fmt(c['tau_hit_requests_off'])}",
+                     f"{c['requests_hit']}/{c['requests_miss']}", mix_cell(c["steps_by_method"]),
+                     "/".join(map(str, c["outputs_equal_to_off"] or [])) or "–"] for c in r["cells"]])
     lines += ["", "## Cache on ÷ off", ""]
-    lines += table([c for c, _ in RATIO_COLUMNS], [[f(x) for _, f in RATIO_COLUMNS] for x in r["ratios"]])
+    lines += table(["workload", "method", "TTFT p50 on/off", "TTFT p90 on/off", "tok/s on/off", "τ on/off", "hit rate on"],
+                   [[x["workload"], x["method"], *(fmt(x[f"{k}_on_over_off"]) for k in ("ttft_ms_p50", "ttft_ms_p90",
+                                                                                       "tokens_per_s")),
+                     fmt(x["tau_on_over_off"], "{:.3f}"), fmt(x["hit_rate_on"], "{:.3f}")] for x in r["ratios"]])
     probe = [c for c in r["cells"] if c["workload"] == "probe"]
     if probe:
         lines += ["", "## TTFT probe: prefix sent once before vs a fresh prefix of the same length", ""]
@@ -612,17 +587,14 @@ def markdown(r: dict) -> str:
         lines += table(["method", "gateway", "hit rate, 1 replica", "hit rate, 2 replicas", "2 ÷ 1"],
                        [[x["method"], x["variant"], fmt(x["hit_rate_1"], "{:.3f}"), fmt(x["hit_rate_2"], "{:.3f}"),
                          fmt(x["ratio"], "{:.3f}")] for x in r["replicas"]])
-    lines += ["", "## Flags", ""]
-    lines += [f"- {f}" for f in r["flags"]] or ["- none"]
-    if r["skipped"]:
-        lines += ["", "Not run: " + "; ".join(r["skipped"])]
-    lines += ["", "TTFT (client-side) and tok/s (output tokens ÷ the run's wall time) are medians over the repeats; "
-              "hit rate = Σ cached ÷ Σ prompt tokens (Usage), ideal = the prompt blocks an unbounded cache could "
-              "have served given what was sent before, targets' counters = Δ prefix_cache_hits ÷ Δ queries; τ = "
-              "committed tokens per verify step pooled over the repeats (all requests, those with cached tokens, "
-              "those without); τ hit reqs on / off = the requests that hit, and the same requests with the cache off; "
-              "= off outputs: outputs equal to the cache-off run's, token for token; on/off = medians of the "
-              "repeats' paired ratios (probe: the cached request's TTFT).", ""]
+    lines += [""] + tail(r["flags"], r["skipped"], (
+        "TTFT (client-side) and tok/s (output tokens ÷ the run's wall time) are medians over the repeats; hit "
+        "rate = Σ cached ÷ Σ prompt tokens (Usage), ideal = the prompt blocks an unbounded cache could have "
+        "served given what was sent before, targets' counters = Δ prefix_cache_hits ÷ Δ queries; τ = committed "
+        "tokens per verify step pooled over the repeats (all requests, those with cached tokens, those without); "
+        "τ hit reqs on / off = the requests that hit, and the same requests with the cache off; = off outputs: "
+        "outputs equal to the cache-off run's, token for token; on/off = medians of the repeats' paired ratios "
+        "(probe: the cached request's TTFT)."))
     return "\n".join(lines)
 
 
