@@ -45,7 +45,8 @@ from splitspec.v1 import common_pb2
 
 from . import stack as stacks
 from .client import Gateway, sampling
-from .harness import cli, csv_items, fmt, header, log, median, metadata, mix_cell, percentile, ratio, table, tau, write
+from .harness import (apply_sizes, cli, csv_items, fmt, header, log, median, metadata, mix_cell, percentile, ratio,
+                      table, tail, tau, write)
 from .prompts import default_prompts, digest
 
 SHAPES = ("flat", "nested", "strings", "tool", "identifier", "version", "choice")
@@ -258,9 +259,7 @@ class StructuredBench:
         from splitspec_tools.defaults import model_dir
         self.args, self.argv, self.skipped, self.stack = args, argv, [], None
         a = args
-        for name, (default, smoke) in SIZES.items():
-            if getattr(a, name) is None:
-                setattr(a, name, smoke if a.smoke else default)
+        apply_sizes(a, SIZES)
         if min(a.num_prompts, a.repeats, a.max_new_tokens) < 1:
             raise SystemExit("--num-prompts, --repeats and --max-new-tokens must be >= 1")
         self.target_path, _ = stacks.models(a.target_model_path, "none")
@@ -602,14 +601,11 @@ def markdown(r: dict) -> str:
                    [[p["when"], str(p["requests"]), fmt(p["decode_ms_per_token"], "{:.3f}"),
                      fmt(p["tokens_per_s"], "{:.1f}"), fmt(p["ttft_ms_p50"], "{:.1f}")]
                     for p in (probe["before"], probe["after"])])
-    lines += ["", f"after ÷ before (decode ms/token): {fmt(probe['decode_ratio'], '{:.3f}')}.", "", "## Flags", ""]
-    lines += [f"- {f}" for f in r["flags"][:60]] or ["- none"]
-    if r["skipped"]:
-        lines += ["", "Not run: " + "; ".join(r["skipped"])]
-    lines += ["", "τ = committed tokens per verify step, pooled over the repeats; tok/s = output tokens ÷ wall time "
-              "over a repeat's requests, median over the repeats; × none = median of the repeats' paired ratios; "
-              "forced = tokens the grammar forced ÷ committed; = none: greedy outputs equal to none's under the same "
-              "grammar.", ""]
+    lines += ["", f"after ÷ before (decode ms/token): {fmt(probe['decode_ratio'], '{:.3f}')}.", ""]
+    lines += tail(r["flags"][:60], r["skipped"], (
+        "τ = committed tokens per verify step, pooled over the repeats; tok/s = output tokens ÷ wall time over a "
+        "repeat's requests, median over the repeats; × none = median of the repeats' paired ratios; forced = "
+        "tokens the grammar forced ÷ committed; = none: greedy outputs equal to none's under the same grammar."))
     return "\n".join(lines)
 
 
