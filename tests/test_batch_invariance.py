@@ -132,3 +132,33 @@ def test_prefill_chunking_does_not_change_a_bit(model):
 def test_exact_prefill_chunks_end_on_span_boundaries(prefilled, n, prompt_len, end):
     from target_service.scheduler import exact_chunk_end
     assert exact_chunk_end(prefilled, n, prompt_len) == end
+
+
+def test_sampled_speculation_follows_the_target_law_in_exact_mode(model):
+    """At T=1 the exact path verifies a sampled draft with the same rule as the plain one: the
+    first 3 tokens of many seeded runs (prefill, then chains of 2 drafted from a fixed q, each
+    verified with that q) follow target-only's law (chi-square), drafts rejected and accepted."""
+    from sampling_law import SAMPLED, assert_follows, exact_joint
+    from splitspec.engine.sample import make_generator, sample_from_probs
+    prompt = PROMPTS[1][:24]
+    joint = exact_joint(model, prompt, SAMPLED, 3)
+    # The draft's q, the same at every position: uniform over every token the target could say
+    # in these 3 steps, so drafts are accepted and rejected alike.
+    support = sorted({t for answer in joint for t in answer})
+    q = torch.zeros(model.cfg.vocab_size)
+    q[support] = 1.0 / len(support)
+    answers, accepted, drafted, n = [], 0, 0, 600
+    for seed in range(n):
+        seq = TargetSequence(model, prompt, SamplingParams(temperature=1.0, top_k=3, seed=seed),
+                             max_len=len(prompt) + 16, attention="torch-exact")
+        draw = make_generator(10_000 + seed)
+        got = list(seq.prefill().committed)
+        while len(got) < 3:
+            chain = [sample_from_probs(q, draw) for _ in range(2)]
+            out = seq.verify(Tree.chain(chain), torch.stack([q, q]))
+            accepted += len(out.committed) - 1
+            drafted += 2
+            got += out.committed
+        answers.append(tuple(got[:3]))
+    assert 0 < accepted < drafted
+    assert_follows(answers, joint, n)
