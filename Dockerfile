@@ -33,6 +33,7 @@ COPY splitspec ./splitspec
 COPY target_service ./target_service
 COPY draft_service ./draft_service
 COPY gateway ./gateway
+COPY splitspec_tools ./splitspec_tools
 # otel: OpenTelemetry traces (--otlp-traces-endpoint), a few pure-Python packages
 ARG EXTRAS="otel"
 RUN pip install ".${EXTRAS:+[$EXTRAS]}" && splitspec --help > /dev/null
