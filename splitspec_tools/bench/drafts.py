@@ -34,7 +34,6 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
     a("--draft", action="append", required=True, help="draft folder (repeat; the first is the reference)")
-    a("--target-model-path", default=None, help="target model folder (default: the bundled target)")
     a("--prompts", default=None, help="JSONL prompts, as `splitspec bench --prompts`")
     a("--num-prompts", type=int, default=50)
     a("--max-prompt-chars", type=int, default=1500)
@@ -44,14 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
     a("--repeats", type=int, default=1)
     a("--warmup", type=int, default=2, help="warm-up requests per draft and setting (not timed)")
     a("--temperatures", default="0,1.0")
-    a("--top-p", type=float, default=0.95)
     a("--draft-sampling", default="greedy,sample", help="draft modes run at temperature > 0")
     a("--num-draft-tokens", type=int, default=None, help="verify width (default: the drafts' smallest block size)")
-    a("--seed", type=int, default=0, help="request i of repeat r uses seed + 1000 r + i")
     a("--ceiling-paths", type=int, default=64, help="target paths per context for `splitspec ceiling` at each "
       "T > 0, run after the services stop (~10 min on 2 cores for 50 prompts at 64); 0 skips it")
-    stacks.add_flags(a)
-    a("--out", default="bench-out/drafts", help="folder for results.json, results.md and the service logs")
+    stacks.add_flags(a, out="bench-out/drafts")
     return p
 
 

@@ -66,7 +66,6 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
     a("--smoke", action="store_true", help="tiny sizes, one repeat: a quick end-to-end check (explicit sizes win)")
-    a("--target-model-path", default=None, help="target model folder (default: the bundled target)")
     a("--draft-model-path", default=None, help="DFlash draft folder (default: the bundled draft with the bundled "
       "target; 'none': the draft service runs ngram)")
     a("--methods", default="none,dflash", help=f"speculative methods, comma-separated, from {', '.join(METHODS)}")
@@ -76,14 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
     a("--replicas", type=int, default=1, choices=[1, 2], help="2: multiturn also through two cache-on targets "
       "behind one gateway (prefix and round_robin routing)")
     a("--temperature", type=float, default=0.0, help="0: greedy, and outputs must not depend on the cache")
-    a("--top-p", type=float, default=0.95)
-    a("--seed", type=int, default=0)
     a("--num-draft-tokens", type=int, default=None, help="verify width (default: the draft's block size, else 8)")
     a("--kv-block-size", type=int, default=16, help="the targets' --kv-block-size (the prefix cache's block)")
     a("--kv-cache-budget-mb", type=int, default=2048, help="every target's (a cache-on pool fills to it)")
     a("--prefix-cache-hidden-mb", type=int, default=None, help="the cache-on targets' (default: their own)")
-    stacks.add_flags(a, request_timeout_s=900.0)
-    a("--out", default="bench-out/prefix", help="folder for results.json, results.md and the service logs")
+    stacks.add_flags(a, request_timeout_s=900.0, out="bench-out/prefix")
     return p
 
 

@@ -32,7 +32,6 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="splitspec bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
-    a("--target-model-path", default=None, help="target model folder or .gguf (default: the bundled target)")
     a("--draft-model-path", default=None, help="DFlash draft (default: the bundled one with the bundled target; "
       "'none': the draft service runs ngram)")
     a("--gateway", default=None, help="a running gateway (host:port) instead of starting services")
@@ -42,7 +41,6 @@ def build_parser() -> argparse.ArgumentParser:
     a("--configs", default=",".join(CONFIGS), help=f"from {','.join((*CONFIGS, *BASELINES))} (target, the "
       "baseline, always runs; transformers and llamacpp: other engines on the same weights, one stream)")
     a("--temperatures", default="0,1.0", help="comma-separated; top_p applies when > 0")
-    a("--top-p", type=float, default=0.95)
     a("--draft-sampling", default="greedy,sample", help="draft modes at T > 0: greedy and/or sample")
     a("--prompts", default=None, help="a JSONL file, 'humaneval' or 'chat' (default: held-out function cuts)")
     a("--num-prompts", type=int, default=50)
@@ -53,16 +51,14 @@ def build_parser() -> argparse.ArgumentParser:
     a("--warmup", type=int, default=2, help="untimed requests per configuration")
     a("--num-draft-tokens", type=int, default=None, help="verify width (default: the draft's block size, else 8)")
     a("--tree", default="4:16", help="TOPK:WIDTH of the tree configurations")
-    a("--seed", type=int, default=0, help="request i of repeat r uses seed + 1000 r + i at T > 0")
     a("--concurrency", default="1,4,16,64", help="stream counts of the sweep ('' to skip it)")
     a("--sweep-configs", default="target,dflash-grpc,ngram-grpc,auto-grpc")
     a("--sweep-temperatures", default=None, help="default: the first of --temperatures; drafts greedy")
     a("--sweep-requests", type=int, default=8, help="requests per sweep point: max(this, streams)")
     a("--sweep-repeats", type=int, default=1, help="runs of each point, the configurations taking turns")
     a("--step-time-prompts", type=int, default=3, help="prompts for the target's step prices (0: skip)")
-    a("--out", default="bench-out", help="folder for results.json, results.md, plots and service logs")
     a("--no-plots", action="store_true")
-    stacks.add_flags(a)
+    stacks.add_flags(a, out="bench-out")
     return p
 
 

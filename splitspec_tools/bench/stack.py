@@ -14,8 +14,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 
-def add_flags(add, request_timeout_s: float = 900.0) -> None:
-    """The flags a Stack reads (`add`: a parser's add_argument)."""
+def add_flags(add, request_timeout_s: float = 900.0, out: str | None = None) -> None:
+    """The flags a Stack reads (`add`: a parser's add_argument); with `out` (the bench's default
+    folder), also those every bench that starts one shares."""
+    if out is not None:
+        add("--target-model-path", default=None, help="target model folder or .gguf (default: the bundled target)")
+        add("--top-p", type=float, default=0.95, help="applies at temperature > 0")
+        add("--seed", type=int, default=0, help="request i of repeat r uses seed + 1000 r + i at T > 0")
+        add("--out", default=out, help="folder for results.json, results.md and the service logs")
     add("--device", default="cpu", help="device of the services")
     add("--target-torch-threads", type=int, default=0, help="the target's --torch-threads (as `splitspec up`)")
     add("--target-verify-torch-threads", type=int, default=1,

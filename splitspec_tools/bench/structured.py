@@ -66,12 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     a = p.add_argument
     a("--smoke", action="store_true", help="2 prompts (flat, choice), 1 repeat, dflash with the first draft only, "
       "80 new tokens: a quick end-to-end check; sizes given explicitly still win")
-    a("--target-model-path", default=None, help="target model folder (default: the bundled target)")
     a("--drafts", default=None, help=f"draft folders, comma-separated: a service and gateway each [{SIZES['drafts'][0]}]")
     a("--methods", default=None, help=f"from {', '.join(METHODS)}; none always runs [all]")
     a("--shapes", default=None, help=f"constraint shapes, from {', '.join(SHAPES)}; they take turns over the prompts")
     a("--temperatures", default=None, help="comma-separated [0,1]; top_p applies when > 0")
-    a("--top-p", type=float, default=0.95)
     a("--draft-sampling", default="greedy", choices=["greedy", "sample"], help="drafts at temperature > 0")
     a("--num-prompts", type=int, default=None, help="prompts, each with one shape [21; smoke 2]")
     a("--max-prompt-chars", type=int, default=1500, help="context kept before each default cut")
@@ -82,9 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--gap-s", type=float, default=0.1, help="pause before every measured request, so that work still in flight "
       "from the previous one (a decode run past its eos) does not land on this one's TTFT")
     a("--num-draft-tokens", type=int, default=None, help="verify width (default: the first draft's block size)")
-    a("--seed", type=int, default=0, help="request of prompt i in repeat r uses seed + 1000 r + i at T > 0")
-    stacks.add_flags(a, request_timeout_s=600.0)
-    a("--out", default="bench-out/structured", help="folder for results.json, results.md and the service logs")
+    stacks.add_flags(a, request_timeout_s=600.0, out="bench-out/structured")
     return p
 
 
