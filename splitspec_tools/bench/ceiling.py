@@ -59,16 +59,6 @@ def _probs(outs, params: SamplingParams) -> torch.Tensor:
     return probs_from_logits(torch.cat([o.logits for o in outs]), params)
 
 
-def _probs_along(batch, rows: list[int], p1: torch.Tensor, paths: torch.Tensor,
-                 params: SamplingParams) -> torch.Tensor:
-    """p(·|c, path_<k) for k = 1..K of each path [m, K], one forked row per path -> [m, K, V]."""
-    m, K = paths.shape
-    ps = [p1.expand(m, -1)]
-    for k in range(K - 1):
-        ps.append(_probs(batch.decode(rows, feed=paths[:, k].tolist()), params))
-    return torch.stack(ps, 1)
-
-
 def _batch(model, context: list[int], rows: int, room: int):
     """The context on the target's own runner (one forward path for every target family), with
     room for `rows` branches of `room` more tokens; rows decode greedily, since each step's token
@@ -98,8 +88,9 @@ def context_ceiling(model, context: list[int], *, block_size: int, params: Sampl
     # sampled block drafts: y_k ~ q_k independently, accepted with min(1, p(y_k|c, y_<k) / q_k(y_k))
     y = torch.stack([torch.multinomial(q[k], num_paths, replacement=True, generator=generator)
                      for k in range(K)], 1)                              # [m, K]
-    rows = batch.fork(0, num_paths)
-    py = _probs_along(batch, rows, p1, y, params).gather(2, y[..., None])[..., 0]
+    rows = batch.fork(0, num_paths)     # p(·|c, y_<k) along each draft path, one forked row per path
+    py = torch.stack([p1.expand(num_paths, -1)] + [_probs(batch.decode(rows, feed=y[:, k].tolist()), params)
+                                                   for k in range(K - 1)], 1).gather(2, y[..., None])[..., 0]
     batch.release(rows)
     qy = q.gather(1, y.T).T
     sampled = (py / qy).clamp(max=1.0)

@@ -61,9 +61,12 @@ def tau(samples) -> float | None:
     """The accept length, one meaning everywhere (docs/speculation.md): tokens committed per verify
     step (accepted drafts + the bonus token; the prefill's first token not counted), pooled over
     the samples' steps. None where no step was verified (target-only, whose τ is 1 by definition)."""
-    get = lambda s, k: s[k] if isinstance(s, dict) else getattr(s, k)      # a Sample, or its row in a report
-    steps = sum(get(s, "verify_steps") for s in samples)
-    return sum(get(s, "committed") for s in samples) / steps if steps else None
+    steps = sum(_get(s, "verify_steps") for s in samples)
+    return sum(_get(s, "committed") for s in samples) / steps if steps else None
+
+
+def _get(s, k):
+    return s[k] if isinstance(s, dict) else getattr(s, k)      # a Sample, or its row in a report
 
 
 def summary(samples, method: str | None = None) -> dict:
@@ -90,7 +93,7 @@ def step_mix(samples) -> dict[str, float]:
     """Share of steps per drafter that ran (auto's choice), from the gateway's stats."""
     counts: dict[str, int] = {}
     for s in samples:
-        for m, n in (s.steps_by_method or {}).items():
+        for m, n in (_get(s, "steps_by_method") or {}).items():
             counts[m] = counts.get(m, 0) + n
     total = sum(counts.values()) or 1
     return {m: n / total for m, n in sorted(counts.items())}

@@ -36,7 +36,6 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 
 from splitspec.engine.prefix_cache import block_keys
 
@@ -484,7 +483,7 @@ def summarize_cells(by: dict) -> list[dict]:
             "tau_hit_requests_off": tau(hit_off) if spec and v != "off" else None,
             "outputs_equal_to_off": [compared - len(mismatches), compared] if v != "off" else None,
             "output_mismatches": mismatches,      # [repeat, request] whose output differs from the cache-off run's
-            "steps_by_method": step_mix([SimpleNamespace(steps_by_method=r["steps_by_method"]) for r in mine])})
+            "steps_by_method": step_mix(mine)})
     return cells
 
 

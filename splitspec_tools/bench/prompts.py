@@ -36,11 +36,6 @@ class Prompt:
     token_ids: tuple[int, ...] = ()
 
 
-def site_packages() -> list[Path]:
-    paths = sysconfig.get_paths()
-    return sorted({Path(paths["purelib"]), Path(paths["platlib"])})
-
-
 def _sources(root: Path, package: str) -> list[Path]:
     base = root / package
     if package.split("/")[0] in OWN or not base.is_dir():
@@ -87,9 +82,10 @@ def function_cuts(text: str, max_chars: int) -> list[tuple[str, str]]:
 
 def default_prompts(n: int = 50, *, max_chars: int = 1500, per_file: int = 1) -> list[Prompt]:
     """n function cuts from installed third-party packages (see the module docstring)."""
-    by_package = []
+    by_package, paths = [], sysconfig.get_paths()
+    roots = sorted({Path(paths["purelib"]), Path(paths["platlib"])})
     for package in PACKAGES + (EXTRA if per_file > 2 else ()):
-        files = {(f.relative_to(root).as_posix(), f) for root in site_packages() for f in _sources(root, package)}
+        files = {(f.relative_to(root).as_posix(), f) for root in roots for f in _sources(root, package)}
         if files:
             by_package.append(sorted(files, key=lambda rf: _key(rf[0])))
     # Round robin over packages, so no one package (numpy is large) fills the set.

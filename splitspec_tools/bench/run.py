@@ -295,7 +295,7 @@ def markdown(r: dict) -> str:
                   ", ".join(f"w={w}: {ms:.2f}" for w, ms in prices.items()), ""]
     for t in r["temperatures"]:
         entries = [e for e in r["configs"] if e["temperature"] == t]
-        lines += [f"## {temperature_title(t)}", ""]
+        lines += [f"## temperature {t:g}" + (" (greedy)" if t == 0 else ""), ""]
         lines += table(["configuration", "tok/s", "speedup", "τ", "TTFT p50 ms", "ITL p50 ms", "step ms",
                         "draft / verify / wire / queue ms", "ideal", "efficiency", "steps", "= target"],
                        [[e["name"], fmt(e["tokens_per_s"], "{:.1f}"), fmt(e["speedup"]), fmt(e["tau"]),
@@ -339,10 +339,6 @@ def markdown(r: dict) -> str:
               "efficiency = speedup ÷ ideal; = target: greedy outputs equal to target-only's; batch: steps per "
               "forward the service ran.", ""]
     return "\n".join(lines)
-
-
-def temperature_title(t: float) -> str:
-    return "temperature 0 (greedy)" if t == 0 else f"temperature {t:g}"
 
 
 def main(argv: list[str]) -> int:

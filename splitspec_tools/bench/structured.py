@@ -46,7 +46,7 @@ from splitspec.v1 import common_pb2
 from . import stack as stacks
 from .client import Gateway, sampling
 from .harness import (apply_sizes, cli, csv_items, fmt, header, log, median, metadata, mix_cell, percentile, ratio,
-                      table, tail, tau, write)
+                      step_mix, table, tail, tau, write)
 from .prompts import default_prompts, digest
 
 SHAPES = ("flat", "nested", "strings", "tool", "identifier", "version", "choice")
@@ -466,8 +466,7 @@ def summarize_cells(rows: list[dict], runs: list[str], temps: list[float]) -> li
                 "forced_share": sum(r["forced"] for r in ok if r["forced"] is not None) / committed
                 if spec and committed else None,
                 "forced_unknown": sum(1 for r in ok if r["forced"] is None),
-                "steps_by_method": {m: n / max(1, sum(sum(r["steps_by_method"].values()) for r in ok)) for m, n in
-                                    sum((Counter(r["steps_by_method"]) for r in ok), Counter()).items()},
+                "steps_by_method": step_mix(ok),
                 "method_mismatches": sum(1 for r in ok if r["method_ran"] and r["method_ran"] != r["method"]),
                 "draft_fallbacks": sum(r["draft_fallbacks"] for r in ok),
                 "equal_to_none": [sum(x == y for x, y in pairs), len(pairs)] if t == 0 else None})
@@ -475,17 +474,13 @@ def summarize_cells(rows: list[dict], runs: list[str], temps: list[float]) -> li
 
 
 def summarize_shapes(rows: list[dict], runs: list[str], temps: list[float], shapes: list[str]) -> list[dict]:
-    out = []
-    for t in temps:
-        for name in runs:
-            for shape in shapes:
-                mine = [r for r in rows if (r["temperature"], r["run"], r["shape"], r["variant"]) ==
-                        (t, name, shape, "constrained")]
-                ok = [r for r in mine if "tokens" in r]
-                if mine:
-                    out.append({"temperature": t, "name": name, "shape": shape, **validity(mine),
-                                "tau": tau(ok) if mine[0]["method"] != "none" else None})
-    return out
+    by: dict = {}
+    for r in rows:
+        if r["variant"] == "constrained":
+            by.setdefault((r["temperature"], r["run"], r["shape"]), []).append(r)
+    return [{"temperature": t, "name": name, "shape": shape, **validity(mine),
+             "tau": tau([r for r in mine if "tokens" in r]) if mine[0]["method"] != "none" else None}
+            for t in temps for name in runs for shape in shapes if (mine := by.get((t, name, shape)))]
 
 
 def summarize_cost(rows: list[dict], temps: list[float]) -> list[dict]:
