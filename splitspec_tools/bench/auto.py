@@ -173,11 +173,8 @@ def grid(args) -> list[Cell]:
 
 
 def min_requests(spec: str) -> dict[int, int]:
-    out = {}
-    for part in csv_items(spec):
-        new, _, n = part.partition(":")
-        out[int(new)] = int(n)
-    return out
+    """"64:8,512:2" -> {64: 8, 512: 2}"""
+    return {int(new): int(n) for new, _, n in (part.partition(":") for part in csv_items(spec))}
 
 
 # ------------------------------------------------------------------------------ prices
@@ -229,18 +226,16 @@ def markdown(res: dict) -> str:
                  f"prompts: short {res['prompts']['short']}, long {res['prompts']['long']}")
     for run in res["runs"]:
         out += [f"## Services: {run['services']}", "", f"`{run['description']}`", ""]
-        rows = []
-        for c in run["cells"]:
-            rows.append([fmt(c["temperature"], "{:g}"), str(c["streams"]), str(c["max_new_tokens"]),
-                         f"{c['prompts']} ({c['prompt_tokens_mean']:.0f})", str(c["requests"]),
-                         fmt(c["none_tok_s"], "{:.1f}"), fmt(c["auto_tok_s"], "{:.1f}"),
-                         ("**" if c["ratio"] < 0.95 else "") + fmt(c["ratio"]) + ("**" if c["ratio"] < 0.95 else ""),
-                         " ".join(f"{x:.2f}" for x in c["ratios"]), mix_cell(c["auto_steps"]), fmt(c["auto_dflash_tau"]),
-                         fmt(c["auto_ngram_tau"]),
-                         "–" if c["greedy_mismatches"] is None else
-                         f"{c['requests'] * c['repeats'] - c['greedy_mismatches']}/{c['requests'] * c['repeats']}"])
+        bold = lambda x: f"**{fmt(x)}**" if x < 0.95 else fmt(x)     # noqa: E731
         out += table(["T", "streams", "new", "prompts (tokens)", "requests", "none tok/s", "auto tok/s", "auto ×",
-                      "per repeat", "auto steps", "τ dflash", "τ ngram", "= none"], rows)
+                      "per repeat", "auto steps", "τ dflash", "τ ngram", "= none"],
+                     [[fmt(c["temperature"], "{:g}"), str(c["streams"]), str(c["max_new_tokens"]),
+                       f"{c['prompts']} ({c['prompt_tokens_mean']:.0f})", str(c["requests"]), fmt(c["none_tok_s"], "{:.1f}"),
+                       fmt(c["auto_tok_s"], "{:.1f}"), bold(c["ratio"]), " ".join(f"{x:.2f}" for x in c["ratios"]),
+                       mix_cell(c["auto_steps"]), fmt(c["auto_dflash_tau"]), fmt(c["auto_ngram_tau"]),
+                       "–" if c["greedy_mismatches"] is None else
+                       f"{c['requests'] * c['repeats'] - c['greedy_mismatches']}/{c['requests'] * c['repeats']}"]
+                      for c in run["cells"]])
         ratios = [c["ratio"] for c in run["cells"]]
         if ratios:
             out += ["", f"auto × none: min {min(ratios):.2f}, median {median(ratios):.2f}; "

@@ -17,12 +17,11 @@ the context stays the prompt's) and one-token decode steps, interleaved, median 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
 
-from .harness import header, log, metadata, ratio, table, tau, write
+from .harness import csv_items, header, log, median, metadata, ratio, table, tau, write
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,10 +44,6 @@ def build_parser() -> argparse.ArgumentParser:
     a("--seed", type=int, default=0)
     a("--out", default="bench-out/trees")
     return p
-
-
-def _ints(s: str) -> list[int]:
-    return [int(x) for x in s.split(",") if x.strip()]
 
 
 def prompts_of_length(tok, n: int, length: int) -> list[list[int]]:
@@ -82,7 +77,7 @@ def tau_part(model, draft, tok, args) -> list[dict]:
     from splitspec.engine.sample import SamplingParams
     topk, tree_width = map(int, args.tree.split(":"))
     rows = []
-    for length in _ints(args.prompt_lengths):
+    for length in map(int, csv_items(args.prompt_lengths)):
         prompts = prompts_of_length(tok, args.num_prompts, length)
         for t in [float(x) for x in args.temperatures.split(",")]:
             modes = ["greedy"] if t == 0 else args.draft_sampling.split(",")
@@ -128,10 +123,10 @@ def verify_cost_part(model, tok, args) -> list[dict]:
     from splitspec.engine.tree import Tree
     from target_service.engine import TargetSequence
     topk = int(args.tree.split(":")[0])
-    sizes = _ints(args.nodes)
+    sizes = [int(x) for x in csv_items(args.nodes)]
     vocab = model.cfg.vocab_size
     rows = []
-    for length in _ints(args.prompt_lengths):
+    for length in map(int, csv_items(args.prompt_lengths)):
         prompt = prompts_of_length(tok, 1, length)[0]
         seq = TargetSequence(model, prompt, max_len=length + (args.verify_repeats + 1) * (len(sizes) + 1) + 80)
         seq.prefill()
@@ -150,12 +145,10 @@ def verify_cost_part(model, tok, args) -> list[dict]:
                     t0 = time.perf_counter()
                     seq.verify(Tree(tuple(ids), tuple(parents)))
                 times[n].append((time.perf_counter() - t0) * 1e3)
-        base = statistics.median(times[0])
-        for n, ts in times.items():
-            rows.append({"prompt_tokens": length, "nodes": n, "verify_width": n + 1, "ms_median": statistics.median(ts),
-                         "vs_decode": statistics.median(ts) / base})
-        log(f"verify cost at {length} tokens: " + ", ".join(f"{n + 1}-wide {statistics.median(ts):.1f} ms"
-                                                           for n, ts in times.items()))
+        med = {n: median(ts) for n, ts in times.items()}
+        rows += [{"prompt_tokens": length, "nodes": n, "verify_width": n + 1, "ms_median": ms, "vs_decode": ms / med[0]}
+                 for n, ms in med.items()]
+        log(f"verify cost at {length} tokens: " + ", ".join(f"{n + 1}-wide {ms:.1f} ms" for n, ms in med.items()))
     return rows
 
 
