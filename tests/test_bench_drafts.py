@@ -88,7 +88,7 @@ def test_bench_drafts_end_to_end(tmp_path, monkeypatch):
         assert e["ceiling_share"] == pytest.approx(tau[key] / e["ceiling_tau"])
     assert r["meta"]["command"].startswith("splitspec bench-drafts ") and r["meta"]["git_revision"] in md
     ratio = tau[(0.0, None, "dflash2")] / tau[(0.0, None, "dflash")]
-    assert f"T=0: dflash2 / dflash τ = {ratio:.2f}x" in md
+    assert f"| dflash2 (DFlash2) | {tau[(0.0, None, 'dflash2')]:.2f} | {ratio:.2f}x |" in md     # τ, τ ÷ first
     assert "Lossless check: at T=0 all drafts gave the same tokens on 2/2" in md
     r["lossless"]["mismatches"] = ["dflash2 ≠ dflash on p (repeat 1)"]     # how a failure reads
     assert "**LOSSLESS CHECK FAILED at T=0: 1 output(s) differ between drafts:** dflash2 ≠ dflash" in markdown(r)

@@ -144,22 +144,20 @@ def tok_s(samples: list[Sample], wall_s: float) -> float:
 
 # ------------------------------------------------------------------------------ the services' own numbers
 
-def target_info(address: str):
+def target_info(address: str, kind: str = "target"):
+    """A target's (or a draft's) GetInfo."""
     with grpc.insecure_channel(address) as ch:
-        return target_pb2_grpc.TargetStub(ch).GetInfo(common_pb2.GetInfoRequest(), timeout=30)
+        stub = target_pb2_grpc.TargetStub if kind == "target" else draft_pb2_grpc.DraftStub
+        return stub(ch).GetInfo(common_pb2.GetInfoRequest(), timeout=30)
 
 
 def counters(address: str | None, kind: str) -> tuple[int, int] | None:
     """(forward_passes, batched_steps) from a target's or draft's GetInfo; None when unknown."""
-    if not address:
-        return None
-    stub = (target_pb2_grpc.TargetStub if kind == "target" else draft_pb2_grpc.DraftStub)
     try:
-        with grpc.insecure_channel(address) as ch:
-            info = stub(ch).GetInfo(common_pb2.GetInfoRequest(), timeout=30)
+        info = target_info(address, kind) if address else None
     except grpc.RpcError:
         return None
-    return info.forward_passes, info.batched_steps
+    return (info.forward_passes, info.batched_steps) if info else None
 
 
 def prometheus(url: str, pattern: str) -> dict[str, float]:

@@ -249,10 +249,6 @@ def markdown(r: dict) -> str:
                        [[s, d, *[f"{fmt(c['tau'])} ({fmt(c['ceiling_share'], '{:.0%}')})" if c else "–" for c in cells(s, d)],
                          *[fmt(c["draft_forward_ms_p50"]) if c else "–" for c in cells(s, d)]]
                         for s, d in dict.fromkeys((e["setting"], e["draft"]) for e in entries)])
-    lines += ["", "Ratios to the first draft:", ""]
-    lines += [f"- {e['setting']}" + (f" at {e['prompt_tokens']:.0f} prompt tokens" if run["prompt_lengths"] else "") +
-              f": {e['draft']} / {first} τ = {fmt(e['tau_vs_first'], '{:.2f}x')}, draft forward "
-              f"{fmt(e['draft_forward_ms_vs_first'], '{:+.2f}')} ms per Propose" for e in entries if e["draft"] != first]
     depth = max((len(e["per_position_acceptance"]) for e in entries), default=0)
     rows = []
     for e in entries:
