@@ -318,22 +318,19 @@ class PrefixBench:
     def _probe(self, runner, rep):
         """Per pair: the prime (caches the prefix), then the cached and the fresh request, in an
         order that alternates pair by pair (and repeat by repeat)."""
-        a = self.args
-        params = sampling(a.temperature, self.args.top_p, a.seed)
-        results, ratios, cached, fresh = [], [], [], []
+        a, results = self.args, []
+        params = sampling(a.temperature, a.top_p, a.seed)
         for i, pair in enumerate(self.pairs):
             results.append(runner.send_one(f"prime{i}", pair["prime"], a.probe_new_tokens, params))
             order = ("cached", "fresh") if (i + rep) % 2 == 0 else ("fresh", "cached")
-            got = {kind: runner.send_one(f"{kind}{i}", pair[kind], a.probe_new_tokens, params) for kind in order}
-            results += [got[kind] for kind in order]
-            cached.append(got["cached"].sample.ttft_s * 1e3)
-            fresh.append(got["fresh"].sample.ttft_s * 1e3)
-            ratios.append(cached[-1] / fresh[-1])
-        return results, {"probe_ttft_cached_ms": cached, "probe_ttft_fresh_ms": fresh,
-                         "probe_ttft_cached_ms_p50": percentile(cached, 50),
-                         "probe_ttft_fresh_ms_p50": percentile(fresh, 50),
-                         "probe_ttft_ratio": percentile(ratios, 50),
-                         "probe_cached_hit_tokens": [r.sample.cached_tokens for r in results if r.key.startswith("cached")]}
+            results += [runner.send_one(f"{kind}{i}", pair[kind], a.probe_new_tokens, params) for kind in order]
+        cached, fresh = ([r for r in results if r.key.startswith(kind)] for kind in ("cached", "fresh"))
+        cached_ms, fresh_ms = [r.sample.ttft_s * 1e3 for r in cached], [r.sample.ttft_s * 1e3 for r in fresh]
+        return results, {"probe_ttft_cached_ms": cached_ms, "probe_ttft_fresh_ms": fresh_ms,
+                         "probe_ttft_cached_ms_p50": percentile(cached_ms, 50),
+                         "probe_ttft_fresh_ms_p50": percentile(fresh_ms, 50),
+                         "probe_ttft_ratio": percentile([c / f for c, f in zip(cached_ms, fresh_ms)], 50),
+                         "probe_cached_hit_tokens": [r.sample.cached_tokens for r in cached]}
 
     def measure(self) -> list[dict]:
         a = self.args

@@ -503,8 +503,7 @@ def summarize_cost(rows: list[dict], temps: list[float]) -> list[dict]:
                     "tokens_per_s": median(_per_repeat(vs).values()),
                     "ttft_ms_p50": percentile([r["ttft_ms"] for r in vs], 50)}
         c, m = _per_repeat([x["constrained"] for x in pairs]), _per_repeat([x["matched"] for x in pairs])
-        e["tokens_per_s_ratio_vs_matched"] = median([c[k] / m[k] for k in c if c[k] and m.get(k)])
-        rate = e["tokens_per_s_ratio_vs_matched"]
+        rate = e["tokens_per_s_ratio_vs_matched"] = median([c[k] / m[k] for k in c if c[k] and m.get(k)])
         decode = ratio(e["constrained"]["decode_ms_per_token"], e["matched"]["decode_ms_per_token"])
         e.update(decode_ms_ratio_vs_matched=decode, grammar_cost_tokens_per_s=1 - rate if rate else None,
                  grammar_cost_decode=decode - 1 if decode else None)
