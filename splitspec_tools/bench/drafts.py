@@ -59,7 +59,6 @@ def propose_ms(url: str) -> tuple[float, float]:
 
 class DraftBench:
     def __init__(self, args, argv):
-        from draft_service.architectures import draft_classes
         self.args, self.argv, self.skipped, self.stack = args, argv, [], None
         self.target_path, _ = stacks.models(args.target_model_path, "none")
         self.drafts = []
@@ -68,7 +67,7 @@ class DraftBench:
                 raise SystemExit(f"--draft {path}: no config.json there")
             raw = json.loads((path / "config.json").read_text())
             self.drafts.append({"label": path.name, "path": str(path), "architecture": raw["architectures"][0],
-                                "block_size": draft_classes(raw)[0].from_dict(raw).block_size})
+                                "block_size": stacks.draft_width(path)})
         if len({d["label"] for d in self.drafts}) < len(self.drafts):     # same folder names: say more
             for d in self.drafts:
                 d["label"] = f"{Path(d['path']).parent.name}/{d['label']}"

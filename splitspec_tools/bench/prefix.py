@@ -148,15 +148,13 @@ class PrefixBench:
             if getattr(a, name) < 1:
                 raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
         self.target_path, self.draft_path = stacks.models(a.target_model_path, a.draft_model_path)
-        self.workloads = csv_items(a.workloads)
-        self.methods = csv_items(a.methods)
+        self.workloads, self.methods = csv_items(a.workloads), csv_items(a.methods)
         bad = set(self.workloads) - set(WORKLOADS) or set(self.methods) - set(METHODS)
         if bad or not self.workloads or not self.methods:
             raise SystemExit(f"--workloads from {', '.join(WORKLOADS)}; --methods from {', '.join(METHODS)}")
         if self.draft_path is None:
-            for m in [m for m in self.methods if m in ("dflash", "auto")]:
-                self.methods.remove(m)
-                self.skipped.append(f"{m}: no DFlash draft (--draft-model-path)")
+            self.skipped += [f"{m}: no DFlash draft (--draft-model-path)" for m in self.methods if m in ("dflash", "auto")]
+            self.methods = [m for m in self.methods if m not in ("dflash", "auto")]
         if not self.methods:
             raise SystemExit("no method left to run")
         self.target_address = None
