@@ -49,14 +49,14 @@ def _key(s: str) -> str:
     return hashlib.sha256(s.encode()).hexdigest()
 
 
-def function_cuts(text: str, max_chars: int) -> list[tuple[str, str]]:
-    """(function name, prompt) for every function of `text` with a body after its docstring."""
+def completable_functions(text: str):
+    """(function node, last prompt line, 1-based) for every function of `text` with a body left
+    to complete after its signature and docstring (the bench's prompts, the trainer's held-out
+    cases); nothing for text that does not parse."""
     try:
         tree = ast.parse(text)
     except (SyntaxError, ValueError):
-        return []
-    lines = text.splitlines(keepends=True)
-    out = []
+        return
     for node in ast.walk(tree):
         if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             continue
@@ -65,7 +65,14 @@ def function_cuts(text: str, max_chars: int) -> list[tuple[str, str]]:
                    and isinstance(body[0].value.value, str))
         if len(body) <= int(has_doc) or body[0].lineno == node.lineno:
             continue     # nothing to complete, or a one-line `def f(): ...`
-        cut = body[0].end_lineno if has_doc else body[0].lineno - 1     # last prompt line (1-based)
+        yield node, body[0].end_lineno if has_doc else body[0].lineno - 1
+
+
+def function_cuts(text: str, max_chars: int) -> list[tuple[str, str]]:
+    """(function name, prompt) for every function of `text` with a body after its docstring."""
+    lines = text.splitlines(keepends=True)
+    out = []
+    for node, cut in completable_functions(text):
         start = cut
         size = 0
         while start > 0 and size + len(lines[start - 1]) <= max_chars:

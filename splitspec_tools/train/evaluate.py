@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from splitspec_tools.bench.prompts import completable_functions
 from target_service.engine import load_model
 
 
@@ -70,20 +71,8 @@ def function_cases(docs, n: int) -> list[FunctionCase]:
     from the first one."""
     cases = []
     for doc in docs:
-        try:
-            tree = ast.parse(doc.text)
-        except SyntaxError:
-            continue
         lines = doc.text.splitlines(keepends=True)
-        for node in ast.walk(tree):
-            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                continue
-            body = node.body
-            has_doc = (isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
-                       and isinstance(body[0].value.value, str))
-            if len(body) <= int(has_doc) or body[0].lineno == node.lineno:
-                continue  # nothing left to complete, or a one-line `def f(): ...`
-            cut = body[0].end_lineno if has_doc else body[0].lineno - 1   # 1-based last prompt line
+        for node, cut in completable_functions(doc.text):
             prefix = "".join(lines[:cut]).rstrip("\n")
             head = "".join(lines[node.lineno - 1:cut]).rstrip("\n")
             cases.append(FunctionCase(doc.path, node.name, prefix, head, node.col_offset))
