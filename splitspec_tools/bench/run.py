@@ -126,11 +126,13 @@ class Bench:
         self.prompt_ids, self.prompt_names, self.prompt_source = load_prompts(
             a.prompts, a.num_prompts, self.target_path, max_chars=a.max_prompt_chars,
             max_tokens=max(1, min(a.max_prompt_tokens, room)), tokenizer=tokenizer)
-        for k in [k for k in self.configs if k in BASELINES]:
+        others = [k for k in self.configs if k in BASELINES]
+        if others:
             import torch
             n_ctx = max(map(len, self.prompt_ids)) + a.max_new_tokens + 8
-            self.baselines[k] = make(k, self.target_path, torch.get_num_threads(), n_ctx)
-            self.runners.append(self.baselines[k])
+            for k in others:
+                self.baselines[k] = make(k, self.target_path, torch.get_num_threads(), n_ctx)
+                self.runners.append(self.baselines[k])
 
     def runs(self, temperature: float) -> list[tuple[str, str, str | None, Gateway]]:
         """(name, config, draft sampling, runner) for one temperature, in interleaving order."""
