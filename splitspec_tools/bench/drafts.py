@@ -25,7 +25,8 @@ from pathlib import Path
 
 from . import stack as stacks
 from .client import Gateway, prometheus, sampling
-from .harness import cli, csv_items, fmt, header, log, metadata, percentile, ratio, summary, table, tau, write
+from .harness import (cli, columns, csv_items, fmt, header, interleave, log, metadata, percentile, ratio, request_flags, settings,
+                      summary, table, tau, write)
 from .prompts import default_prompts, digest, load_jsonl, load_prompts
 
 
@@ -34,17 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
     a("--draft", action="append", required=True, help="draft folder (repeat; the first is the reference)")
-    a("--prompts", default=None, help="JSONL prompts, as `splitspec bench --prompts`")
-    a("--num-prompts", type=int, default=50)
-    a("--max-prompt-chars", type=int, default=1500)
-    a("--max-prompt-tokens", type=int, default=512)
-    a("--max-new-tokens", type=int, default=128, help="tokens per request (eos ignored)")
+    request_flags(a)
     a("--prompt-lengths", default="", metavar="L1,L2,…", help="every setting at each prompt length (tokens)")
-    a("--repeats", type=int, default=1)
-    a("--warmup", type=int, default=2, help="warm-up requests per draft and setting (not timed)")
-    a("--temperatures", default="0,1.0")
-    a("--draft-sampling", default="greedy,sample", help="draft modes run at temperature > 0")
-    a("--num-draft-tokens", type=int, default=None, help="verify width (default: the drafts' smallest block size)")
     a("--ceiling-paths", type=int, default=64, help="target paths per context for `splitspec ceiling` at each "
       "T > 0, run after the services stop (~10 min on 2 cores for 50 prompts at 64); 0 skips it")
     stacks.add_flags(a, out="bench-out/drafts")
@@ -73,9 +65,7 @@ class DraftBench:
                 d["label"] = f"{Path(d['path']).parent.name}/{d['label']}"
         # One width for all, so every draft is verified alike and one ceiling per setting applies.
         self.width = args.num_draft_tokens or min(d["block_size"] for d in self.drafts)
-        self.temperatures, modes = [float(t) for t in csv_items(args.temperatures)], csv_items(args.draft_sampling)
-        if not self.temperatures or not modes or set(modes) - {"greedy", "sample"}:
-            raise SystemExit("--temperatures: values >= 0; --draft-sampling: greedy and/or sample")
+        self.temperatures, modes = settings(args)
         self.settings = [(t, m) for t in self.temperatures for m in (["greedy"] if t == 0 else modes)]
 
     def prompts(self) -> None:
@@ -122,24 +112,24 @@ class DraftBench:
             for runner in runners:      # this setting's own path (sampled drafts too), not timed
                 for p in ids[:a.warmup]:
                     runner.run(p, min(16, a.max_new_tokens), sampling(t, a.top_p, a.seed + 999_999))
-            samples, fwd = [[] for _ in runners], [[] for _ in runners]
-            for rep in range(a.repeats):
-                for i, p in enumerate(ids):
-                    params = sampling(t, a.top_p, a.seed + 1000 * rep + i)
-                    for d, runner in enumerate(runners):         # interleaved: A B A B …
-                        s0, n0 = propose_ms(self.drafts[d]["metrics"])
-                        samples[d].append(runner.run(p, a.max_new_tokens, params))
-                        s1, n1 = propose_ms(self.drafts[d]["metrics"])
-                        fwd[d].append((s1 - s0) * 1e3 / (n1 - n0) if n1 > n0 else None)
-                    if t == 0:      # lossless: every draft must give the reference draft's tokens
-                        mismatches += [f"{self.drafts[d]['label']} ≠ {self.drafts[0]['label']} on {self.names[i]}{at} "
-                                       f"(repeat {rep + 1})" for d in range(1, len(runners))
-                                       if samples[d][-1].tokens != samples[0][-1].tokens]
-                    log(f"{name}{at} rep {rep + 1}/{a.repeats} prompt {i + 1}/{len(ids)}: τ " +
-                        ", ".join(f"{dr['label']} {fmt(tau(s[-1:]))}" for dr, s in zip(self.drafts, samples)))
+            def send(d, p, params):      # (sample, the draft's forward ms per Propose meanwhile)
+                s0, n0 = propose_ms(self.drafts[d]["metrics"])
+                sample = runners[d].run(p, a.max_new_tokens, params)
+                s1, n1 = propose_ms(self.drafts[d]["metrics"])
+                return sample, (s1 - s0) * 1e3 / (n1 - n0) if n1 > n0 else None
+
+            def after(rep, i, out):
+                nonlocal mismatches
+                if t == 0:      # lossless: every draft must give the reference draft's tokens
+                    mismatches += [f"{self.drafts[d]['label']} ≠ {self.drafts[0]['label']} on {self.names[i]}{at} "
+                                   f"(repeat {rep + 1})" for d in range(1, len(runners))
+                                   if out[d][-1][0].tokens != out[0][-1][0].tokens]
+                log(f"{name}{at} rep {rep + 1}/{a.repeats} prompt {i + 1}/{len(ids)}: τ " +
+                    ", ".join(f"{dr['label']} {fmt(tau([o[-1][0]]))}" for dr, o in zip(self.drafts, out)))
+            out = interleave(range(len(runners)), ids, a.repeats, send, t, a.top_p, a.seed, after)
             for runner in runners:
                 runner.close()
-            rows = [summarize(dr, s, f, t, mode, name) for dr, s, f in zip(self.drafts, samples, fwd)]
+            rows = [summarize(dr, [s for s, _ in o], [f for _, f in o], t, mode, name) for dr, o in zip(self.drafts, out)]
             ref_ms = rows[0]["draft_forward_ms_p50"]
             for r in rows:
                 r.update(prompt_tokens=L or sum(map(len, ids)) / len(ids), length_key=L,
@@ -230,15 +220,14 @@ def markdown(r: dict) -> str:
                    f"average); {run['max_new_tokens']} new tokens each (eos ignored); repeats {run['repeats']}; verify "
                    f"width {run['num_draft_tokens']}; method dflash; drafts interleaved per prompt; took "
                    f"{run['duration_s']:.0f} s") + ["## τ through the services", ""]
-    lines += table(["setting", "prompt tokens", "draft", "τ", "τ ÷ first", "ceiling τ", "share of ceiling", "tok/s",
-                    "draft forward ms/Propose p50", "Δ draft ms vs first", "Propose / Verify ms/step p50"],
-                   [[e["setting"], fmt(e["prompt_tokens"], "{:.0f}"), f"{e['draft']} ({e['architecture'].replace('DraftModel', '')})",
-                     fmt(e["tau"]), fmt(e["tau_vs_first"], "{:.2f}x"), fmt(e["ceiling_tau"]),
-                     fmt(e["ceiling_share"], "{:.0%}"),
-                     fmt(e["tokens_per_s"], "{:.1f}"), fmt(e["draft_forward_ms_p50"]),
-                     fmt(e["draft_forward_ms_vs_first"], "{:+.2f}"),
-                     f"{fmt(e['propose_ms_per_step_p50'], '{:.1f}')} / {fmt(e['verify_ms_per_step_p50'], '{:.1f}')}"]
-                    for e in entries])
+    lines += columns([("setting", "setting", "{}"), ("prompt tokens", "prompt_tokens", "{:.0f}"),
+                      ("draft", lambda e: f"{e['draft']} ({e['architecture'].replace('DraftModel', '')})"),
+                      ("τ", "tau"), ("τ ÷ first", "tau_vs_first", "{:.2f}x"), ("ceiling τ", "ceiling_tau"),
+                      ("share of ceiling", "ceiling_share", "{:.0%}"), ("tok/s", "tokens_per_s", "{:.1f}"),
+                      ("draft forward ms/Propose p50", "draft_forward_ms_p50"),
+                      ("Δ draft ms vs first", "draft_forward_ms_vs_first", "{:+.2f}"),
+                      ("Propose / Verify ms/step p50", lambda e: f"{fmt(e['propose_ms_per_step_p50'], '{:.1f}')} / "
+                                                                 f"{fmt(e['verify_ms_per_step_p50'], '{:.1f}')}")], entries)
     if run["prompt_lengths"]:
         Ls, at = run["prompt_lengths"], {(e["setting"], e["draft"], e["prompt_tokens"]): e for e in entries}
         cells = lambda s, d: [at.get((s, d, L)) for L in Ls]  # noqa: E731

@@ -14,6 +14,8 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from .client import sampling
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -24,6 +26,27 @@ def log(msg: str) -> None:
 def csv_items(s: str) -> list[str]:
     """A comma-separated flag's items, blanks dropped."""
     return [x.strip() for x in (s or "").split(",") if x.strip()]
+
+
+def request_flags(a) -> None:
+    """The prompt, request and setting flags of `splitspec bench` and bench-drafts."""
+    a("--prompts", default=None, help="a JSONL file, 'humaneval' or 'chat' (default: held-out function cuts)")
+    a("--num-prompts", type=int, default=50)
+    a("--max-prompt-chars", type=int, default=1500, help="context kept before each default cut")
+    a("--max-prompt-tokens", type=int, default=512, help="longer prompts keep their last tokens")
+    a("--max-new-tokens", type=int, default=128, help="tokens generated per request (eos ignored)")
+    a("--repeats", type=int, default=1, help="times every prompt runs through every configuration")
+    a("--warmup", type=int, default=2, help="untimed requests per configuration and setting")
+    a("--temperatures", default="0,1.0", help="comma-separated; top_p applies when > 0")
+    a("--draft-sampling", default="greedy,sample", help="draft modes at T > 0: greedy and/or sample")
+
+
+def settings(args) -> tuple[list[float], list[str]]:
+    """The temperatures and the draft modes at T > 0 of `request_flags`."""
+    temps, modes = [float(t) for t in csv_items(args.temperatures)], csv_items(args.draft_sampling)
+    if not temps or not modes or set(modes) - {"greedy", "sample"}:
+        raise SystemExit("--temperatures: values >= 0; --draft-sampling: greedy and/or sample")
+    return temps, modes
 
 
 def apply_sizes(args, sizes: dict) -> None:
@@ -51,6 +74,23 @@ def percentile(values, q: float) -> float | None:
     lo = int(pos)
     hi = min(lo + 1, len(v) - 1)
     return v[lo] + (v[hi] - v[lo]) * (pos - lo)
+
+
+def interleave(runs: list, prompts: list, repeats: int, send, t: float, top_p: float, seed: int,
+               after=None) -> list[list]:
+    """Every prompt through every run in turn (a b c … a b c …), `repeats` times, so that a slow minute
+    of a shared machine falls on all runs alike: send(run, prompt, params), request i of repeat r
+    sampled at T=t with seed + 1000 r + i; after(rep, i, out) once a prompt went through all runs.
+    The results of each run, in the order sent."""
+    out = [[] for _ in runs]
+    for rep in range(repeats):
+        for i, prompt in enumerate(prompts):
+            params = sampling(t, top_p, seed + 1000 * rep + i)
+            for k, run in enumerate(runs):
+                out[k].append(send(run, prompt, params))
+            if after is not None:
+                after(rep, i, out)
+    return out
 
 
 def ratio(a, b) -> float | None:
@@ -160,6 +200,13 @@ def fmt(value, spec: str = "{:.2f}") -> str:
 def table(header_: list[str], rows: list[list[str]]) -> list[str]:
     out = ["| " + " | ".join(header_) + " |", "|" + "|".join("---" for _ in header_) + "|"]
     return out + ["| " + " | ".join(r) + " |" for r in rows]
+
+
+def columns(spec: list[tuple], rows: list[dict]) -> list[str]:
+    """A Markdown table of `rows` from column specs: (title, key[, format]) shows fmt(row[key], format),
+    "{:.2f}" unless given; (title, function) the function of the row."""
+    return table([c[0] for c in spec], [[c[1](r) if callable(c[1]) else fmt(r[c[1]], *c[2:]) for c in spec]
+                                        for r in rows])
 
 
 def tail(flags: list[str], skipped: list[str], note: str) -> list[str]:

@@ -74,7 +74,6 @@ def build_parser() -> argparse.ArgumentParser:
     a("--replicas", type=int, default=1, choices=[1, 2], help="2: multiturn also through two cache-on targets "
       "behind one gateway (prefix and round_robin routing)")
     a("--temperature", type=float, default=0.0, help="0: greedy, and outputs must not depend on the cache")
-    a("--num-draft-tokens", type=int, default=None, help="verify width (default: the draft's block size, else 8)")
     a("--kv-block-size", type=int, default=16, help="the targets' --kv-block-size (the prefix cache's block)")
     a("--kv-cache-budget-mb", type=int, default=2048, help="every target's (a cache-on pool fills to it)")
     a("--prefix-cache-hidden-mb", type=int, default=None, help="the cache-on targets' (default: their own)")

@@ -17,8 +17,8 @@ from pathlib import Path
 
 from . import stack as stacks
 from .client import Gateway, counters, mean_batch, sampling, step_prices, target_info, tok_s
-from .harness import (cli, csv_items, fmt, header, log, median, metadata, mix_cell, percentile, ratio, step_mix,
-                      summary, table, tau, write)
+from .harness import (cli, columns, csv_items, fmt, header, interleave, log, median, metadata, mix_cell, percentile,
+                      ratio, request_flags, settings, step_mix, summary, table, tau, write)
 from .baselines import BASELINES, make, unavailable
 from .prompts import load_prompts
 
@@ -40,16 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--draft", default=None, help="a running draft service")
     a("--configs", default=",".join(CONFIGS), help=f"from {','.join((*CONFIGS, *BASELINES))} (target, the "
       "baseline, always runs; transformers and llamacpp: other engines on the same weights, one stream)")
-    a("--temperatures", default="0,1.0", help="comma-separated; top_p applies when > 0")
-    a("--draft-sampling", default="greedy,sample", help="draft modes at T > 0: greedy and/or sample")
-    a("--prompts", default=None, help="a JSONL file, 'humaneval' or 'chat' (default: held-out function cuts)")
-    a("--num-prompts", type=int, default=50)
-    a("--max-prompt-chars", type=int, default=1500, help="context kept before each default cut")
-    a("--max-prompt-tokens", type=int, default=512, help="longer prompts keep their last tokens")
-    a("--max-new-tokens", type=int, default=128, help="tokens generated per request (eos ignored)")
-    a("--repeats", type=int, default=1, help="times every prompt runs through every configuration")
-    a("--warmup", type=int, default=2, help="untimed requests per configuration")
-    a("--num-draft-tokens", type=int, default=None, help="verify width (default: the draft's block size, else 8)")
+    request_flags(a)
     a("--tree", default="4:16", help="TOPK:WIDTH of the tree configurations")
     a("--concurrency", default="1,4,16,64", help="stream counts of the sweep ('' to skip it)")
     a("--sweep-configs", default="target,dflash-grpc,ngram-grpc,auto-grpc")
@@ -69,10 +60,7 @@ class Bench:
                                                           required=not (args.gateway or args.target))
         self.width = stacks.draft_width(self.draft_path, args.num_draft_tokens)
         self.tree = tuple(int(x) for x in args.tree.split(":"))
-        self.temperatures = [float(t) for t in csv_items(args.temperatures)]
-        self.modes = csv_items(args.draft_sampling)
-        if not self.temperatures or set(self.modes) - {"greedy", "sample"} or not self.modes:
-            raise SystemExit("--temperatures: values >= 0; --draft-sampling: greedy and/or sample")
+        self.temperatures, self.modes = settings(args)
         wanted = csv_items(args.configs)
         if set(wanted) - set(CONFIGS) - set(BASELINES):
             raise SystemExit(f"--configs: unknown {sorted(set(wanted) - set(CONFIGS) - set(BASELINES))}; "
@@ -165,19 +153,16 @@ class Bench:
             for _, _, _, runner in runs:          # warm-up, not timed
                 for ids in self.prompt_ids[:a.warmup]:
                     runner.run(ids, min(16, a.max_new_tokens), sampling(t, a.top_p, 1))
-            samples = {r[0]: [] for r in runs}
-            for rep in range(a.repeats):
-                for i, ids in enumerate(self.prompt_ids):
-                    params = sampling(t, a.top_p, a.seed + 1000 * rep + i)
-                    for name, _, _, runner in runs:      # interleaved: a b c … for every prompt
-                        samples[name].append(runner.run(ids, a.max_new_tokens, params))
-                    log(f"T={t:g} rep {rep + 1}/{a.repeats} prompt {i + 1}/{len(self.prompt_ids)}: tok/s " + ", ".join(
-                        f"{n} {len(s[-1].tokens) / s[-1].wall_s:.0f}" for n, s in samples.items()))
-            base = samples[runs[0][0]]
+            samples = interleave([r[3] for r in runs], self.prompt_ids, a.repeats,
+                                 lambda runner, ids, params: runner.run(ids, a.max_new_tokens, params), t, a.top_p,
+                                 a.seed, lambda rep, i, out: log(
+                                     f"T={t:g} rep {rep + 1}/{a.repeats} prompt {i + 1}/{len(self.prompt_ids)}: tok/s "
+                                     + ", ".join(f"{r[0]} {len(s[-1].tokens) / s[-1].wall_s:.0f}"
+                                                 for r, s in zip(runs, out))))
             if t == 0:
-                reference = {i % len(self.prompt_ids): s.tokens for i, s in enumerate(base)}
-            for name, key, mode, _ in runs:
-                entries.append(summarize(name, key, mode, t, samples[name], base, prices, self.prompt_names))
+                reference = {i % len(self.prompt_ids): s.tokens for i, s in enumerate(samples[0])}
+            entries += [summarize(name, key, mode, t, mine, samples[0], prices, self.prompt_names)
+                        for (name, key, mode, _), mine in zip(runs, samples)]
         return entries, reference
 
     def sweep(self, reference: dict) -> list[dict]:
@@ -284,6 +269,10 @@ def interpolate(table_: dict, x: float) -> float:
     return table_[xs[-1]]
 
 
+STEPS = ("steps", lambda e: mix_cell(e["steps_by_method"]))
+MATCHES = ("= target", lambda e: "–" if e["greedy_matches"] is None else f"{e['greedy_matches']}/{e['requests']}")
+
+
 def markdown(r: dict) -> str:
     run, prices = r["run"], r.get("step_prices_ms")
     lines = header("splitspec bench", r["meta"],
@@ -298,16 +287,12 @@ def markdown(r: dict) -> str:
     for t in r["temperatures"]:
         entries = [e for e in r["configs"] if e["temperature"] == t]
         lines += [f"## temperature {t:g}" + (" (greedy)" if t == 0 else ""), ""]
-        lines += table(["configuration", "tok/s", "speedup", "τ", "TTFT p50 ms", "ITL p50 ms", "step ms",
-                        "draft / verify / wire / queue ms", "ideal", "efficiency", "steps", "= target"],
-                       [[e["name"], fmt(e["tokens_per_s"], "{:.1f}"), fmt(e["speedup"]), fmt(e["tau"]),
-                         fmt(e["ttft_ms_p50"], "{:.1f}"), fmt(e["itl_ms_p50"]),
-                         fmt((e["per_step_ms"] or {}).get("total"), "{:.1f}"),
-                         " / ".join(fmt((e["per_step_ms"] or {}).get(k), "{:.1f}")
-                                    for k in ("draft", "verify", "wire", "queue")),
-                         fmt(e["ideal_speedup"]), fmt(e["efficiency"]), mix_cell(e["steps_by_method"]),
-                         "–" if e["greedy_matches"] is None else f"{e['greedy_matches']}/{e['requests']}"]
-                        for e in entries])
+        step = lambda e, *ks: " / ".join(fmt((e["per_step_ms"] or {}).get(k), "{:.1f}") for k in ks)  # noqa: E731
+        lines += columns([("configuration", "name", "{}"), ("tok/s", "tokens_per_s", "{:.1f}"), ("speedup", "speedup"),
+                          ("τ", "tau"), ("TTFT p50 ms", "ttft_ms_p50", "{:.1f}"), ("ITL p50 ms", "itl_ms_p50"),
+                          ("step ms", lambda e: step(e, "total")),
+                          ("draft / verify / wire / queue ms", lambda e: step(e, "draft", "verify", "wire", "queue")),
+                          ("ideal", "ideal_speedup"), ("efficiency", "efficiency"), STEPS, MATCHES], entries)
         spec = [e for e in entries if e["per_position_acceptance"]]
         if spec:
             depth = max(len(e["per_position_acceptance"]) for e in spec)
@@ -323,15 +308,14 @@ def markdown(r: dict) -> str:
         lines.append("")
     if r["concurrency"]:
         lines += ["## Concurrency", ""]
-        lines += table(["streams", "configuration", "T", "requests", "tok/s", "× target", "× 1 stream", "τ",
-                        "latency p50 / p99 ms", "TTFT p50 / p99 ms", "target / draft batch", "steps", "= target"],
-                       [[str(c["streams"]), c["name"], f"{c['temperature']:g}", str(c["requests"]),
-                         fmt(c["tokens_per_s"], "{:.1f}"), fmt(c["speedup_vs_target"]), fmt(c["speedup_vs_1_stream"]),
-                         fmt(c["tau"]), f"{fmt(c['latency_ms_p50'], '{:.0f}')} / {fmt(c['latency_ms_p99'], '{:.0f}')}",
-                         f"{fmt(c['ttft_ms_p50'], '{:.0f}')} / {fmt(c['ttft_ms_p99'], '{:.0f}')}",
-                         f"{fmt(c['target_batch_mean'])} / {fmt(c['draft_batch_mean'])}", mix_cell(c["steps_by_method"]),
-                         "–" if c["greedy_matches"] is None else f"{c['greedy_matches']}/{c['requests']}"]
-                        for c in r["concurrency"]])
+        pair = lambda a, b, f="{:.0f}": lambda c: f"{fmt(c[a], f)} / {fmt(c[b], f)}"  # noqa: E731
+        lines += columns([("streams", "streams", "{}"), ("configuration", "name", "{}"), ("T", "temperature", "{:g}"),
+                          ("requests", "requests", "{}"), ("tok/s", "tokens_per_s", "{:.1f}"),
+                          ("× target", "speedup_vs_target"), ("× 1 stream", "speedup_vs_1_stream"), ("τ", "tau"),
+                          ("latency p50 / p99 ms", pair("latency_ms_p50", "latency_ms_p99")),
+                          ("TTFT p50 / p99 ms", pair("ttft_ms_p50", "ttft_ms_p99")),
+                          ("target / draft batch", pair("target_batch_mean", "draft_batch_mean", "{:.2f}")), STEPS,
+                          MATCHES], r["concurrency"])
         lines.append("")
     if r["skipped"]:
         lines += ["Not run: " + "; ".join(r["skipped"]), ""]

@@ -22,6 +22,7 @@ def add_flags(add, request_timeout_s: float = 900.0, out: str | None = None) -> 
         add("--top-p", type=float, default=0.95, help="applies at temperature > 0")
         add("--seed", type=int, default=0, help="request i of repeat r uses seed + 1000 r + i at T > 0")
         add("--out", default=out, help="folder for results.json, results.md and the service logs")
+        add("--num-draft-tokens", type=int, default=None, help="verify width (default: the draft's block size, else 8)")
     add("--device", default="cpu", help="device of the services")
     add("--target-torch-threads", type=int, default=0, help="the target's --torch-threads (as `splitspec up`)")
     add("--target-verify-torch-threads", type=int, default=1,

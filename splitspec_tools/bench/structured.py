@@ -79,7 +79,6 @@ def build_parser() -> argparse.ArgumentParser:
     a("--no-cost", action="store_true", help="skip the length-matched unconstrained requests")
     a("--gap-s", type=float, default=0.1, help="pause before every measured request, so that work still in flight "
       "from the previous one (a decode run past its eos) does not land on this one's TTFT")
-    a("--num-draft-tokens", type=int, default=None, help="verify width (default: the first draft's block size)")
     stacks.add_flags(a, request_timeout_s=600.0, out="bench-out/structured")
     return p
 
