@@ -96,7 +96,7 @@ class Gateway:
     def run(self, prompt_ids, max_new: int, params: SamplingParams, **kw) -> Sample:
         return self.send(self.request(prompt_ids, max_new, params, **kw))
 
-    def send(self, req, on_chunk=None) -> Sample:
+    def send(self, req) -> Sample:
         """One request; the gateway streams one chunk per step (the prefill's token first)."""
         tokens, sizes, times, text, complete = [], [], [], [], None
         t0 = time.perf_counter()
@@ -107,8 +107,6 @@ class Gateway:
                     tokens.extend(resp.chunk.token_ids)
                     sizes.append(len(resp.chunk.token_ids))
                     times.append(time.perf_counter() - t0)
-                    if on_chunk is not None:
-                        on_chunk()
             else:
                 complete = resp.complete
         if complete is None or not times:

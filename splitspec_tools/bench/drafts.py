@@ -25,8 +25,8 @@ from pathlib import Path
 
 from . import stack as stacks
 from .client import Gateway, prometheus, sampling
-from .harness import (cli, columns, csv_items, fmt, header, interleave, log, metadata, percentile, ratio, request_flags, settings,
-                      summary, table, tau, write)
+from .harness import (cli, columns, csv_items, entry, fmt, header, interleave, log, metadata, percentile, ratio, request_flags, settings,
+                      summary, table, tau)
 from .prompts import default_prompts, digest, load_jsonl, load_prompts
 
 
@@ -165,7 +165,7 @@ class DraftBench:
                       "source": f"splitspec ceiling, {a.ceiling_paths} paths/context, offsets {offsets}"}
         return out
 
-    def run(self) -> tuple[dict, int]:
+    def run(self) -> dict:
         a, t0, meta = self.args, time.perf_counter(), metadata("splitspec bench-drafts", self.argv)
         entries, mismatches = [], []
         try:
@@ -187,7 +187,7 @@ class DraftBench:
         for d in self.drafts:
             d.pop("metrics", None)
         some = next(iter(self.by_length.values()))
-        results = {
+        return {
             "meta": meta,
             "run": {"duration_s": time.perf_counter() - t0, "target_model": str(self.target_path),
                     "num_prompts": len(some), "prompt_source": self.source,
@@ -199,7 +199,6 @@ class DraftBench:
             "lossless": {"requests": len(some) * a.repeats * len(self.by_length) if 0.0 in self.temperatures else 0,
                          "mismatches": mismatches},
             "skipped": self.skipped}
-        return results, 1 if mismatches else 0
 
 
 def summarize(draft: dict, samples: list, fwd: list, t: float, mode: str, name: str) -> dict:
@@ -262,13 +261,13 @@ def markdown(r: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
-    results, code = DraftBench(args, argv).run()
-    write(Path(args.out), results, markdown(results))
-    if code:
+def lossless(args, results) -> int:
+    if results["lossless"]["mismatches"]:
         log("LOSSLESS CHECK FAILED: drafts disagree at T=0 (see results.md)")
-    return code
+    return 1 if results["lossless"]["mismatches"] else 0
+
+
+main = entry(build_parser, lambda args, argv: DraftBench(args, argv).run(), markdown, lossless)
 
 
 cli_main = cli(main)

@@ -224,6 +224,17 @@ def write(out: Path, results: dict, markdown: str) -> None:
     log(f"wrote {out / 'results.json'}, {out / 'results.md'}")
 
 
+def entry(parser, bench, markdown, then=None):
+    """A bench's main(argv): its flags parsed, `bench(args, argv)` run for its results, results.json
+    and results.md written to --out; the exit code `then(args, results)`, else 0."""
+    def main(argv: list[str]) -> int:
+        args = parser().parse_args(argv)
+        results = bench(args, argv)
+        write(Path(args.out), results, markdown(results))
+        return then(args, results) if then else 0
+    return main
+
+
 def cli(main):
     """A bench's entry point: library logs to stderr as JSON lines (warnings and up), so stdout
     carries only the report; SIGTERM unwinds like Ctrl-C, through the `finally` that stops the

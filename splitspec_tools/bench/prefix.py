@@ -41,8 +41,8 @@ from splitspec.engine.prefix_cache import block_keys
 
 from . import stack as stacks
 from .client import Gateway, Sample, prometheus, sampling
-from .harness import (apply_sizes, cli, csv_items, fmt, header, log, median, metadata, mix_cell, percentile, step_mix,
-                      table, tail, tau, write)
+from .harness import (apply_sizes, cli, csv_items, entry, fmt, header, log, median, metadata, mix_cell, percentile, step_mix,
+                      table, tail, tau)
 from .prompts import default_prompts, digest
 
 WORKLOADS = ("shared", "multiturn", "probe", "unique")
@@ -587,11 +587,5 @@ def markdown(r: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
-    results = PrefixBench(args, argv).run()
-    write(Path(args.out), results, markdown(results))
-    return 0
-
-
+main = entry(build_parser, lambda args, argv: PrefixBench(args, argv).run(), markdown)
 cli_main = cli(main)

@@ -17,8 +17,8 @@ from pathlib import Path
 
 from . import stack as stacks
 from .client import Gateway, counters, mean_batch, sampling, step_prices, target_info, tok_s
-from .harness import (cli, columns, csv_items, fmt, header, interleave, log, median, metadata, mix_cell, percentile,
-                      ratio, request_flags, settings, step_mix, summary, table, tau, write)
+from .harness import (cli, columns, csv_items, entry, fmt, header, interleave, log, median, metadata, mix_cell, percentile,
+                      ratio, request_flags, settings, step_mix, summary, table, tau)
 from .baselines import BASELINES, make, unavailable
 from .prompts import load_prompts
 
@@ -327,10 +327,7 @@ def markdown(r: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
-    results = Bench(args).run(metadata("splitspec bench", argv))
-    write(Path(args.out), results, markdown(results))
+def plots(args, results) -> int:
     if not args.no_plots:
         try:
             from .plots import plot
@@ -338,6 +335,9 @@ def main(argv: list[str]) -> int:
         except ModuleNotFoundError as exc:       # the `bench` extra is not installed: the report stands
             log(f"plots skipped: {exc.name} is not installed (pip install -e '.[bench]')")
     return 0
+
+
+main = entry(build_parser, lambda args, argv: Bench(args).run(metadata("splitspec bench", argv)), markdown, plots)
 
 
 cli_main = cli(main)

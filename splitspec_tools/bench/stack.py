@@ -106,6 +106,17 @@ class Stack:
                                       "--speculative-num-draft-tokens", str(self.width),
                                       "--speculative-num-steps", str(self.width - 1), *extra], name or "gateway")
 
+    def bare(self, draft_path: Path | None, extra: Sequence[str] = (), name: str = ""):
+        """A target, a draft (n-gram without draft_path) and a gateway with nothing but the flags they
+        cannot do without (their own defaults) and `extra`: (gateway, target)."""
+        target = self.start("target", ["--model-path", str(self.target_path), *extra], f"{name}target")
+        draft = self.start("draft", [*(["--model-path", str(draft_path)] if draft_path else ["--method", "ngram"]),
+                                     "--target-model-path", str(self.target_path), *extra], f"{name}draft")
+        self.wait(target, draft)
+        gateway = self.start("gateway", ["--target", target.address, "--draft", draft.address, *extra], f"{name}gateway")
+        self.wait(gateway)
+        return gateway, target
+
     def wait(self, *procs) -> None:
         for p in procs:
             p.wait_healthy(self.args.startup_timeout_s)
@@ -117,15 +128,10 @@ class Stack:
 
 
 def hand(args, target_path: Path, draft_path: Path, logs: Path) -> tuple[Stack, str, str, str]:
-    """The three services with nothing but the flags they cannot do without (their own defaults):
-    (stack, gateway address, target address, description)."""
+    """`Stack.bare` with a DFlash draft: (stack, gateway address, target address, description)."""
     stack = Stack(args, target_path, 8, logs)
     try:
-        target = stack.start("target", ["--model-path", str(target_path)])
-        draft = stack.start("draft", ["--model-path", str(draft_path), "--target-model-path", str(target_path)])
-        stack.wait(target, draft)
-        gateway = stack.start("gateway", ["--target", target.address, "--draft", draft.address])
-        stack.wait(gateway)
+        gateway, target = stack.bare(draft_path)
     except BaseException:
         stack.stop()
         raise

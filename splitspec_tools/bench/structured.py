@@ -32,6 +32,7 @@ requests are timed before any constrained one and after the run: the grammar mus
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import re
 import time
@@ -45,8 +46,8 @@ from splitspec.v1 import common_pb2
 
 from . import stack as stacks
 from .client import Gateway, sampling
-from .harness import (apply_sizes, cli, csv_items, fmt, header, log, median, metadata, mix_cell, percentile, ratio,
-                      step_mix, table, tail, tau, write)
+from .harness import (apply_sizes, cli, columns, csv_items, entry, fmt, header, log, median, metadata, mix_cell, percentile, ratio,
+                      step_mix, table, tail, tau)
 from .prompts import default_prompts, digest
 
 SHAPES = ("flat", "nested", "strings", "tool", "identifier", "version", "choice")
@@ -115,26 +116,19 @@ SUFFIX = {"flat": "\n\n# A JSON record describing the function above:\n",
 
 def signature(text: str, name: str, limit: int = 4) -> list[tuple[str, str | None, str | None]]:
     """(parameter, annotation, default) of the last `def name(...)` in text, without self / cls
-    and * / ** parameters, at most `limit`; [] when it cannot be found."""
+    and * / ** parameters, at most `limit`; [] when it cannot be found. The signature ends at the
+    first colon up to which it parses."""
     start = text.rfind(f"def {name}(")
-    if start < 0:
-        return []
-    i, depth, parts, cur = start + len(f"def {name}("), 1, [], []
-    while i < len(text) and depth:
-        c = text[i]
-        depth += (c in "([{") - (c in ")]}")
-        if depth == 1 and c == ",":
-            parts.append("".join(cur))
-            cur = []
-        elif depth:
-            cur.append(c)
-        i += 1
-    out = []
-    for part in [*parts, "".join(cur)]:
-        m = re.match(r"([A-Za-z_]\w*)\s*(?::\s*([^=]+?))?\s*(?:=\s*(.+))?$", " ".join(part.split()))
-        if m and m.group(1) not in ("self", "cls"):
-            out.append((m.group(1), m.group(2), m.group(3)))
-    return out[:limit]
+    for end in (i for i in range(start, len(text)) if text[i] == ":" and start >= 0):
+        try:
+            a = ast.parse(text[start:end + 1] + " ...").body[0].args
+        except SyntaxError:
+            continue
+        plain = a.posonlyargs + a.args
+        defaults = [None] * (len(plain) - len(a.defaults)) + a.defaults + a.kw_defaults
+        return [(p.arg, p.annotation and ast.unparse(p.annotation), d and ast.unparse(d))
+                for p, d in zip(plain + a.kwonlyargs, defaults) if p.arg not in ("self", "cls")][:limit]
+    return []
 
 
 def param_schema(annotation: str | None, default: str | None) -> dict:
@@ -557,14 +551,15 @@ def markdown(r: dict) -> str:
     for t in run["temperatures"]:
         cells = [c for c in r["cells"] if c["temperature"] == t]
         lines += [f"## temperature {t:g}" + (f", top_p {run['top_p']:g}" if t else " (greedy)"), ""]
-        lines += table(["method", "τ", "tok/s", "× none", "valid / completed", "cut (length)", "errors", "finish",
-                        "tokens mean", "TTFT p50 ms", "forced", "steps", "= none"],
-                       [[c["name"], fmt(c["tau"]), fmt(c["tokens_per_s"], "{:.1f}"), fmt(c["speedup_vs_none"]),
-                         f"{c['valid']}/{c['completed']}", str(c["truncated"]), str(c["errors"]),
-                         ", ".join(f"{k} {v}" for k, v in sorted(c["finish_reasons"].items())),
-                         fmt(c["tokens_mean"], "{:.1f}"), fmt(c["ttft_ms_p50"], "{:.0f}"), fmt(c["forced_share"], "{:.1%}"),
-                         mix_cell(c["steps_by_method"]) if c["method"] == "auto" else "–",
-                         "–" if c["equal_to_none"] is None else "/".join(map(str, c["equal_to_none"]))] for c in cells])
+        lines += columns([("method", "name", "{}"), ("τ", "tau"), ("tok/s", "tokens_per_s", "{:.1f}"),
+                          ("× none", "speedup_vs_none"), ("valid / completed", lambda c: f"{c['valid']}/{c['completed']}"),
+                          ("cut (length)", "truncated", "{}"), ("errors", "errors", "{}"),
+                          ("finish", lambda c: ", ".join(f"{k} {v}" for k, v in sorted(c["finish_reasons"].items()))),
+                          ("tokens mean", "tokens_mean", "{:.1f}"), ("TTFT p50 ms", "ttft_ms_p50", "{:.0f}"),
+                          ("forced", "forced_share", "{:.1%}"),
+                          ("steps", lambda c: mix_cell(c["steps_by_method"]) if c["method"] == "auto" else "–"),
+                          ("= none", lambda c: "–" if c["equal_to_none"] is None
+                           else "/".join(map(str, c["equal_to_none"])))], cells)
         shapes = [s for s in r["shapes"] if s["temperature"] == t]
         names = list(dict.fromkeys(s["name"] for s in shapes))
         cell = lambda s: "–" if s is None else f"{fmt(s['tau'])} ({s['valid']}/{s['completed']})"  # noqa: E731
@@ -574,22 +569,20 @@ def markdown(r: dict) -> str:
         lines.append("")
     if r["cost"]:
         lines += ["## The grammar's cost (target-only, one stream)", ""]
-        lines += table(["T", "pairs", "decode ms/token constrained / matched", "tok/s constrained / matched",
-                        "cost: tok/s", "cost: decode ms/token"],
-                       [[f"{e['temperature']:g}", str(e["pairs"]),
-                         " / ".join(fmt(e[v]["decode_ms_per_token"], "{:.3f}") for v in ("constrained", "matched")),
-                         " / ".join(fmt(e[v]["tokens_per_s"], "{:.1f}") for v in ("constrained", "matched")),
-                         fmt(e["grammar_cost_tokens_per_s"], "{:.1%}"), fmt(e["grammar_cost_decode"], "{:.1%}")]
-                        for e in r["cost"]])
+        both = lambda k, f: lambda e: " / ".join(fmt(e[v][k], f) for v in ("constrained", "matched"))  # noqa: E731
+        lines += columns([("T", "temperature", "{:g}"), ("pairs", "pairs", "{}"),
+                          ("decode ms/token constrained / matched", both("decode_ms_per_token", "{:.3f}")),
+                          ("tok/s constrained / matched", both("tokens_per_s", "{:.1f}")),
+                          ("cost: tok/s", "grammar_cost_tokens_per_s", "{:.1%}"),
+                          ("cost: decode ms/token", "grammar_cost_decode", "{:.1%}")], r["cost"])
         lines += ["", "matched = the same request without the constraint, ignore_eos, as many tokens as the "
                   "constrained answer; cost: tok/s = 1 − tok/s ÷ matched's (median of the repeats' ratios), decode = "
                   "decode ms/token ÷ matched's − 1.", ""]
     probe = r["unconstrained_probe"]
     lines += ["## Unconstrained requests before and after the constrained ones", ""]
-    lines += table(["when", "requests", "decode ms/token", "tok/s", "TTFT p50 ms"],
-                   [[p["when"], str(p["requests"]), fmt(p["decode_ms_per_token"], "{:.3f}"),
-                     fmt(p["tokens_per_s"], "{:.1f}"), fmt(p["ttft_ms_p50"], "{:.1f}")]
-                    for p in (probe["before"], probe["after"])])
+    lines += columns([("when", "when", "{}"), ("requests", "requests", "{}"),
+                      ("decode ms/token", "decode_ms_per_token", "{:.3f}"), ("tok/s", "tokens_per_s", "{:.1f}"),
+                      ("TTFT p50 ms", "ttft_ms_p50", "{:.1f}")], [probe["before"], probe["after"]])
     lines += ["", f"after ÷ before (decode ms/token): {fmt(probe['decode_ratio'], '{:.3f}')}.", ""]
     lines += tail(r["flags"][:60], r["skipped"], (
         "τ = committed tokens per verify step, pooled over the repeats; tok/s = output tokens ÷ wall time over a "
@@ -598,11 +591,5 @@ def markdown(r: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
-    results = StructuredBench(args, argv).run()
-    write(Path(args.out), results, markdown(results))
-    return 0
-
-
+main = entry(build_parser, lambda args, argv: StructuredBench(args, argv).run(), markdown)
 cli_main = cli(main)

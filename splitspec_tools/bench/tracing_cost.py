@@ -42,17 +42,6 @@ def sink():
     return server, f"http://127.0.0.1:{port}", Sink
 
 
-def start(stack: stacks.Stack, extra: list[str], name: str) -> Gateway:
-    """Target, n-gram draft and gateway with their own defaults (no thread flags) and `extra`."""
-    model, quiet = str(stack.target_path), ["--log-level", "warning", *extra]
-    target = stack.start("target", ["--model-path", model, *quiet], f"{name}-target")
-    draft = stack.start("draft", ["--method", "ngram", "--target-model-path", model, *quiet], f"{name}-draft")
-    stack.wait(target, draft)
-    gateway = stack.start("gateway", ["--target", target.address, "--draft", draft.address, *quiet], f"{name}-gateway")
-    stack.wait(gateway)
-    return Gateway(gateway.address)      # method "" in the request: the gateway's default, as the client sends it
-
-
 def one_stream(gw: Gateway, requests: int, max_new_tokens: int) -> float:
     """tok/s of `requests` requests one after the other (one stream)."""
     samples, wall = gw.batch([gw.request(PROMPTS[i % len(PROMPTS)], max_new_tokens, sampling(0, 1, 0))
@@ -74,8 +63,12 @@ def main(argv=None) -> int:
     stack = stacks.Stack(args, args.model_path, 8, Path(tempfile.mkdtemp(prefix="tracing-cost-")))
     off, on = [], []
     try:
-        plain = start(stack, [], "off")
-        traced = start(stack, ["--otlp-traces-endpoint", endpoint, "--otlp-traces-sample-ratio", "1"], "on")
+        # Target, n-gram draft and gateway with their own defaults (no thread flags); requests name no
+        # method: the gateway's default, as a client sends them.
+        quiet = ["--log-level", "warning"]
+        plain = Gateway(stack.bare(None, quiet, "off-")[0].address)
+        traced = Gateway(stack.bare(None, [*quiet, "--otlp-traces-endpoint", endpoint, "--otlp-traces-sample-ratio",
+                                           "1"], "on-")[0].address)
         for gw in (plain, traced):            # warm both (first-request costs out of the runs)
             one_stream(gw, 2, 16)
         for _ in range(args.runs):
