@@ -25,8 +25,8 @@ from pathlib import Path
 
 from . import stack as stacks
 from .client import Gateway, prometheus, sampling
-from .harness import (cli, columns, csv_items, entry, fmt, header, interleave, log, metadata, percentile, ratio, request_flags, settings,
-                      summary, table, tau)
+from .harness import (columns, csv_items, entry, fmt, header, interleave, log, metadata, percentile, ratio,
+                      request_flags, settings, summary, table, tau)
 from .prompts import default_prompts, digest, load_jsonl, load_prompts
 
 
@@ -267,7 +267,4 @@ def lossless(args, results) -> int:
     return 1 if results["lossless"]["mismatches"] else 0
 
 
-main = entry(build_parser, lambda args, argv: DraftBench(args, argv).run(), markdown, lossless)
-
-
-cli_main = cli(main)
+main, cli_main = entry(build_parser, lambda args, argv: DraftBench(args, argv).run(), markdown, lossless)

@@ -225,14 +225,14 @@ def write(out: Path, results: dict, markdown: str) -> None:
 
 
 def entry(parser, bench, markdown, then=None):
-    """A bench's main(argv): its flags parsed, `bench(args, argv)` run for its results, results.json
-    and results.md written to --out; the exit code `then(args, results)`, else 0."""
+    """A bench's main(argv) and its `cli` entry: its flags parsed, `bench(args, argv)` run for its
+    results, results.json and results.md written to --out; the exit code `then(args, results)`, else 0."""
     def main(argv: list[str]) -> int:
         args = parser().parse_args(argv)
         results = bench(args, argv)
         write(Path(args.out), results, markdown(results))
         return then(args, results) if then else 0
-    return main
+    return main, cli(main)
 
 
 def cli(main):

@@ -41,7 +41,7 @@ from splitspec.engine.prefix_cache import block_keys
 
 from . import stack as stacks
 from .client import Gateway, Sample, prometheus, sampling
-from .harness import (apply_sizes, cli, csv_items, entry, fmt, header, log, median, metadata, mix_cell, percentile, step_mix,
+from .harness import (apply_sizes, csv_items, entry, fmt, header, log, median, metadata, mix_cell, percentile, step_mix,
                       table, tail, tau)
 from .prompts import default_prompts, digest
 
@@ -587,5 +587,4 @@ def markdown(r: dict) -> str:
     return "\n".join(lines)
 
 
-main = entry(build_parser, lambda args, argv: PrefixBench(args, argv).run(), markdown)
-cli_main = cli(main)
+main, cli_main = entry(build_parser, lambda args, argv: PrefixBench(args, argv).run(), markdown)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from . import stack as stacks
 from .client import Gateway, counters, mean_batch, sampling, step_prices, target_info, tok_s
-from .harness import (cli, columns, csv_items, entry, fmt, header, interleave, log, median, metadata, mix_cell, percentile,
+from .harness import (columns, csv_items, entry, fmt, header, interleave, log, median, metadata, mix_cell, percentile,
                       ratio, request_flags, settings, step_mix, summary, table, tau)
 from .baselines import BASELINES, make, unavailable
 from .prompts import load_prompts
@@ -337,7 +337,4 @@ def plots(args, results) -> int:
     return 0
 
 
-main = entry(build_parser, lambda args, argv: Bench(args).run(metadata("splitspec bench", argv)), markdown, plots)
-
-
-cli_main = cli(main)
+main, cli_main = entry(build_parser, lambda args, argv: Bench(args).run(metadata("splitspec bench", argv)), markdown, plots)

@@ -46,8 +46,8 @@ from splitspec.v1 import common_pb2
 
 from . import stack as stacks
 from .client import Gateway, sampling
-from .harness import (apply_sizes, cli, columns, csv_items, entry, fmt, header, log, median, metadata, mix_cell, percentile, ratio,
-                      step_mix, table, tail, tau)
+from .harness import (apply_sizes, columns, csv_items, entry, fmt, header, log, median, metadata, mix_cell, percentile,
+                      ratio, step_mix, table, tail, tau)
 from .prompts import default_prompts, digest
 
 SHAPES = ("flat", "nested", "strings", "tool", "identifier", "version", "choice")
@@ -591,5 +591,4 @@ def markdown(r: dict) -> str:
     return "\n".join(lines)
 
 
-main = entry(build_parser, lambda args, argv: StructuredBench(args, argv).run(), markdown)
-cli_main = cli(main)
+main, cli_main = entry(build_parser, lambda args, argv: StructuredBench(args, argv).run(), markdown)
