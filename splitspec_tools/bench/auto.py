@@ -32,7 +32,7 @@ from pathlib import Path
 
 from . import stack as stacks
 from .client import Gateway, Sample, request, sampling, tok_s
-from .harness import cli, csv_items, fmt, header, log, median, metadata, mix_cell, step_mix, table, tau, write
+from .harness import alternate, columns, csv_items, entry, fmt, header, log, median, metadata, mix_cell, step_mix, tau
 from .prompts import default_prompts, digest
 
 TOP_P = 0.95
@@ -141,20 +141,11 @@ def cell_requests(cell: Cell, prompts: list[list[int]], method: str, n: int, see
 
 
 def run_cell(gw: Gateway, cell: Cell, prompts: list[list[int]], n_requests: int, repeats: int, seed: int) -> dict:
-    ratios, rates, mismatches, runs = [], {"none": [], "auto": []}, 0, []
-    for rep in range(repeats):
-        order = ("none", "auto") if rep % 2 == 0 else ("auto", "none")
-        got = {}
-        for method in order:
-            got[method] = gw.batch(cell_requests(cell, prompts, method, n_requests, seed + 1000 * rep), cell.streams)
-        for method, (res, wall) in got.items():
-            rates[method].append(tok_s(res, wall))
-        ratios.append(rates["auto"][-1] / rates["none"][-1])
-        if cell.temperature == 0:
-            mismatches += sum(a.tokens != b.tokens for a, b in zip(got["auto"][0], got["none"][0]))
-        runs.append(got)
-    auto_all = [r for got in runs for r in got["auto"][0]]
-    none_all = [r for got in runs for r in got["none"][0]]
+    got = alternate(("none", "auto"), repeats, lambda method, rep: gw.batch(
+        cell_requests(cell, prompts, method, n_requests, seed + 1000 * rep), cell.streams))
+    rates = {m: [tok_s(*run) for run in runs] for m, runs in got.items()}
+    ratios = [a / b for a, b in zip(rates["auto"], rates["none"])]
+    none_all, auto_all = ([r for res, _ in got[m] for r in res] for m in ("none", "auto"))
     return {"temperature": cell.temperature, "streams": cell.streams, "max_new_tokens": cell.max_new,
             "prompts": cell.kind, "requests": n_requests, "repeats": repeats,
             "prompt_tokens_mean": round(statistics.mean(len(prompts[i % len(prompts)]) for i in range(n_requests)), 1),
@@ -164,7 +155,8 @@ def run_cell(gw: Gateway, cell: Cell, prompts: list[list[int]], n_requests: int,
             "ttft_ms_auto": 1e3 * median([r.ttft_s for r in auto_all]),
             "auto_steps": step_mix(auto_all), "auto_dflash_tau": drafter_tau(auto_all, "dflash"),
             "auto_ngram_tau": drafter_tau(auto_all, "ngram"),
-            "greedy_mismatches": mismatches if cell.temperature == 0 else None}
+            "greedy_mismatches": sum(a.tokens != b.tokens for a, b in zip(auto_all, none_all))
+            if cell.temperature == 0 else None}
 
 
 def grid(args) -> list[Cell]:
@@ -195,27 +187,21 @@ def run_prices(gw: Gateway, prompts: list[list[int]], args, depth: int) -> list[
     """depth: the deepest branch the draft makes (its block size - 1): trees are that deep at most."""
     rows = []
     for load in [int(x) for x in csv_items(args.price_streams)]:
-        n = max(load, 4)
-        got: dict[str, list[dict]] = {c[0]: [] for c in PRICE_CONFIGS}
-        for rep in range(args.price_repeats):
-            configs = PRICE_CONFIGS if rep % 2 == 0 else PRICE_CONFIGS[::-1]
-            for label, method, topk, width in configs:
-                salt = uuid.uuid4().hex
-                reqs = [request(prompts[i % len(prompts)], args.price_new_tokens, sampling(0, TOP_P, 0), method=method,
-                                width=width, tree=(topk, width), depth=depth, salt=salt) for i in range(n)]
-                res, wall = gw.batch(reqs, load)
-                got[label].append({**step_prices(res), "tok_s": tok_s(res, wall)})
-        med = {label: {k: median([x[k] for x in xs]) for k in xs[0]} for label, xs in got.items()}
-        decode_ms = med["none"]["step_ms"]
-        for label, method, topk, width in PRICE_CONFIGS:
-            m = med[label]
-            row = {"streams": load, "config": label, "width": width, **{k: m[k] for k in m},
-                   "tok_s_vs_none": m["tok_s"] / med["none"]["tok_s"]}
-            if method != "none":
-                row["break_even_tau"] = m["step_ms"] / decode_ms
-            rows.append(row)
-        log(f"prices at {load} streams: " + ", ".join(
-            f"{r['config']} {fmt(r.get('step_ms'), '{:.1f}')} ms" for r in rows if r["streams"] == load and "step_ms" in r))
+        def price(config, rep):
+            _, method, topk, width = config
+            salt = uuid.uuid4().hex
+            res, wall = gw.batch([request(prompts[i % len(prompts)], args.price_new_tokens, sampling(0, TOP_P, 0),
+                                          method=method, width=width, tree=(topk, width), depth=depth, salt=salt)
+                                  for i in range(max(load, 4))], load)
+            return {**step_prices(res), "tok_s": tok_s(res, wall)}
+        got = alternate(PRICE_CONFIGS, args.price_repeats, price)
+        med = {c: {k: median([x[k] for x in xs]) for k in xs[0]} for c, xs in got.items()}
+        none = med[PRICE_CONFIGS[0]]
+        rows += [{"streams": load, "config": label, "width": width, **m, "tok_s_vs_none": m["tok_s"] / none["tok_s"],
+                  **({"break_even_tau": m["step_ms"] / none["step_ms"]} if method != "none" else {})}
+                 for (label, method, _, width), m in med.items()]
+        log(f"prices at {load} streams: " + ", ".join(f"{r['config']} {fmt(r['step_ms'], '{:.1f}')} ms"
+                                                      for r in rows[-len(PRICE_CONFIGS):]))
     return rows
 
 
@@ -226,16 +212,16 @@ def markdown(res: dict) -> str:
                  f"prompts: short {res['prompts']['short']}, long {res['prompts']['long']}")
     for run in res["runs"]:
         out += [f"## Services: {run['services']}", "", f"`{run['description']}`", ""]
-        bold = lambda x: f"**{fmt(x)}**" if x < 0.95 else fmt(x)     # noqa: E731
-        out += table(["T", "streams", "new", "prompts (tokens)", "requests", "none tok/s", "auto tok/s", "auto ×",
-                      "per repeat", "auto steps", "τ dflash", "τ ngram", "= none"],
-                     [[fmt(c["temperature"], "{:g}"), str(c["streams"]), str(c["max_new_tokens"]),
-                       f"{c['prompts']} ({c['prompt_tokens_mean']:.0f})", str(c["requests"]), fmt(c["none_tok_s"], "{:.1f}"),
-                       fmt(c["auto_tok_s"], "{:.1f}"), bold(c["ratio"]), " ".join(f"{x:.2f}" for x in c["ratios"]),
-                       mix_cell(c["auto_steps"]), fmt(c["auto_dflash_tau"]), fmt(c["auto_ngram_tau"]),
-                       "–" if c["greedy_mismatches"] is None else
-                       f"{c['requests'] * c['repeats'] - c['greedy_mismatches']}/{c['requests'] * c['repeats']}"]
-                      for c in run["cells"]])
+        n = lambda c: c["requests"] * c["repeats"]      # noqa: E731
+        out += columns([("T", "temperature", "{:g}"), ("streams", "streams", "{}"), ("new", "max_new_tokens", "{}"),
+                        ("prompts (tokens)", lambda c: f"{c['prompts']} ({c['prompt_tokens_mean']:.0f})"),
+                        ("requests", "requests", "{}"), ("none tok/s", "none_tok_s", "{:.1f}"),
+                        ("auto tok/s", "auto_tok_s", "{:.1f}"),
+                        ("auto ×", lambda c: f"**{fmt(c['ratio'])}**" if c["ratio"] < 0.95 else fmt(c["ratio"])),
+                        ("per repeat", lambda c: " ".join(f"{x:.2f}" for x in c["ratios"])),
+                        ("auto steps", lambda c: mix_cell(c["auto_steps"])), ("τ dflash", "auto_dflash_tau"),
+                        ("τ ngram", "auto_ngram_tau"), ("= none", lambda c: "–" if c["greedy_mismatches"] is None
+                                                          else f"{n(c) - c['greedy_mismatches']}/{n(c)}")], run["cells"])
         ratios = [c["ratio"] for c in run["cells"]]
         if ratios:
             out += ["", f"auto × none: min {min(ratios):.2f}, median {median(ratios):.2f}; "
@@ -252,12 +238,11 @@ def markdown(res: dict) -> str:
 
 def price_markdown(prices: list[dict]) -> list[str]:
     out = ["### Prices per step (T=0, short prompts)", ""]
-    out += table(["streams", "step", "ms a step", "Propose ms", "Verify ms", "wire ms", "queue ms", "τ",
-                  "break-even τ", "tok/s × none"],
-                 [[str(r["streams"]), r["config"], fmt(r["step_ms"], "{:.2f}"),
-                   *[fmt(r[k], "{:.2f}") if r["config"] != "none" else "–" for k in ("propose_ms", "verify_ms")],
-                   fmt(r["wire_ms"], "{:.2f}"), fmt(r["queue_ms"], "{:.2f}"), fmt(r["tau"]),
-                   fmt(r.get("break_even_tau")), fmt(r["tok_s_vs_none"])] for r in prices])
+    dash = lambda k: lambda r: fmt(r[k]) if r["config"] != "none" else "–"      # noqa: E731
+    out += columns([("streams", "streams", "{}"), ("step", "config", "{}"), ("ms a step", "step_ms"),
+                    ("Propose ms", dash("propose_ms")), ("Verify ms", dash("verify_ms")), ("wire ms", "wire_ms"),
+                    ("queue ms", "queue_ms"), ("τ", "tau"), ("break-even τ", "break_even_tau"),
+                    ("tok/s × none", "tok_s_vs_none")], prices)
     out += ["", "ms a step: a request's time after its first token ÷ its steps (median over requests; for "
             "none a step is one token); Propose / Verify / wire / queue: the gateway's per-request totals ÷ "
             "steps; break-even τ = ms a step ÷ none's ms a step at the same load: the drafter pays where its τ "
@@ -267,19 +252,17 @@ def price_markdown(prices: list[dict]) -> list[str]:
 
 # ------------------------------------------------------------------------------ main
 
-def main(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
-    if args.smoke:
-        args.temperatures, args.streams, args.max_new_tokens = "0,1", "2", "16"
-        args.prompt_kinds, args.long_tokens, args.repeats = "short,long", 400, 1
-        args.price_streams, args.price_new_tokens, args.price_repeats = "2", 16, 1
-        args.min_requests, args.min_run_s = "16:2", 0.0
-    from tokenizers import Tokenizer
+SMOKE = dict(temperatures="0,1", streams="2", max_new_tokens="16", prompt_kinds="short,long", long_tokens=400,
+             repeats=1, price_streams="2", price_new_tokens=16, price_repeats=1, min_requests="16:2", min_run_s=0.0)
 
+
+def bench(args, argv: list[str]) -> dict:
+    if args.smoke:
+        vars(args).update(SMOKE)
     from splitspec_tools.defaults import DEFAULT_DRAFT, DEFAULT_TARGET, model_dir
-    out, meta, t0 = Path(args.out), metadata("splitspec bench-auto", argv), time.perf_counter()
+    meta, t0 = metadata("splitspec bench-auto", argv), time.perf_counter()
     model, draft = model_dir(args.model_path, DEFAULT_TARGET), model_dir(args.draft_model_path, DEFAULT_DRAFT)
-    tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
+    tokenizer = stacks.tokenizer(model)
     launches = ["running"] if args.gateway else csv_items(args.launch)
     if set(launches) - {"up", "hand", "running"}:
         raise SystemExit("--launch: up, hand or up,hand")
@@ -288,7 +271,7 @@ def main(argv: list[str]) -> int:
     for i, how in enumerate(launches):
         stack, gateway, target, description = (
             (None, args.gateway, None, f"gateway {args.gateway}") if how == "running" else
-            (stacks.up if how == "up" else stacks.hand)(args, model, draft, out / "logs" / how))
+            (stacks.up if how == "up" else stacks.hand)(args, model, draft, Path(args.out) / "logs" / how))
         gw = Gateway(gateway, timeout_s=args.timeout_s)
         try:
             log(f"{how}: gateway {gateway}, target {target}")
@@ -312,9 +295,7 @@ def main(argv: list[str]) -> int:
             gw.close()
             if stack is not None:
                 stack.stop()
-    res = {"meta": meta, "took_s": time.perf_counter() - t0, "prompts": prompt_info, "runs": runs}
-    write(out, res, markdown(res))
-    return 0
+    return {"meta": meta, "took_s": time.perf_counter() - t0, "prompts": prompt_info, "runs": runs}
 
 
-cli_main = cli(main)
+main, cli_main = entry(build_parser, bench, markdown)

@@ -93,6 +93,16 @@ def interleave(runs: list, prompts: list, repeats: int, send, t: float, top_p: f
     return out
 
 
+def alternate(configs, repeats: int, run) -> dict:
+    """Every configuration once per repeat, back to back, the order reversed every other repeat
+    (a b c, c b a, …) so that a machine's drift falls on all alike: {config: [run(config, rep), …]}."""
+    out = {c: [] for c in configs}
+    for rep in range(repeats):
+        for c in list(configs)[::-1 if rep % 2 else 1]:
+            out[c].append(run(c, rep))
+    return out
+
+
 def ratio(a, b) -> float | None:
     return a / b if a is not None and b else None
 
@@ -109,15 +119,16 @@ def _get(s, k):
     return s[k] if isinstance(s, dict) else getattr(s, k)      # a Sample, or its row in a report
 
 
-def summary(samples, method: str | None = None) -> dict:
-    """What every bench reports of a set of requests: tok/s (tokens ÷ their summed wall time), τ,
+def summary(samples, method: str | None = None, wall: float | None = None) -> dict:
+    """What every bench reports of a set of requests: tok/s (tokens ÷ their summed wall time, or ÷
+    `wall`, the run's, where they were in flight together), τ,
     P(slot k accepted) (the share of verify steps whose draft at depth k was accepted), TTFT and ITL
     medians (ms), the drafters' shares of the steps, and the requests that ran another method than
     asked or fell back to the target alone."""
-    tokens, wall, steps = (sum(len(s.tokens) for s in samples), sum(s.wall_s for s in samples),
-                           sum(s.verify_steps for s in samples))
+    tokens, steps = sum(len(s.tokens) for s in samples), sum(s.verify_steps for s in samples)
+    wall = sum(s.wall_s for s in samples) if wall is None else wall
     depth = max((len(s.accepted_per_position) for s in samples), default=0) if method not in (None, "none") else 0
-    return {"requests": len(samples), "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+    return {"requests": len(samples), "tokens": tokens, "wall_s": wall, "tokens_per_s": ratio(tokens, wall),
             "verify_steps": steps, "tau": tau(samples),
             "per_position_acceptance": [sum(s.accepted_per_position[k] for s in samples
                                             if k < len(s.accepted_per_position)) / steps for k in range(depth)]
@@ -203,9 +214,9 @@ def table(header_: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def columns(spec: list[tuple], rows: list[dict]) -> list[str]:
-    """A Markdown table of `rows` from column specs: (title, key[, format]) shows fmt(row[key], format),
+    """A Markdown table of `rows` from column specs: (title, key[, format]) shows fmt(row.get(key), format),
     "{:.2f}" unless given; (title, function) the function of the row."""
-    return table([c[0] for c in spec], [[c[1](r) if callable(c[1]) else fmt(r[c[1]], *c[2:]) for c in spec]
+    return table([c[0] for c in spec], [[c[1](r) if callable(c[1]) else fmt(r.get(c[1]), *c[2:]) for c in spec]
                                         for r in rows])
 
 
