@@ -17,11 +17,9 @@ the context stays the prompt's) and one-token decode steps, interleaved, median 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
-from .harness import csv_items, header, log, median, metadata, ratio, table, tau, write
+from .harness import columns, csv_items, entry, header, interleave, log, median, metadata, ratio, tau
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,35 +72,24 @@ def run_generation(model, draft, prompt, *, params, draft_params, width: int, to
 
 
 def tau_part(model, draft, tok, args) -> list[dict]:
-    from splitspec.engine.sample import SamplingParams
     topk, tree_width = map(int, args.tree.split(":"))
-    rows = []
+    shapes, rows = {"chain": (args.chain_width, 1), "tree": (tree_width, topk)}, []
     for length in map(int, csv_items(args.prompt_lengths)):
         prompts = prompts_of_length(tok, args.num_prompts, length)
         for t in [float(x) for x in args.temperatures.split(",")]:
-            modes = ["greedy"] if t == 0 else args.draft_sampling.split(",")
-            for mode in modes:
-                acc = {"chain": [[], 0.0, 0], "tree": [[], 0.0, 0]}     # the loop's stats, seconds, tokens
-                mismatches = 0
-                for i, prompt in enumerate(prompts):
-                    params = SamplingParams(temperature=t, top_p=args.top_p if t > 0 else 1.0,
-                                            seed=args.seed + i if t > 0 else None).validate()
-                    dp = params if mode == "sample" and t > 0 else None
-                    outs = {}
-                    for name, (w, k) in (("chain", (args.chain_width, 1)), ("tree", (tree_width, topk))):
-                        out, st, secs = run_generation(model, draft, prompt, params=params, draft_params=dp,
-                                                       width=w, topk=k, max_new=args.max_new_tokens)
-                        acc[name][0].append(st)
-                        acc[name][1] += secs
-                        acc[name][2] += len(out)
-                        outs[name] = out
-                    mismatches += t == 0 and outs["chain"] != outs["tree"]
+            for mode in ["greedy"] if t == 0 else args.draft_sampling.split(","):
+                def one(name, prompt, params):      # (tokens, the loop's stats, seconds)
+                    return run_generation(model, draft, prompt, params=params, width=shapes[name][0],
+                                          draft_params=params if mode == "sample" and t > 0 else None,
+                                          topk=shapes[name][1], max_new=args.max_new_tokens)
+                got = dict(zip(shapes, interleave(list(shapes), prompts, 1, one, t, args.top_p, args.seed)))
                 row = {"prompt_tokens": length, "temperature": t, "draft_sampling": mode,
-                       "top_p": args.top_p if t > 0 else None, "prompts": len(prompts), "t0_mismatches": mismatches}
-                for name, (stats, secs, n) in acc.items():
-                    steps = sum(st.verify_steps for st in stats)
-                    row.update({f"{name}_tau": tau(stats), f"{name}_tok_s": ratio(n, secs),
-                                f"{name}_ms_per_step": ratio(1e3 * secs, steps)})
+                       "top_p": args.top_p if t > 0 else None, "prompts": len(prompts),
+                       "t0_mismatches": sum(t == 0 and c[0] != r[0] for c, r in zip(got["chain"], got["tree"]))}
+                for name, runs in got.items():
+                    stats, secs = [st for _, st, _ in runs], sum(secs for _, _, secs in runs)
+                    row.update({f"{name}_tau": tau(stats), f"{name}_tok_s": ratio(sum(len(o) for o, _, _ in runs), secs),
+                                f"{name}_ms_per_step": ratio(1e3 * secs, sum(st.verify_steps for st in stats))})
                 row["tau_tree_over_chain"] = ratio(row["tree_tau"], row["chain_tau"])
                 row["tok_s_tree_over_chain"] = ratio(row["tree_tok_s"], row["chain_tok_s"])
                 log(f"{length} tokens, T={t:g} {mode}: τ chain {row['chain_tau']:.2f} tree {row['tree_tau']:.2f} "
@@ -154,22 +141,19 @@ def verify_cost_part(model, tok, args) -> list[dict]:
 
 def markdown(res: dict) -> str:
     lines = header("splitspec bench-trees", res["meta"]) + ["## Accept length, chain vs tree (in process)", ""]
-    lines += table(["prompt tokens", "T", "draft mode", "τ chain", "τ tree", "τ tree ÷ chain", "tok/s chain",
-                    "tok/s tree", "tok/s tree ÷ chain", "ms/step chain", "ms/step tree", "T=0 mismatches"],
-                   [[str(r["prompt_tokens"]), f"{r['temperature']:g}", r["draft_sampling"], f"{r['chain_tau']:.2f}",
-                     f"{r['tree_tau']:.2f}", f"{r['tau_tree_over_chain']:.2f}", f"{r['chain_tok_s']:.1f}",
-                     f"{r['tree_tok_s']:.1f}", f"{r['tok_s_tree_over_chain']:.2f}", f"{r['chain_ms_per_step']:.1f}",
-                     f"{r['tree_ms_per_step']:.1f}", str(r["t0_mismatches"])] for r in res["tau"]])
+    lines += columns([("prompt tokens", "prompt_tokens", "{}"), ("T", "temperature", "{:g}"),
+                      ("draft mode", "draft_sampling", "{}"), ("τ chain", "chain_tau"),
+                      ("τ tree", "tree_tau"), ("τ tree ÷ chain", "tau_tree_over_chain"),
+                      ("tok/s chain", "chain_tok_s", "{:.1f}"), ("tok/s tree", "tree_tok_s", "{:.1f}"),
+                      ("tok/s tree ÷ chain", "tok_s_tree_over_chain"), ("ms/step chain", "chain_ms_per_step", "{:.1f}"),
+                      ("ms/step tree", "tree_ms_per_step", "{:.1f}"), ("T=0 mismatches", "t0_mismatches", "{}")], res["tau"])
     lines += ["", "## Verify forward against its node count (one sequence, median)", ""]
-    lines += table(["prompt tokens", "verify width", "ms", "÷ decode"],
-                   [[str(r["prompt_tokens"]), str(r["verify_width"]), f"{r['ms_median']:.1f}", f"{r['vs_decode']:.2f}"]
-                    for r in res["verify_cost"]])
+    lines += columns([("prompt tokens", "prompt_tokens", "{}"), ("verify width", "verify_width", "{}"),
+                      ("ms", "ms_median", "{:.1f}"), ("÷ decode", "vs_decode")], res["verify_cost"])
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+def bench(args, argv: list[str]) -> dict:
     import torch
 
     from draft_service.architectures import load_draft
@@ -180,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     draft = load_draft(args.draft, args.target_model_path)
     tok = load_tokenizer(args.target_model_path)
     with torch.inference_mode():
-        res = {"meta": meta, "verify_cost": verify_cost_part(model, tok, args), "tau": tau_part(model, draft, tok, args)}
-    write(Path(args.out), res, markdown(res))
-    return 1 if any(r["t0_mismatches"] for r in res["tau"]) else 0
+        return {"meta": meta, "verify_cost": verify_cost_part(model, tok, args), "tau": tau_part(model, draft, tok, args)}
+
+
+main, cli_main = entry(build_parser, bench, markdown,
+                       lambda args, res: 1 if any(r["t0_mismatches"] for r in res["tau"]) else 0)
