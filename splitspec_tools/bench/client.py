@@ -40,7 +40,6 @@ class Sample:
     wire_ms: float = 0.0
     queue_ms: float = 0.0
     steps_by_method: dict = field(default_factory=dict)
-    hidden_state_bytes: int = 0
     method_ran: str = ""
     draft_fallbacks: int = 0
     prompt_tokens: int = 0                 # the Complete's Usage
@@ -80,18 +79,20 @@ def request(prompt_ids, max_new: int, params: SamplingParams, *, method: str = "
 
 class Gateway:
     """Generate requests to one gateway over a real socket. The request's speculative settings:
-    `method`, a chain of `width` (root + drafted tokens) or a tree (topk, width), draft sampling."""
+    `method`, a chain of `width` (root + drafted tokens) or a tree (topk, width), draft sampling; and
+    the cache_salt of them all."""
 
     def __init__(self, address: str, method: str = "", width: int = 0, draft_sampling: str = "greedy",
-                 timeout_s: float = 900.0, tree: tuple[int, int] | None = None, depth: int | None = None):
+                 timeout_s: float = 900.0, tree: tuple[int, int] | None = None, depth: int | None = None,
+                 salt: str = ""):
         self.address, self.method, self.width, self.tree, self.depth = address, method, width, tree, depth
-        self.draft_sampling, self.timeout_s = draft_sampling, timeout_s
+        self.draft_sampling, self.timeout_s, self.salt = draft_sampling, timeout_s, salt
         self.channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 << 20)])
         self.stub = gateway_pb2_grpc.GenerationStub(self.channel)
 
     def request(self, prompt_ids, max_new: int, params: SamplingParams, **kw):
         return request(prompt_ids, max_new, params, method=self.method, width=self.width, tree=self.tree,
-                       depth=self.depth, draft_sampling=self.draft_sampling, **kw)
+                       depth=self.depth, draft_sampling=self.draft_sampling, salt=self.salt, **kw)
 
     def run(self, prompt_ids, max_new: int, params: SamplingParams, **kw) -> Sample:
         return self.send(self.request(prompt_ids, max_new, params, **kw))
@@ -117,8 +118,7 @@ class Gateway:
                       committed=round(st.accept_length * st.verify_steps),
                       accepted_per_position=list(st.accepted_per_position), draft_tokens=st.draft_tokens,
                       draft_ms=st.draft_ms, verify_ms=st.verify_ms, wire_ms=st.wire_ms, queue_ms=st.queue_ms,
-                      steps_by_method=dict(st.steps_by_method), hidden_state_bytes=st.hidden_state_bytes,
-                      method_ran=st.method, draft_fallbacks=st.draft_fallbacks,
+                      steps_by_method=dict(st.steps_by_method), method_ran=st.method, draft_fallbacks=st.draft_fallbacks,
                       prompt_tokens=complete.usage.prompt_tokens, cached_tokens=complete.usage.cached_tokens,
                       finish_reason=complete.finish_reason, text="".join(text), stats=st)
 

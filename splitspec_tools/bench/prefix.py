@@ -41,8 +41,8 @@ from splitspec.engine.prefix_cache import block_keys
 
 from . import stack as stacks
 from .client import Gateway, Sample, prometheus, sampling
-from .harness import (apply_sizes, csv_items, entry, fmt, header, log, median, metadata, mix_cell, percentile, step_mix,
-                      table, tail, tau)
+from .harness import (apply_sizes, columns, csv_items, entry, fmt, header, log, median, metadata, mix_cell, percentile,
+                      step_mix, summary, tail, tau)
 from .prompts import default_prompts, digest
 
 WORKLOADS = ("shared", "multiturn", "probe", "unique")
@@ -92,15 +92,8 @@ class Result:
     ideal_cached: int = 0    # what an unbounded cache could have served (set after the run)
 
 
-class SaltedRunner(Gateway):
-    """Requests that carry `salt` as their cache_salt; results that keep the Complete's Usage."""
-
-    def __init__(self, address: str, method: str, width: int, salt: str, timeout_s: float):
-        super().__init__(address, method, width, "greedy", timeout_s)
-        self.salt = salt
-
-    def send_one(self, key: str, prompt: list[int], max_new: int, params) -> Result:
-        return Result(key, list(prompt), self.run(prompt, max_new, params, salt=self.salt))
+def send(runner: Gateway, key: str, prompt: list[int], max_new: int, params) -> Result:
+    return Result(key, list(prompt), runner.run(prompt, max_new, params))
 
 
 class TokenText:
@@ -244,17 +237,17 @@ class PrefixBench:
         """Each gateway and method once or twice on text no workload uses, salted apart."""
         for v in self.variants:
             for m in self.methods:
-                runner = SaltedRunner(v.gateway, m, self.width, f"warmup-{uuid.uuid4().hex}", self.args.timeout_s)
+                runner = Gateway(v.gateway, m, self.width, timeout_s=self.args.timeout_s, salt=f"warmup-{uuid.uuid4().hex}")
                 try:
                     for ids in self.warm_prompts:
-                        runner.send_one("warmup", ids, 8, sampling(0.0, self.args.top_p, 0))
+                        runner.run(ids, 8, sampling(0.0, self.args.top_p, 0))
                 finally:
                     runner.close()
 
     def run_cell(self, workload: str, method: str, v: Variant, rep: int) -> dict:
         a = self.args
         salt = f"bench-prefix-{self.nonce}-{workload}-{method}-{v.name}-r{rep}".replace(" ", "_")
-        runner = SaltedRunner(v.gateway, method, self.width, salt, a.timeout_s)
+        runner = Gateway(v.gateway, method, self.width, timeout_s=a.timeout_s, salt=salt)
         before = [target_counters(u) for u in v.metrics]
         t0 = time.perf_counter()
         try:
@@ -270,7 +263,7 @@ class PrefixBench:
         queries = sum(q1 - q0 for (q0, _), (q1, _) in zip(before, after))
         hits = sum(h1 - h0 for (_, h0), (_, h1) in zip(before, after))
         out = {"workload": workload, "method": method, "variant": v.name, "cache": v.cache, "replicas": v.replicas,
-               "routing": v.routing, "repeat": rep, **run_stats(results, wall),
+               "routing": v.routing, "repeat": rep, **run_stats(results, method, wall),
                "target_hit_rate": hits / queries if queries else None, **extra,
                "outputs": {r.key: r.sample.tokens for r in results},
                "per_request": {r.key: [r.sample.cached_tokens, r.ideal_cached, r.sample.committed, r.sample.verify_steps]
@@ -280,10 +273,10 @@ class PrefixBench:
             f"target {fmt(out['target_hit_rate'], '{:.3f}')}), τ {fmt(out['tau'])}")
         return out
 
-    def _concurrent(self, runner: SaltedRunner, jobs: list[tuple[str, list[int]]], max_new: int) -> list[Result]:
+    def _concurrent(self, runner: Gateway, jobs: list[tuple[str, list[int]]], max_new: int) -> list[Result]:
         params = sampling(self.args.temperature, self.args.top_p, self.args.seed)
-        with ThreadPoolExecutor(self.args.concurrency) as pool:
-            return list(pool.map(lambda job: runner.send_one(job[0], job[1], max_new, params), jobs))
+        samples, _ = runner.batch([runner.request(ids, max_new, params) for _, ids in jobs], self.args.concurrency)
+        return [Result(key, list(ids), s) for (key, ids), s in zip(jobs, samples)]
 
     def _multiturn(self, runner, rep):
         """Round robin over the conversations, turn by turn; the pool takes jobs in order, so a
@@ -303,7 +296,7 @@ class PrefixBench:
                 prompt += self.messages[k][j] + answers[(k, j)]
             prompt += self.messages[k][t]
             try:
-                r = runner.send_one(f"c{k}t{t}", prompt, a.max_new_tokens, params)
+                r = send(runner, f"c{k}t{t}", prompt, a.max_new_tokens, params)
                 answers[kt] = r.sample.tokens
                 return r
             finally:
@@ -318,9 +311,9 @@ class PrefixBench:
         a, results = self.args, []
         params = sampling(a.temperature, a.top_p, a.seed)
         for i, pair in enumerate(self.pairs):
-            results.append(runner.send_one(f"prime{i}", pair["prime"], a.probe_new_tokens, params))
+            results.append(send(runner, f"prime{i}", pair["prime"], a.probe_new_tokens, params))
             order = ("cached", "fresh") if (i + rep) % 2 == 0 else ("fresh", "cached")
-            results += [runner.send_one(f"{kind}{i}", pair[kind], a.probe_new_tokens, params) for kind in order]
+            results += [send(runner, f"{kind}{i}", pair[kind], a.probe_new_tokens, params) for kind in order]
         cached, fresh = ([r for r in results if r.key.startswith(kind)] for kind in ("cached", "fresh"))
         cached_ms, fresh_ms = [r.sample.ttft_s * 1e3 for r in cached], [r.sample.ttft_s * 1e3 for r in fresh]
         return results, {"probe_ttft_cached_ms": cached_ms, "probe_ttft_fresh_ms": fresh_ms,
@@ -422,17 +415,15 @@ def _steps(results: list[Result]) -> dict:
             "verify_steps": sum(r.sample.verify_steps for r in results)}
 
 
-def run_stats(results: list[Result], wall: float) -> dict:
-    prompt, cached = sum(r.sample.prompt_tokens for r in results), sum(r.sample.cached_tokens for r in results)
-    hits = [r for r in results if r.sample.cached_tokens > 0]
-    ttft, tokens = [r.sample.ttft_s * 1e3 for r in results], sum(len(r.sample.tokens) for r in results)
-    return {"requests": len(results), "requests_hit": len(hits), "requests_miss": len(results) - len(hits),
+def run_stats(results: list[Result], method: str, wall: float) -> dict:
+    """harness.summary of a run, tok/s over its wall time (its requests in flight together), and the cache's figures."""
+    samples, hits = [r.sample for r in results], [r for r in results if r.sample.cached_tokens > 0]
+    prompt, cached = sum(s.prompt_tokens for s in samples), sum(s.cached_tokens for s in samples)
+    return {**summary(samples, method, wall), "requests_hit": len(hits), "requests_miss": len(results) - len(hits),
             "prompt_tokens": prompt, "cached_tokens": cached, "hit_rate": cached / prompt if prompt else 0.0,
             "ideal_hit_rate": sum(r.ideal_cached for r in results) / prompt if prompt else 0.0,
-            "ttft_ms_p50": percentile(ttft, 50), "ttft_ms_p90": percentile(ttft, 90),
-            "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall, "tau": tau([r.sample for r in results]),
-            "steps": {"all": _steps(results), "hit": _steps(hits), "miss": _steps([r for r in results if r not in hits])},
-            "steps_by_method": step_mix([r.sample for r in results])}
+            "ttft_ms_p90": percentile([s.ttft_s * 1e3 for s in samples], 90),
+            "steps": {"all": _steps(results), "hit": _steps(hits), "miss": _steps([r for r in results if r not in hits])}}
 
 
 MEDIAN_FIELDS = ("ttft_ms_p50", "ttft_ms_p90", "tokens_per_s", "hit_rate", "ideal_hit_rate", "target_hit_rate",
@@ -550,32 +541,33 @@ def markdown(r: dict) -> str:
                    f"services: {run['services']}", f"text: {run['text_source']} (digest {run['text_digest']})",
                    "sizes: " + ", ".join(f"{k} {v}" for k, v in s.items()) + " (cache on/off order alternating "
                    f"per repeat); took {run['duration_s']:.0f} s") + ["## Cells", ""]
-    lines += table(["workload", "method", "cache", "TTFT p50 / p90 ms", "tok/s", "hit rate (ideal, targets' counters)",
-                    "τ (hit / miss)", "τ hit reqs on / off", "requests hit/miss", "steps", "= off outputs"],
-                   [[c["workload"], c["method"], c["variant"], f"{fmt(c['ttft_ms_p50'], '{:.0f}')} / "
-                     f"{fmt(c['ttft_ms_p90'], '{:.0f}')}", fmt(c["tokens_per_s"], "{:.1f}"),
-                     f"{fmt(c['hit_rate'], '{:.3f}')} ({fmt(c['ideal_hit_rate'], '{:.3f}')}, "
-                     f"{fmt(c.get('target_hit_rate'), '{:.3f}')})", f"{fmt(c['tau'])} ({fmt(c['tau_hit'])} / "
-                     f"{fmt(c['tau_miss'])})", f"{fmt(c['tau_hit_requests_on'])} / {fmt(c['tau_hit_requests_off'])}",
-                     f"{c['requests_hit']}/{c['requests_miss']}", mix_cell(c["steps_by_method"]),
-                     "/".join(map(str, c["outputs_equal_to_off"] or [])) or "–"] for c in r["cells"]])
+    pair = lambda a, b, f="{:.2f}": lambda c: f"{fmt(c.get(a), f)} / {fmt(c.get(b), f)}"     # noqa: E731
+    lines += columns([("workload", "workload", "{}"), ("method", "method", "{}"), ("cache", "variant", "{}"),
+                      ("TTFT p50 / p90 ms", pair("ttft_ms_p50", "ttft_ms_p90", "{:.0f}")), ("tok/s", "tokens_per_s", "{:.1f}"),
+                      ("hit rate (ideal, targets' counters)", lambda c: " (".join(fmt(c.get(k), "{:.3f}") for k in (
+                          "hit_rate", "ideal_hit_rate")) + f", {fmt(c.get('target_hit_rate'), '{:.3f}')})"),
+                      ("τ (hit / miss)", lambda c: f"{fmt(c['tau'])} ({pair('tau_hit', 'tau_miss')(c)})"),
+                      ("τ hit reqs on / off", pair("tau_hit_requests_on", "tau_hit_requests_off")),
+                      ("requests hit/miss", lambda c: f"{c['requests_hit']}/{c['requests_miss']}"),
+                      ("steps", lambda c: mix_cell(c["steps_by_method"])),
+                      ("= off outputs", lambda c: "/".join(map(str, c["outputs_equal_to_off"] or [])) or "–")], r["cells"])
     lines += ["", "## Cache on ÷ off", ""]
-    lines += table(["workload", "method", "TTFT p50 on/off", "TTFT p90 on/off", "tok/s on/off", "τ on/off", "hit rate on"],
-                   [[x["workload"], x["method"], *(fmt(x[f"{k}_on_over_off"]) for k in ("ttft_ms_p50", "ttft_ms_p90",
-                                                                                       "tokens_per_s")),
-                     fmt(x["tau_on_over_off"], "{:.3f}"), fmt(x["hit_rate_on"], "{:.3f}")] for x in r["ratios"]])
+    lines += columns([("workload", "workload", "{}"), ("method", "method", "{}"),
+                      ("TTFT p50 on/off", "ttft_ms_p50_on_over_off"), ("TTFT p90 on/off", "ttft_ms_p90_on_over_off"),
+                      ("tok/s on/off", "tokens_per_s_on_over_off"), ("τ on/off", "tau_on_over_off", "{:.3f}"),
+                      ("hit rate on", "hit_rate_on", "{:.3f}")], r["ratios"])
     probe = [c for c in r["cells"] if c["workload"] == "probe"]
     if probe:
         lines += ["", "## TTFT probe: prefix sent once before vs a fresh prefix of the same length", ""]
-        lines += table(["method", "cache", "TTFT cached p50 ms", "TTFT fresh p50 ms", "median ratio cached/fresh"],
-                       [[c["method"], c["variant"], fmt(c["probe_ttft_cached_ms_p50"], "{:.0f}"),
-                         fmt(c["probe_ttft_fresh_ms_p50"], "{:.0f}"), fmt(c["probe_ttft_ratio"], "{:.3f}")]
-                        for c in probe])
+        lines += columns([("method", "method", "{}"), ("cache", "variant", "{}"),
+                          ("TTFT cached p50 ms", "probe_ttft_cached_ms_p50", "{:.0f}"),
+                          ("TTFT fresh p50 ms", "probe_ttft_fresh_ms_p50", "{:.0f}"),
+                          ("median ratio cached/fresh", "probe_ttft_ratio", "{:.3f}")], probe)
     if r["replicas"]:
         lines += ["", "## multiturn: two cache-on replicas behind one gateway", ""]
-        lines += table(["method", "gateway", "hit rate, 1 replica", "hit rate, 2 replicas", "2 ÷ 1"],
-                       [[x["method"], x["variant"], fmt(x["hit_rate_1"], "{:.3f}"), fmt(x["hit_rate_2"], "{:.3f}"),
-                         fmt(x["ratio"], "{:.3f}")] for x in r["replicas"]])
+        lines += columns([("method", "method", "{}"), ("gateway", "variant", "{}"),
+                          ("hit rate, 1 replica", "hit_rate_1", "{:.3f}"), ("hit rate, 2 replicas", "hit_rate_2", "{:.3f}"),
+                          ("2 ÷ 1", "ratio", "{:.3f}")], r["replicas"])
     lines += [""] + tail(r["flags"], r["skipped"], (
         "TTFT (client-side) and tok/s (output tokens ÷ the run's wall time) are medians over the repeats; hit "
         "rate = Σ cached ÷ Σ prompt tokens (Usage), ideal = the prompt blocks an unbounded cache could have "
