@@ -46,8 +46,8 @@ from splitspec.v1 import common_pb2
 
 from . import stack as stacks
 from .client import Gateway, sampling
-from .harness import (apply_sizes, columns, csv_items, entry, fmt, header, log, median, metadata, mix_cell, percentile,
-                      ratio, step_mix, table, tail, tau)
+from .harness import (apply_sizes, columns, csv_items, entry, fmt, header, interleave, log, median, metadata, mix_cell,
+                      ratio, summary, table, tail, tau)
 from .prompts import default_prompts, digest
 
 SHAPES = ("flat", "nested", "strings", "tool", "identifier", "version", "choice")
@@ -319,39 +319,37 @@ class StructuredBench:
                 send(run, job.ids, 2, sampling(0.0, 1.0, 0), job.constraint())
 
     def measure(self, runs: list[Run], jobs: list[Job]) -> list[dict]:
-        a, rows = self.args, []
+        """Every job through every run in turn (harness.interleave); the matched twin asks for as many
+        tokens as none's answer to the same request, and is skipped where none's failed."""
+        a, rows, ref = self.args, [], {}
         for t in self.temperatures:
-            for rep in range(a.repeats):
-                for job in jobs:
-                    params, ref = sampling(t, a.top_p, a.seed + 1000 * rep + job.index), None
-                    for run in runs:
-                        if run.variant == "matched" and ref is None:
-                            continue
-                        time.sleep(a.gap_s)
-                        sample, err = send(run, job.ids, len(ref.tokens) if run.variant == "matched" else a.max_new_tokens,
-                                           params, job.constraint() if run.variant == "constrained" else None,
-                                           ignore_eos=run.variant == "matched")
-                        if run.name == "none":
-                            ref = sample
-                        rows.append(row(t, rep, job, run, sample, err))
-                    log(f"T={t:g} rep {rep + 1}/{a.repeats} prompt {job.index + 1}/{len(jobs)} {job.shape}")
+            def one(run, job, params):
+                matched = run.variant == "matched"
+                if matched and ref["none"] is None:
+                    return None
+                time.sleep(a.gap_s)
+                ref[run.name], err = send(run, job.ids, len(ref["none"].tokens) if matched else a.max_new_tokens, params,
+                                          None if matched else job.constraint(), ignore_eos=matched)
+                return run, ref[run.name], err
+
+            def after(rep, i, out):
+                rows.extend(row(t, rep, jobs[i], *o[-1]) for o in out if o[-1])
+                log(f"T={t:g} rep {rep + 1}/{a.repeats} prompt {i + 1}/{len(jobs)} {jobs[i].shape}")
+            interleave(runs, jobs, a.repeats, one, t, a.top_p, a.seed, after)
         return rows
 
     def probe(self, run: Run, jobs: list[Job], when: str) -> dict:
         """Unconstrained target-only requests (greedy, ignore_eos) on every prompt, before any
         constrained request reached the services and again after the run."""
-        n, rows, errors = min(PROBE_TOKENS, self.args.max_new_tokens), [], []
+        n, samples, errors = min(PROBE_TOKENS, self.args.max_new_tokens), [], []
         send(run, jobs[0].ids, 8, sampling(0.0, 1.0, 0), ignore_eos=True)                 # warm-up
         for job in jobs:
             time.sleep(self.args.gap_s)
             sample, err = send(run, job.ids, n, sampling(0.0, 1.0, 0), ignore_eos=True)
-            if err:
-                errors.append(err)
-            else:
-                rows.append(_timing(sample))
-        out = {"when": when, "requests": len(rows), "errors": errors, "max_new_tokens": n,
-               "decode_ms_per_token": _decode_ms(rows), "tokens_per_s": _rate(rows),
-               "ttft_ms_p50": percentile([r["ttft_ms"] for r in rows], 50)}
+            errors.append(err) if err else samples.append(sample)
+        s = summary(samples)
+        out = {"when": when, "requests": len(samples), "errors": errors, "max_new_tokens": n,
+               "decode_ms_per_token": decode_ms(samples), "tokens_per_s": s["tokens_per_s"], "ttft_ms_p50": s["ttft_ms_p50"]}
         log(f"unconstrained probe {when}: decode {fmt(out['decode_ms_per_token'])} ms/token")
         return out
 
@@ -368,9 +366,6 @@ class StructuredBench:
             if self.stack is not None:
                 self.stack.stop()
         names = [r.name for r in runs]
-        cells = summarize_cells(rows, names, self.temperatures)
-        for r in rows:
-            r.pop("_ids", None)
         results = {
             "meta": meta,
             "run": {"duration_s": time.perf_counter() - t0, "target_model": str(self.target_path),
@@ -382,18 +377,16 @@ class StructuredBench:
                     "prompt_tokens_mean": sum(len(j.ids) for j in jobs) / len(jobs), "runs": names, "gap_s": a.gap_s},
             "jobs": [{"index": j.index, "prompt": j.prompt_id, "shape": j.shape, "kind": j.kind, "spec": j.spec,
                       "prompt_tokens": len(j.ids)} for j in jobs],
-            "cells": cells, "shapes": summarize_shapes(rows, names, self.temperatures, self.shapes),
+            "cells": summarize_cells(rows, names, self.temperatures),
+            "shapes": summarize_shapes(rows, names, self.temperatures, self.shapes),
             "cost": summarize_cost(rows, self.temperatures),
             "unconstrained_probe": {"before": before, "after": after,
                                     "decode_ratio": ratio(after["decode_ms_per_token"], before["decode_ms_per_token"])},
             "requests": rows, "skipped": self.skipped}
+        for r in rows:
+            r.pop("_s", None)
         results["flags"] = flags(results)
         return results
-
-
-def _timing(s) -> dict:
-    return {"tokens": len(s.tokens), "wall_s": round(s.wall_s, 6), "ttft_ms": round(s.ttft_s * 1e3, 3),
-            "decode_s": round(s.step_times[-1] - s.ttft_s, 6) if len(s.step_times) > 1 else 0.0}
 
 
 def row(t: float, rep: int, job: Job, run: Run, s, error: str | None) -> dict:
@@ -402,29 +395,27 @@ def row(t: float, rep: int, job: Job, run: Run, s, error: str | None) -> dict:
     if s is None:
         return r
     invalid = check_output(job.kind, job.spec, s.text) if run.variant == "constrained" else None
-    return {**r, **_timing(s), "itl_ms": s.itl_s * 1e3 if s.itl_s is not None else None, "committed": s.committed,
+    return {**r, "tokens": len(s.tokens), "wall_s": round(s.wall_s, 6), "ttft_ms": round(s.ttft_s * 1e3, 3),
+            "decode_s": round(s.step_times[-1] - s.ttft_s, 6), "itl_ms": s.itl_s * 1e3 if s.itl_s is not None else None,
+            "committed": s.committed,
             "verify_steps": s.verify_steps, "forced": forced_tokens(s), "steps_by_method": dict(s.steps_by_method),
             "method_ran": s.method_ran, "draft_fallbacks": s.draft_fallbacks, "finish_reason": s.finish_reason,
             "valid": invalid is None if run.variant == "constrained" else None, "invalid_reason": invalid,
-            "text": s.text if run.variant == "constrained" else None, "_ids": list(s.tokens)}
+            "text": s.text if run.variant == "constrained" else None, "_s": s}
 
 
 # ------------------------------------------------------------------------------ figures
 
-def _rate(rows: list[dict]) -> float | None:
-    wall = sum(r["wall_s"] for r in rows)
-    return sum(r["tokens"] for r in rows) / wall if wall > 0 else None
-
-
-def _decode_ms(rows: list[dict]) -> float | None:
+def decode_ms(samples) -> float | None:
     """Σ (t_last − t_first) ÷ Σ (n − 1): decode time per token, TTFT left out."""
-    gaps = sum(r["tokens"] - 1 for r in rows if r["tokens"] > 1)
-    return 1e3 * sum(r["decode_s"] for r in rows if r["tokens"] > 1) / gaps if gaps else None
+    gaps = sum(len(s.tokens) - 1 for s in samples)
+    return 1e3 * sum(s.step_times[-1] - s.ttft_s for s in samples) / gaps if gaps else None
 
 
-def _per_repeat(rows: list[dict]) -> dict[int, float]:
+def per_repeat(rows: list[dict]) -> dict[int, float]:
     """tok/s of each repeat's requests."""
-    return {rep: _rate([r for r in rows if r["repeat"] == rep]) for rep in sorted({r["repeat"] for r in rows})}
+    return {rep: summary([r["_s"] for r in rows if r["repeat"] == rep])["tokens_per_s"]
+            for rep in sorted({r["repeat"] for r in rows})}
 
 
 def validity(rows: list[dict]) -> dict:
@@ -441,27 +432,26 @@ def summarize_cells(rows: list[dict], runs: list[str], temps: list[float]) -> li
     cells = []
     for t in temps:
         base = [r for r in rows if r["temperature"] == t and r["run"] == "none" and "tokens" in r]
-        base_ids, base_rate = {(r["repeat"], r["job"]): r["_ids"] for r in base}, _per_repeat(base)
+        base_ids, base_rate = {(r["repeat"], r["job"]): r["_s"].tokens for r in base}, per_repeat(base)
         for name in runs:
             mine = [r for r in rows if r["temperature"] == t and r["run"] == name and r["variant"] == "constrained"]
             if not mine:
                 continue
-            ok, spec = [r for r in mine if "tokens" in r], mine[0]["method"] != "none"
-            rates, committed = _per_repeat(ok), sum(r["committed"] for r in ok if r["forced"] is not None)
-            pairs = [(r["_ids"], base_ids[(r["repeat"], r["job"])]) for r in ok if (r["repeat"], r["job"]) in base_ids]
+            ok, method = [r for r in mine if "tokens" in r], mine[0]["method"]
+            s, spec, rates = summary([r["_s"] for r in ok], method), method != "none", per_repeat(ok)
+            committed = sum(r["committed"] for r in ok if r["forced"] is not None)
+            pairs = [(r["_s"].tokens, base_ids[(r["repeat"], r["job"])]) for r in ok if (r["repeat"], r["job"]) in base_ids]
             cells.append({
-                "name": name, "method": mine[0]["method"], "draft": mine[0]["draft"], "temperature": t, **validity(mine),
+                "name": name, "method": method, "draft": mine[0]["draft"], "temperature": t, **validity(mine),
                 "finish_reasons": dict(Counter(r["finish_reason"] for r in ok)),
-                "tokens_mean": sum(r["tokens"] for r in ok) / len(ok) if ok else None,
-                "tau": tau(ok) if spec else None, "tokens_per_s": median(rates.values()),
+                "tokens_mean": ratio(s["tokens"], len(ok)), "tau": s["tau"] if spec else None,
+                "tokens_per_s": median(rates.values()),
                 "speedup_vs_none": median([v / base_rate[k] for k, v in rates.items() if v and base_rate.get(k)]),
-                "ttft_ms_p50": percentile([r["ttft_ms"] for r in ok], 50),
+                "ttft_ms_p50": s["ttft_ms_p50"],
                 "forced_share": sum(r["forced"] for r in ok if r["forced"] is not None) / committed
                 if spec and committed else None,
                 "forced_unknown": sum(1 for r in ok if r["forced"] is None),
-                "steps_by_method": step_mix(ok),
-                "method_mismatches": sum(1 for r in ok if r["method_ran"] and r["method_ran"] != r["method"]),
-                "draft_fallbacks": sum(r["draft_fallbacks"] for r in ok),
+                **{k: s[k] for k in ("steps_by_method", "method_mismatches", "draft_fallbacks")},
                 "equal_to_none": [sum(x == y for x, y in pairs), len(pairs)] if t == 0 else None})
     return cells
 
@@ -490,12 +480,12 @@ def summarize_cost(rows: list[dict], temps: list[float]) -> list[dict]:
             continue
         e = {"temperature": t, "pairs": len(pairs),
              "lengths_equal": sum(x["constrained"]["tokens"] == x["matched"]["tokens"] for x in pairs)}
-        for v in ("constrained", "matched"):
-            vs = [x[v] for x in pairs]
-            e[v] = {"tokens_mean": sum(r["tokens"] for r in vs) / len(vs), "decode_ms_per_token": _decode_ms(vs),
-                    "tokens_per_s": median(_per_repeat(vs).values()),
-                    "ttft_ms_p50": percentile([r["ttft_ms"] for r in vs], 50)}
-        c, m = _per_repeat([x["constrained"] for x in pairs]), _per_repeat([x["matched"] for x in pairs])
+        rates = {v: per_repeat([x[v] for x in pairs]) for v in ("constrained", "matched")}
+        for v, samples in ((v, [x[v]["_s"] for x in pairs]) for v in rates):
+            s = summary(samples)
+            e[v] = {"tokens_mean": s["tokens"] / len(samples), "decode_ms_per_token": decode_ms(samples),
+                    "tokens_per_s": median(rates[v].values()), "ttft_ms_p50": s["ttft_ms_p50"]}
+        c, m = rates["constrained"], rates["matched"]
         rate = e["tokens_per_s_ratio_vs_matched"] = median([c[k] / m[k] for k in c if c[k] and m.get(k)])
         decode = ratio(e["constrained"]["decode_ms_per_token"], e["matched"]["decode_ms_per_token"])
         e.update(decode_ms_ratio_vs_matched=decode, grammar_cost_tokens_per_s=1 - rate if rate else None,
