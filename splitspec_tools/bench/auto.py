@@ -22,7 +22,6 @@ round trips, τ, and the break-even τ = step ms ÷ none's.
 """
 from __future__ import annotations
 
-import argparse
 import math
 import statistics
 import time
@@ -42,10 +41,7 @@ PRICE_CONFIGS = (("none", "none", 1, 0), ("ngram", "ngram", 1, 8), ("dflash", "d
                  ("dflash tree 16", "dflash", 4, 16), ("dflash tree 32", "dflash", 4, 32))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="splitspec bench-auto", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    a = p.add_argument
+def add_flags(a) -> None:
     a("--launch", default="up", help="how the services start: up, hand, or both (up,hand); ignored with --gateway")
     a("--gateway", default=None, help="measure a running gateway instead of starting services")
     a("--model-path", default=None, help="target model folder (default: the bundled target)")
@@ -67,7 +63,6 @@ def build_parser() -> argparse.ArgumentParser:
     a("--timeout-s", type=float, default=900.0, help="deadline per request")
     a("--startup-timeout-s", type=float, default=600.0)
     a("--smoke", action="store_true", help="one small cell per temperature and one load: a quick end-to-end check")
-    return p
 
 
 # ------------------------------------------------------------------------------ prompts
@@ -298,4 +293,4 @@ def bench(args, argv: list[str]) -> dict:
     return {"meta": meta, "took_s": time.perf_counter() - t0, "prompts": prompt_info, "runs": runs}
 
 
-main, cli_main = entry(build_parser, bench, markdown)
+main, cli_main = entry("splitspec bench-auto", __doc__, add_flags, bench, markdown)

@@ -18,7 +18,6 @@ length changes only how much of the file before the function the models see.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from pathlib import Path
@@ -30,17 +29,13 @@ from .harness import (columns, csv_items, entry, fmt, header, interleave, log, m
 from .prompts import default_prompts, digest, load_jsonl, load_prompts
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="splitspec bench-drafts", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    a = p.add_argument
+def add_flags(a) -> None:
     a("--draft", action="append", required=True, help="draft folder (repeat; the first is the reference)")
     request_flags(a)
     a("--prompt-lengths", default="", metavar="L1,L2,…", help="every setting at each prompt length (tokens)")
     a("--ceiling-paths", type=int, default=64, help="target paths per context for `splitspec ceiling` at each "
       "T > 0, run after the services stop (~10 min on 2 cores for 50 prompts at 64); 0 skips it")
     stacks.add_flags(a, out="bench-out/drafts")
-    return p
 
 
 def propose_ms(url: str) -> tuple[float, float]:
@@ -267,4 +262,4 @@ def lossless(args, results) -> int:
     return 1 if results["lossless"]["mismatches"] else 0
 
 
-main, cli_main = entry(build_parser, lambda args, argv: DraftBench(args, argv).run(), markdown, lossless)
+main, cli_main = entry("splitspec bench-drafts", __doc__, add_flags, lambda args, argv: DraftBench(args, argv).run(), markdown, lossless)

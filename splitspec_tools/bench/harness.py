@@ -3,6 +3,7 @@ the run's metadata (command line, git revision, machine) and the report writers 
 results.json + results.md, printed). See docs/benchmarks.md."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -235,11 +236,14 @@ def write(out: Path, results: dict, markdown: str) -> None:
     log(f"wrote {out / 'results.json'}, {out / 'results.md'}")
 
 
-def entry(parser, bench, markdown, then=None):
-    """A bench's main(argv) and its `cli` entry: its flags parsed, `bench(args, argv)` run for its
-    results, results.json and results.md written to --out; the exit code `then(args, results)`, else 0."""
+def entry(prog: str, doc: str, add_flags, bench, markdown, then=None):
+    """A bench's main(argv) and its `cli` entry: the flags `add_flags(add_argument)` gives a parser of
+    `prog` (`doc` its help), parsed; `bench(args, argv)` run for its results, results.json and
+    results.md written to --out; the exit code `then(args, results)`, else 0."""
     def main(argv: list[str]) -> int:
-        args = parser().parse_args(argv)
+        p = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+        add_flags(p.add_argument)
+        args = p.parse_args(argv)
         results = bench(args, argv)
         write(Path(args.out), results, markdown(results))
         return then(args, results) if then else 0

@@ -29,7 +29,6 @@ the ideal: the prompt blocks an unbounded cache could have served, given what wa
 """
 from __future__ import annotations
 
-import argparse
 import threading
 import time
 import uuid
@@ -60,10 +59,7 @@ SIZES = {"groups": (8, 2, "shared: groups (system prompts)"), "questions": (8, 2
          "unique_tokens": (None, None, "unique: tokens a prompt"), "repeats": (2, 1, "runs of every cell")}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="splitspec bench-prefix", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    a = p.add_argument
+def add_flags(a) -> None:
     a("--smoke", action="store_true", help="tiny sizes, one repeat: a quick end-to-end check (explicit sizes win)")
     a("--draft-model-path", default=None, help="DFlash draft folder (default: the bundled draft with the bundled "
       "target; 'none': the draft service runs ngram)")
@@ -78,7 +74,6 @@ def build_parser() -> argparse.ArgumentParser:
     a("--kv-cache-budget-mb", type=int, default=2048, help="every target's (a cache-on pool fills to it)")
     a("--prefix-cache-hidden-mb", type=int, default=None, help="the cache-on targets' (default: their own)")
     stacks.add_flags(a, request_timeout_s=900.0, out="bench-out/prefix")
-    return p
 
 
 # ------------------------------------------------------------------------------ requests
@@ -579,4 +574,4 @@ def markdown(r: dict) -> str:
     return "\n".join(lines)
 
 
-main, cli_main = entry(build_parser, lambda args, argv: PrefixBench(args, argv).run(), markdown)
+main, cli_main = entry("splitspec bench-prefix", __doc__, add_flags, lambda args, argv: PrefixBench(args, argv).run(), markdown)

@@ -10,7 +10,6 @@ ideal speed-up. Writes results.json, results.md and (with matplotlib) PNG plots.
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from pathlib import Path
@@ -28,10 +27,7 @@ CONFIGS = {"target": ("none", False), "dflash-grpc": ("dflash", False), "ngram-g
 DRAFT_SAMPLING = ("dflash-grpc", "auto-grpc", "dflash-tree-grpc", "auto-tree-grpc")   # greedy or sampled at T > 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="splitspec bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    a = p.add_argument
+def add_flags(a) -> None:
     a("--draft-model-path", default=None, help="DFlash draft (default: the bundled one with the bundled target; "
       "'none': the draft service runs ngram)")
     a("--gateway", default=None, help="a running gateway (host:port) instead of starting services")
@@ -50,7 +46,6 @@ def build_parser() -> argparse.ArgumentParser:
     a("--step-time-prompts", type=int, default=3, help="prompts for the target's step prices (0: skip)")
     a("--no-plots", action="store_true")
     stacks.add_flags(a, out="bench-out")
-    return p
 
 
 class Bench:
@@ -337,4 +332,4 @@ def plots(args, results) -> int:
     return 0
 
 
-main, cli_main = entry(build_parser, lambda args, argv: Bench(args).run(metadata("splitspec bench", argv)), markdown, plots)
+main, cli_main = entry("splitspec bench", __doc__, add_flags, lambda args, argv: Bench(args).run(metadata("splitspec bench", argv)), markdown, plots)

@@ -31,7 +31,6 @@ requests are timed before any constrained one and after the run: the grammar mus
 """
 from __future__ import annotations
 
-import argparse
 import ast
 import json
 import re
@@ -61,10 +60,7 @@ COST_LIMIT = 0.10          # issue 41: the grammar may cost at most this share o
 PROBE_TOKENS = 32          # new tokens of each unconstrained probe request (before and after the run)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="splitspec bench-structured", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    a = p.add_argument
+def add_flags(a) -> None:
     a("--smoke", action="store_true", help="2 prompts (flat, choice), 1 repeat, dflash with the first draft only, "
       "80 new tokens: a quick end-to-end check; sizes given explicitly still win")
     a("--drafts", default=None, help=f"draft folders, comma-separated: a service and gateway each [{SIZES['drafts'][0]}]")
@@ -81,7 +77,6 @@ def build_parser() -> argparse.ArgumentParser:
     a("--gap-s", type=float, default=0.1, help="pause before every measured request, so that work still in flight "
       "from the previous one (a decode run past its eos) does not land on this one's TTFT")
     stacks.add_flags(a, request_timeout_s=600.0, out="bench-out/structured")
-    return p
 
 
 # ------------------------------------------------------------------------------ constraints
@@ -581,4 +576,4 @@ def markdown(r: dict) -> str:
     return "\n".join(lines)
 
 
-main, cli_main = entry(build_parser, lambda args, argv: StructuredBench(args, argv).run(), markdown)
+main, cli_main = entry("splitspec bench-structured", __doc__, add_flags, lambda args, argv: StructuredBench(args, argv).run(), markdown)

@@ -16,16 +16,12 @@ the context stays the prompt's) and one-token decode steps, interleaved, median 
 """
 from __future__ import annotations
 
-import argparse
 import time
 
 from .harness import columns, csv_items, entry, header, interleave, log, median, metadata, ratio, tau
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="splitspec bench-trees", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    a = p.add_argument
+def add_flags(a) -> None:
     a("--draft", default="models/splitspec-code-draft", help="draft folder")
     a("--target-model-path", default="models/splitspec-code-target")
     a("--num-prompts", type=int, default=8, help="held-out prompts (function cuts from installed packages)")
@@ -41,7 +37,6 @@ def build_parser() -> argparse.ArgumentParser:
     a("--torch-threads", type=int, default=1)
     a("--seed", type=int, default=0)
     a("--out", default="bench-out/trees")
-    return p
 
 
 def prompts_of_length(tok, n: int, length: int) -> list[list[int]]:
@@ -167,5 +162,5 @@ def bench(args, argv: list[str]) -> dict:
         return {"meta": meta, "verify_cost": verify_cost_part(model, tok, args), "tau": tau_part(model, draft, tok, args)}
 
 
-main, cli_main = entry(build_parser, bench, markdown,
+main, cli_main = entry("splitspec bench-trees", __doc__, add_flags, bench, markdown,
                        lambda args, res: 1 if any(r["t0_mismatches"] for r in res["tau"]) else 0)
