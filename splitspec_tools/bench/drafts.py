@@ -26,7 +26,7 @@ from . import stack as stacks
 from .client import Gateway, prometheus, sampling
 from .harness import (columns, csv_items, entry, fmt, header, interleave, log, metadata, percentile, ratio,
                       request_flags, settings, summary, table, tau)
-from .prompts import default_prompts, digest, load_jsonl, load_prompts
+from .prompts import at_least, default_prompts, digest, load_jsonl, load_prompts
 
 
 def add_flags(a) -> None:
@@ -77,15 +77,12 @@ class DraftBench:
         if max(self.lengths) > room:
             raise SystemExit(f"--prompt-lengths: {max(self.lengths)} tokens + {a.max_new_tokens} new exceed the "
                              f"target's context; the longest length can be at most {room}")
-        tok, kept, self.names = stacks.tokenizer(self.target_path), [], []
-        for p in (load_jsonl(a.prompts) if a.prompts else
-                  default_prompts(a.num_prompts * 4, max_chars=max(a.max_prompt_chars, 8 * max(self.lengths)))):
-            ids = list(p.token_ids) or tok.encode(p.text).ids
-            if len(ids) >= max(self.lengths) and len(kept) < a.num_prompts:
-                kept.append(ids)
-                self.names.append(p.id)
+        kept = at_least(load_jsonl(a.prompts) if a.prompts else default_prompts(
+            a.num_prompts * 4, max_chars=max(a.max_prompt_chars, 8 * max(self.lengths))),
+            stacks.tokenizer(self.target_path), max(self.lengths), a.num_prompts)
         if not kept:
             raise SystemExit(f"--prompt-lengths: no prompt has {max(self.lengths)} tokens")
+        self.names, kept = [name for _, name in kept], [ids for ids, _ in kept]
         self.by_length = {L: [ids[-L:] for ids in kept] for L in self.lengths}
         self.source = f"prompts of at least {max(self.lengths)} tokens cut to their last L, digest {digest(kept)}"
 

@@ -152,6 +152,17 @@ def load_jsonl(path: str | Path, n: int | None = None) -> list[Prompt]:
     return out
 
 
+def at_least(prompts: list[Prompt], tokenizer, length: int, n: int | None = None) -> list[tuple[list[int], str]]:
+    """(token ids, id) of the first n prompts (all, without n) that have at least `length` tokens."""
+    out = []
+    for p in prompts:
+        if len(ids := list(p.token_ids) or tokenizer.encode(p.text).ids) >= length:
+            out.append((ids, p.id))
+            if len(out) == n:
+                break
+    return out
+
+
 def digest(prompts: list[list[int]]) -> str:
     """A short hash of the tokenized prompt set, recorded with the results."""
     return _key(json.dumps(prompts))[:16]

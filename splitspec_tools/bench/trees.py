@@ -40,15 +40,8 @@ def add_flags(a) -> None:
 
 
 def prompts_of_length(tok, n: int, length: int) -> list[list[int]]:
-    from .prompts import default_prompts
-    out = []
-    for p in default_prompts(4 * n, max_chars=max(1500, 6 * length)):
-        ids = list(p.token_ids) or tok.encode(p.text).ids
-        if len(ids) >= length:
-            out.append(ids[-length:])
-        if len(out) == n:
-            break
-    return out
+    from .prompts import at_least, default_prompts
+    return [ids[-length:] for ids, _ in at_least(default_prompts(4 * n, max_chars=max(1500, 6 * length)), tok, length, n)]
 
 
 def run_generation(model, draft, prompt, *, params, draft_params, width: int, topk: int, max_new: int):
