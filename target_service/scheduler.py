@@ -171,6 +171,7 @@ class Scheduler:
         # then gives up threads (--verify-torch-threads) instead of fighting it for every core.
         self.threads = torch.get_num_threads()
         self.verify_threads = verify_threads
+        self.exact_threads = self.threads   # a batch-invariant target's forwards, always (_forward_threads)
         self.dtype = next(model.parameters()).dtype
         self.lock = threading.Lock()
         self.running: list[Session] = []
@@ -463,16 +464,9 @@ class Scheduler:
         if not live:
             return
         steps = [r.step for r in live]
-        if self.verify_threads:
-            # With one session the draft waits while the target verifies: all threads then. The
-            # draft computes for the other sessions only where they draft with it (they ship it
-            # features): a forward gives it threads only when such sessions are at least half of
-            # those running, since every row of the forward pays for them. One n-gram verify or
-            # one DFlash session among fifteen decoders once halved the whole batch's threads.
-            shared = self._draft_busy(steps)
-            want = self.verify_threads if shared else self.threads
-            if torch.get_num_threads() != want:
-                torch.set_num_threads(want)
+        want = self._forward_threads(steps)
+        if want and torch.get_num_threads() != want:
+            torch.set_num_threads(want)
         start = time.perf_counter()
         try:
             outputs = run_batch(self.model, self.pool, self.verifier, steps, self.attention)
@@ -602,6 +596,27 @@ class Scheduler:
                 tokens += len(ids)
                 verify_rows += 1
                 produced += e
+
+    def _forward_threads(self, steps) -> int:
+        """The intra-op threads this forward runs on (0: leave them as they are).
+
+        Batch-invariant: always the count the service started on. A forward's bits depend on it:
+        SDPA's CPU kernel splits a call's heads across the OpenMP team and a head can come out
+        with other last bits on another thread (measured on SmolLM2: 2 of 24 greedy generations
+        left their 2-thread twin when decoded at 1 thread). A verify run on fewer threads than
+        the target-only decode it must equal would break the guarantee, so a batch-invariant
+        target gives up neither --verify-torch-threads nor a core-sharing change.
+
+        Otherwise, with one session the draft waits while the target verifies: all threads then.
+        The draft computes for the other sessions only where they draft with it (they ship it
+        features): a forward gives it threads only when such sessions are at least half of those
+        running, since every row of the forward pays for them. One n-gram verify or one DFlash
+        session among fifteen decoders once halved the whole batch's threads."""
+        if self.attention == "torch-exact":
+            return self.exact_threads
+        if self.verify_threads:
+            return self.verify_threads if self._draft_busy(steps) else self.threads
+        return 0
 
     def _draft_busy(self, steps) -> bool:
         drafting = {id(s.seq) for s in self.running if s.ships_hidden}

@@ -162,3 +162,24 @@ def test_sampled_speculation_follows_the_target_law_in_exact_mode(model):
         answers.append(tuple(got[:3]))
     assert 0 < accepted < drafted
     assert_follows(answers, joint, n)
+
+
+def test_a_batch_invariant_target_keeps_its_threads_for_every_forward(model):
+    """A forward's bits depend on its intra-op thread count (SDPA's CPU kernel gives a head other
+    last bits on another OpenMP thread), so a batch-invariant target verifies on the threads its
+    target-only decodes ran on: neither --verify-torch-threads nor a core-sharing change moves it.
+    A plain target still gives a co-located draft its threads."""
+    from scheduler_helpers import run_scheduler
+
+    async def body(sched):
+        start = sched.exact_threads
+        sched._draft_busy = lambda steps: True          # sessions drafting with a model: verify threads
+        sched.threads = start + 3                       # a core-sharing change
+        exact = sched._forward_threads([])
+        sched.attention = "torch"
+        return start, exact, sched._forward_threads([])
+
+    start, exact, plain = run_scheduler(model, body, attention="torch-exact", verify_threads=1)
+    assert start == torch.get_num_threads()
+    assert exact == start
+    assert plain == 1
