@@ -104,6 +104,12 @@ def alternate(configs, repeats: int, run) -> dict:
     return out
 
 
+def paired(a: dict, b: dict) -> float | None:
+    """The median over the repeats of a's value ÷ b's ({repeat: value}, each repeat's pair run back to
+    back), over the repeats where both are known."""
+    return median([v / b[k] for k, v in a.items() if v is not None and b.get(k)])
+
+
 def ratio(a, b) -> float | None:
     return a / b if a is not None and b else None
 

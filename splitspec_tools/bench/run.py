@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 
 from . import stack as stacks
-from .client import Gateway, counters, mean_batch, sampling, step_prices, target_info, tok_s
-from .harness import (columns, csv_items, entry, fmt, header, interleave, log, median, metadata, mix_cell, percentile,
-                      ratio, request_flags, settings, step_mix, summary, table, tau)
+from .client import Gateway, counters, mean_batch, sampling, step_prices, target_info
+from .harness import (alternate, columns, csv_items, entry, fmt, header, interleave, log, median, metadata, mix_cell,
+                      percentile, ratio, request_flags, settings, summary, table)
 from .baselines import BASELINES, make, unavailable
 from .prompts import load_prompts
 
@@ -169,7 +169,7 @@ class Bench:
         out = []
         for t in temps:
             for streams in (int(x) for x in csv_items(a.concurrency)):
-                runs = {k: [self.point(k, streams, t, reference) for _ in range(a.sweep_repeats)] for k in keys}
+                runs = alternate(keys, a.sweep_repeats, lambda k, _: self.point(k, streams, t, reference))
                 for k in keys:
                     point = dict(runs[k][len(runs[k]) // 2], tokens_per_s_runs=[p["tokens_per_s"] for p in runs[k]])
                     point["tokens_per_s"] = median(point["tokens_per_s_runs"])
@@ -193,13 +193,12 @@ class Bench:
         samples, wall = runner.batch([runner.request(self.prompt_ids[i], a.max_new_tokens, sampling(t, a.top_p, seed))
                                       for i, seed in jobs], streams)
         after = counters(self.target, "target"), counters(self.draft, "draft")
-        e2e, ttft = [s.wall_s * 1e3 for s in samples], [s.ttft_s * 1e3 for s in samples]
-        point = {"name": key, "config": key, "streams": streams, "requests": n, "temperature": t,
-                 "max_new_tokens": a.max_new_tokens, "tokens_per_s": tok_s(samples, wall), "tau": tau(samples),
-                 "latency_ms_p50": percentile(e2e, 50), "latency_ms_p99": percentile(e2e, 99),
-                 "ttft_ms_p50": percentile(ttft, 50), "ttft_ms_p99": percentile(ttft, 99),
+        e2e = [s.wall_s * 1e3 for s in samples]
+        point = {"name": key, "config": key, "streams": streams, "temperature": t, "max_new_tokens": a.max_new_tokens,
+                 **summary(samples, method, wall), "latency_ms_p50": percentile(e2e, 50),
+                 "latency_ms_p99": percentile(e2e, 99), "ttft_ms_p99": percentile([s.ttft_s * 1e3 for s in samples], 99),
                  "target_batch_mean": mean_batch(before[0], after[0]), "draft_batch_mean": mean_batch(before[1], after[1]),
-                 "steps_by_method": step_mix(samples) or None, "speedup_vs_target": None,
+                 "speedup_vs_target": None,
                  "greedy_matches": sum(reference.get(i) == s.tokens for (i, _), s in zip(jobs, samples))
                  if t == 0 and reference else None}
         log(f"{streams} streams T={t:g} {key}: {point['tokens_per_s']:.1f} tok/s, target batch "
