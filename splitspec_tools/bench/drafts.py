@@ -18,7 +18,6 @@ length changes only how much of the file before the function the models see.
 """
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -46,14 +45,11 @@ def propose_ms(url: str) -> tuple[float, float]:
 
 class DraftBench:
     def __init__(self, args, argv):
-        self.args, self.argv, self.skipped, self.stack = args, argv, [], None
+        self.args, self.argv, self.skipped = args, argv, []
         self.target_path, _ = stacks.models(args.target_model_path, "none")
         self.drafts = []
         for path in map(Path, args.draft):
-            if not (path / "config.json").is_file():
-                raise SystemExit(f"--draft {path}: no config.json there")
-            raw = json.loads((path / "config.json").read_text())
-            self.drafts.append({"label": path.name, "path": str(path), "architecture": raw["architectures"][0],
+            self.drafts.append({"label": path.name, "path": str(path), "architecture": stacks.architecture(path, "--draft"),
                                 "block_size": stacks.draft_width(path)})
         if len({d["label"] for d in self.drafts}) < len(self.drafts):     # same folder names: say more
             for d in self.drafts:
@@ -62,6 +58,7 @@ class DraftBench:
         self.width = args.num_draft_tokens or min(d["block_size"] for d in self.drafts)
         self.temperatures, modes = settings(args)
         self.settings = [(t, m) for t in self.temperatures for m in (["greedy"] if t == 0 else modes)]
+        self.stack = stacks.Stack(args, self.target_path, self.width, Path(args.out) / "logs")
 
     def prompts(self) -> None:
         """`self.by_length`: L → the prompts cut to their last L tokens (None: as `splitspec bench` cuts them)."""
@@ -87,8 +84,8 @@ class DraftBench:
         self.source = f"prompts of at least {max(self.lengths)} tokens cut to their last L, digest {digest(kept)}"
 
     def start(self) -> None:
-        self.stack = stack = stacks.Stack(self.args, self.target_path, self.width, Path(self.args.out) / "logs")
-        target, drafts = stack.target(), []
+        stack, drafts = self.stack, []
+        target = stack.target()
         for i, d in enumerate(self.drafts):
             flags, d["metrics"] = stacks.metrics_port()
             drafts.append(stack.draft(Path(d["path"]), flags, name=f"draft{i}"))
@@ -167,8 +164,7 @@ class DraftBench:
                 e, m = self.measure(L, ids)
                 entries, mismatches = entries + e, mismatches + m
         finally:
-            if self.stack is not None:
-                self.stack.stop()
+            self.stack.stop()
         ceil = self.ceilings()
         for e in entries:
             c = ceil.get((e.pop("length_key"), e["temperature"]))

@@ -40,8 +40,8 @@ from splitspec.engine.prefix_cache import block_keys
 
 from . import stack as stacks
 from .client import Gateway, Sample, prometheus, sampling
-from .harness import (apply_sizes, columns, csv_items, entry, fmt, header, log, median, metadata, mix_cell, percentile,
-                      step_mix, summary, tail, tau)
+from .harness import (apply_sizes, columns, csv_items, entry, fmt, header, log, median, metadata, mix_cell, paired,
+                      percentile, step_mix, summary, tail, tau)
 from .prompts import default_prompts, digest
 
 WORKLOADS = ("shared", "multiturn", "probe", "unique")
@@ -151,11 +151,9 @@ class PrefixBench:
                               Variant("on x2 round_robin", True, 2, "round_robin")]
 
     def start_services(self) -> None:
-        a = self.args
-        logs = Path(a.out) / "logs"
+        a, stack = self.args, self.stack
         common = ["--kv-block-size", str(a.kv_block_size), "--kv-cache-budget-mb", str(a.kv_cache_budget_mb)]
         hidden = [] if a.prefix_cache_hidden_mb is None else ["--prefix-cache-hidden-mb", str(a.prefix_cache_hidden_mb)]
-        self.stack = stack = stacks.Stack(a, self.target_path, self.width, logs)
         targets = {}
         for name, extra in (("on", hidden), ("off", ["--disable-radix-cache"]), ("on2", hidden)):
             if name == "on2" and a.replicas < 2:
@@ -337,7 +335,7 @@ class PrefixBench:
         self.resolve()
         self.width = stacks.draft_width(self.draft_path, self.args.num_draft_tokens)
         self.nonce = uuid.uuid4().hex[:8]
-        self.stack = None
+        self.stack = stacks.Stack(a, self.target_path, self.width, Path(a.out) / "logs")
         try:
             self.start_services()
             self.prepare_text()
@@ -346,8 +344,7 @@ class PrefixBench:
                 f"{', '.join(v.name for v in self.variants)}; {a.repeats} repeat(s)")
             runs = self.measure()
         finally:
-            if self.stack is not None:
-                self.stack.stop()
+            self.stack.stop()
         by = by_cell(runs)
         cells = summarize_cells(by)
         for r in runs:
@@ -404,12 +401,6 @@ def set_ideal(results: list[Result], block: int) -> None:
         r.ideal_cached = n * block
 
 
-def _steps(results: list[Result]) -> dict:
-    """τ's two sums, kept apart so that repeats pool (harness.tau reads them)."""
-    return {"committed": sum(r.sample.committed for r in results),
-            "verify_steps": sum(r.sample.verify_steps for r in results)}
-
-
 def run_stats(results: list[Result], method: str, wall: float) -> dict:
     """harness.summary of a run, tok/s over its wall time (its requests in flight together), and the cache's figures."""
     samples, hits = [r.sample for r in results], [r for r in results if r.sample.cached_tokens > 0]
@@ -417,8 +408,7 @@ def run_stats(results: list[Result], method: str, wall: float) -> dict:
     return {**summary(samples, method, wall), "requests_hit": len(hits), "requests_miss": len(results) - len(hits),
             "prompt_tokens": prompt, "cached_tokens": cached, "hit_rate": cached / prompt if prompt else 0.0,
             "ideal_hit_rate": sum(r.ideal_cached for r in results) / prompt if prompt else 0.0,
-            "ttft_ms_p90": percentile([s.ttft_s * 1e3 for s in samples], 90),
-            "steps": {"all": _steps(results), "hit": _steps(hits), "miss": _steps([r for r in results if r not in hits])}}
+            "ttft_ms_p90": percentile([s.ttft_s * 1e3 for s in samples], 90)}
 
 
 MEDIAN_FIELDS = ("ttft_ms_p50", "ttft_ms_p90", "tokens_per_s", "hit_rate", "ideal_hit_rate", "target_hit_rate",
@@ -457,8 +447,9 @@ def summarize_cells(by: dict) -> list[dict]:
             **{f: median([r.get(f) for r in mine]) for f in MEDIAN_FIELDS if any(f in r for r in mine)},
             **{f"{f}_runs": [r.get(f) for r in mine] for f in ("ttft_ms_p50", "tokens_per_s", "hit_rate")},
             "requests_hit": sum(r["requests_hit"] for r in mine), "requests_miss": sum(r["requests_miss"] for r in mine),
-            **{f"tau{'' if k == 'all' else '_' + k}": tau([r["steps"][k] for r in mine]) if spec else None
-               for k in ("all", "hit", "miss")},
+            **{f"tau{k}": tau([{"committed": c, "verify_steps": n} for r in mine for cached, _, c, n in
+                                r["per_request"].values() if which(cached)]) if spec else None
+               for k, which in (("", lambda n: True), ("_hit", lambda n: n > 0), ("_miss", lambda n: n == 0))},
             "tau_hit_requests_on": tau(hit_on) if spec and v != "off" else None,
             "tau_hit_requests_off": tau(hit_off) if spec and v != "off" else None,
             "outputs_equal_to_off": [compared - len(mismatches), compared] if v != "off" else None,
@@ -469,8 +460,7 @@ def summarize_cells(by: dict) -> list[dict]:
 
 def _paired(by: dict, w: str, m: str, num: str, den: str, f: str) -> float | None:
     """The median over the repeats of field f's ratio, variant num ÷ variant den."""
-    b = {r["repeat"]: r.get(f) for r in by.get((w, m, den), [])}
-    return median([r[f] / b[r["repeat"]] for r in by.get((w, m, num), []) if r.get(f) is not None and b.get(r["repeat"])])
+    return paired(*({r["repeat"]: r.get(f) for r in by.get((w, m, v), [])} for v in (num, den)))
 
 
 def ratios(cells: list[dict], by: dict) -> list[dict]:

@@ -64,6 +64,14 @@ def draft_width(draft_path: Path | None, asked: int | None = None) -> int:
     return width
 
 
+def architecture(path: Path, flag: str) -> str:
+    """The architecture a model folder's config.json names; `flag` (the option that named the folder) says
+    which option was wrong where there is none."""
+    if not (path / "config.json").is_file():
+        raise SystemExit(f"{flag} {path}: no config.json there")
+    return json.loads((path / "config.json").read_text()).get("architectures", [""])[0]
+
+
 def metrics_port() -> tuple[list[str], str]:
     """The flags that give a service a Prometheus exporter on a free port, and its URL."""
     from splitspec_tools.ops.launch import free_port

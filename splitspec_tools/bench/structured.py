@@ -46,7 +46,7 @@ from splitspec.v1 import common_pb2
 from . import stack as stacks
 from .client import Gateway, sampling
 from .harness import (apply_sizes, columns, csv_items, entry, fmt, header, interleave, log, median, metadata, mix_cell,
-                      ratio, summary, table, tail, tau)
+                      paired, ratio, summary, table, tail, tau)
 from .prompts import default_prompts, digest
 
 SHAPES = ("flat", "nested", "strings", "tool", "identifier", "version", "choice")
@@ -233,15 +233,10 @@ def forced_tokens(sample) -> int | None:
     return sum(max(0, n - 1 - s.accepted) for s, n in zip(steps, sample.step_sizes) if s.method != "none")
 
 
-def draft_label(path: Path) -> str:
-    arch = json.loads((path / "config.json").read_text()).get("architectures", [""])[0]
-    return {"DFlashDraftModel": "DFlash", "DFlash2DraftModel": "DFlash2"}.get(arch, path.name)
-
-
 class StructuredBench:
     def __init__(self, args, argv):
         from splitspec_tools.defaults import model_dir
-        self.args, self.argv, self.skipped, self.stack = args, argv, [], None
+        self.args, self.argv, self.skipped = args, argv, []
         a = args
         apply_sizes(a, SIZES)
         if min(a.num_prompts, a.repeats, a.max_new_tokens) < 1:
@@ -254,18 +249,18 @@ class StructuredBench:
         self.drafts = []
         for d in csv_items(a.drafts):
             path = Path(d) if Path(d).is_absolute() else (model_dir(None, d) or Path(d))
-            if not (path / "config.json").is_file():
-                raise SystemExit(f"--drafts: no config.json in {path}")
-            self.drafts.append((draft_label(path), path))
+            arch = stacks.architecture(path, "--drafts")
+            self.drafts.append(({"DFlashDraftModel": "DFlash", "DFlash2DraftModel": "DFlash2"}.get(arch, path.name), path))
         if len({label for label, _ in self.drafts}) != len(self.drafts):
             self.drafts = [(f"{label}:{p.name}", p) for label, p in self.drafts]
         if not self.drafts:
             self.skipped += [f"{m}: no draft (--drafts)" for m in self.methods if m in ("dflash", "auto")]
             self.methods = [m for m in self.methods if m not in ("dflash", "auto")]
         self.width = stacks.draft_width(self.drafts[0][1] if self.drafts else None, a.num_draft_tokens)
+        self.stack = stacks.Stack(a, self.target_path, self.width, Path(a.out) / "logs")
 
     def start(self) -> None:
-        self.stack = stack = stacks.Stack(self.args, self.target_path, self.width, Path(self.args.out) / "logs")
+        stack = self.stack
         target = stack.target()
         drafts = [(label, stack.draft(path, name=f"draft-{label}")) for label, path in self.drafts or [("ngram", None)]]
         stack.wait(target, *(p for _, p in drafts))
@@ -358,8 +353,7 @@ class StructuredBench:
             rows = self.measure(runs, jobs)
             after = self.probe(runs[0], jobs, "after")
         finally:
-            if self.stack is not None:
-                self.stack.stop()
+            self.stack.stop()
         names = [r.name for r in runs]
         results = {
             "meta": meta,
@@ -441,7 +435,7 @@ def summarize_cells(rows: list[dict], runs: list[str], temps: list[float]) -> li
                 "finish_reasons": dict(Counter(r["finish_reason"] for r in ok)),
                 "tokens_mean": ratio(s["tokens"], len(ok)), "tau": s["tau"] if spec else None,
                 "tokens_per_s": median(rates.values()),
-                "speedup_vs_none": median([v / base_rate[k] for k, v in rates.items() if v and base_rate.get(k)]),
+                "speedup_vs_none": paired(rates, base_rate),
                 "ttft_ms_p50": s["ttft_ms_p50"],
                 "forced_share": sum(r["forced"] for r in ok if r["forced"] is not None) / committed
                 if spec and committed else None,
@@ -480,8 +474,7 @@ def summarize_cost(rows: list[dict], temps: list[float]) -> list[dict]:
             s = summary(samples)
             e[v] = {"tokens_mean": s["tokens"] / len(samples), "decode_ms_per_token": decode_ms(samples),
                     "tokens_per_s": median(rates[v].values()), "ttft_ms_p50": s["ttft_ms_p50"]}
-        c, m = rates["constrained"], rates["matched"]
-        rate = e["tokens_per_s_ratio_vs_matched"] = median([c[k] / m[k] for k in c if c[k] and m.get(k)])
+        rate = e["tokens_per_s_ratio_vs_matched"] = paired(rates["constrained"], rates["matched"])
         decode = ratio(e["constrained"]["decode_ms_per_token"], e["matched"]["decode_ms_per_token"])
         e.update(decode_ms_ratio_vs_matched=decode, grammar_cost_tokens_per_s=1 - rate if rate else None,
                  grammar_cost_decode=decode - 1 if decode else None)
