@@ -144,7 +144,6 @@ class PrefixBench:
             self.methods = [m for m in self.methods if m not in ("dflash", "auto")]
         if not self.methods:
             raise SystemExit("no method left to run")
-        self.target_address = None
         self.variants = [Variant("on", True, 1, None), Variant("off", False, 1, None)]
         if a.replicas == 2:
             self.variants += [Variant("on x2 prefix", True, 2, "prefix"),
@@ -171,7 +170,6 @@ class PrefixBench:
             gateways.append(gw)
             v.gateway, v.metrics = gw.address, [targets[n][1] for n in names]
         stack.wait(*gateways)
-        self.target_address = targets["on"][0].address
         self.services = (f"targets {', '.join(f'{n} {p.address}' for n, (p, _) in targets.items())}, draft "
                          f"{draft.address}, gateways " + ", ".join(f"{v.name} {v.gateway}" for v in self.variants))
 
