@@ -183,3 +183,33 @@ def test_a_batch_invariant_target_keeps_its_threads_for_every_forward(model):
     assert start == torch.get_num_threads()
     assert exact == start
     assert plain == 1
+
+
+def test_sessions_whose_blocks_interleave_decode_the_bits_of_a_session_alone(model):
+    """Sessions that took their blocks in turns (so a row's blocks are not consecutive in the
+    pool) read their keys from blocks gathered once a layer; sessions alone in a pool read them
+    in place. The same keys, the same layout: the same bits."""
+    rows, restore = _lm_head_inputs(model)
+    try:
+        shared = make_pool(model, num_blocks=128, block_size=4)
+        mixed = [TargetSequence(model, p, max_len=len(p) + 24, pool=shared, attention="torch-exact")
+                 for p in PROMPTS[1:3]]
+        alone = [TargetSequence(model, p, max_len=len(p) + 24, pool=make_pool(model, num_blocks=64, block_size=4),
+                                attention="torch-exact") for p in PROMPTS[1:3]]
+        for s in mixed + alone:
+            s.prefill()
+        together, apart = [], []
+        for _ in range(12):
+            rows.clear()
+            outs = run_batch(model, shared, TorchVerifier(), [Decode(s.seq) for s in mixed], "torch-exact")
+            together.append((torch.cat(rows), [o.committed for o in outs]))
+            rows.clear()
+            outs = [s.decode().committed for s in alone]
+            apart.append((torch.cat(rows), outs))
+        blocks = mixed[0].seq.table.blocks
+        assert blocks != list(range(blocks[0], blocks[0] + len(blocks)))       # the gathered path ran
+        for (x, a), (y, b) in zip(together, apart):
+            assert a == b
+            assert torch.equal(x, y)
+    finally:
+        restore()
