@@ -115,7 +115,7 @@ class DraftBench:
                                    if out[d][-1][0].tokens != out[0][-1][0].tokens]
                 log(f"{name}{at} rep {rep + 1}/{a.repeats} prompt {i + 1}/{len(ids)}: τ " +
                     ", ".join(f"{dr['label']} {fmt(tau([o[-1][0]]))}" for dr, o in zip(self.drafts, out)))
-            out = interleave(range(len(runners)), ids, a.repeats, send, t, a.top_p, a.seed, after)
+            out = interleave(range(len(runners)), ids, a.repeats, send, t, a.top_p, a.seed, after, rotate=True)
             for runner in runners:
                 runner.close()
             rows = [summarize(dr, [s for s, _ in o], [f for _, f in o], t, mode, name) for dr, o in zip(self.drafts, out)]

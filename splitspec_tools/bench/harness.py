@@ -78,17 +78,23 @@ def percentile(values, q: float) -> float | None:
 
 
 def interleave(runs: list, prompts: list, repeats: int, send, t: float, top_p: float, seed: int,
-               after=None) -> list[list]:
-    """Every prompt through every run in turn (a b c … a b c …), `repeats` times, so that a slow minute
-    of a shared machine falls on all runs alike: send(run, prompt, params), request i of repeat r
-    sampled at T=t with seed + 1000 r + i; after(rep, i, out) once a prompt went through all runs.
-    The results of each run, in the order sent."""
+               after=None, rotate: bool = False) -> list[list]:
+    """Every prompt through every run in turn (a b c a b c …; rotate: a b c, b c a, c a b, …),
+    `repeats` times, so that a slow minute of a shared machine falls on all runs alike:
+    send(run, prompt, params), request i of repeat r sampled at T=t with seed + 1000 r + i;
+    after(rep, i, out) once a prompt went through all runs. The results of each run, in prompt order.
+
+    rotate: who goes first turns with the prompt. The first run of a prompt computes its prefill
+    and the others find it in the target's prefix cache; with target-only always first it paid
+    every prompt's prefill (TTFT 135 ms against 36 for the others on HumanEval, 1.7 s against
+    0.06 on 2,000-token prompts), which inflated every speed-up over it."""
     out = [[] for _ in runs]
     for rep in range(repeats):
         for i, prompt in enumerate(prompts):
             params = sampling(t, top_p, seed + 1000 * rep + i)
-            for k, run in enumerate(runs):
-                out[k].append(send(run, prompt, params))
+            first = (rep * len(prompts) + i) % len(runs) if rotate else 0
+            for k in [*range(first, len(runs)), *range(first)]:
+                out[k].append(send(runs[k], prompt, params))
             if after is not None:
                 after(rep, i, out)
     return out

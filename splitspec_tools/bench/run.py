@@ -153,7 +153,7 @@ class Bench:
                                  a.seed, lambda rep, i, out: log(
                                      f"T={t:g} rep {rep + 1}/{a.repeats} prompt {i + 1}/{len(self.prompt_ids)}: tok/s "
                                      + ", ".join(f"{r[0]} {len(s[-1].tokens) / s[-1].wall_s:.0f}"
-                                                 for r, s in zip(runs, out))))
+                                                 for r, s in zip(runs, out))), rotate=True)
             if t == 0:
                 reference = {i % len(self.prompt_ids): s.tokens for i, s in enumerate(samples[0])}
             entries += [summarize(name, key, mode, t, mine, samples[0], prices, self.prompt_names)
