@@ -280,8 +280,9 @@ def _exact_attention(q, k_all, v_all, plan: AttentionPlan, out):
             src, first, n_keys = keys
             if src >= 0 and src != held:
                 # A row's slots are gathered once for all its calls (a verify's nodes, a prompt's
-                # spans) and dropped at the next row's: holding every row's for the whole layer
-                # made a step of 16 sessions at 2,000 tokens 2.7x slower (24 MB live a layer).
+                # spans) and dropped at the next row's. A first version that gathered every row's
+                # blocks up front, held for the whole layer, made a step of 16 sessions at 2,000
+                # tokens 2.7x slower.
                 slots = plan.exact_gathers[src]
                 gathered, held = tuple(x.index_select(0, slots).transpose(0, 1) for x in (k_all, v_all)), src
             kT, vT = pool if src < 0 else gathered
