@@ -1,27 +1,9 @@
 """`splitspec bench-prefix`: the target's prefix cache on and off, side by side, through the real
-services (issue 40, item 7).
-
-Two targets of one model, one with its prefix cache (the default) and one with
-`--disable-radix-cache`, one draft service, and a gateway in front of each; with `--replicas 2`, a
-second cache-on target behind gateways with `--routing-policy prefix` and `round_robin`. Every
-request is greedy (eos ignored), carries token ids (exact lengths) and a cache_salt of its own
-run, so a run starts cold without a restart. The text is the benches' held-out text, tokenized,
-concatenated and cut into disjoint pieces of exact token counts, no two starting alike.
-
-Workloads (sizes scaled to a CPU):
-  shared     SGLang's generated-shared-prefix shape: groups x questions, a system prompt per group
-             and a question each, sent group after group on C streams.
-  multiturn  conversations x turns from a context each; a turn's prompt is the transcript so far
-             (context, messages, the answers returned), sent round robin A1 B1 ... A2 B2 ... (the
-             longest reuse distance) on C streams; a turn waits for its conversation's previous one.
-  probe      TTFT of a request whose prefix was sent once just before against one with a fresh
-             prefix of the same length, in pairs whose order alternates, one stream.
-  unique     distinct prompts on C streams: nothing to reuse, the cache's cost.
-
-Every (workload, method) runs with the cache on and off in turn, the order alternating per
-repeat; timings are medians over the repeats, τ is pooled over them. Hit rate = Usage.cached_tokens
-÷ Usage.prompt_tokens (the gateway's Complete), checked against the targets' counters and against
-the ideal: the prompt blocks an unbounded cache could have served, given what was sent before.
+services (issue 40, item 7): a target with its prefix cache and one with `--disable-radix-cache`
+(`--replicas 2`: also two cache-on targets behind `prefix` and `round_robin` routing), a draft
+service and gateways. Every workload (shared, multiturn, probe, unique) runs with every method, the
+cache on and off in turn; reported: TTFT, tok/s and τ, on ÷ off, and the hit rate against the
+targets' counters and the ideal. See docs/benchmarks.md.
 
     splitspec bench-prefix                               # defaults, about 25 min on 2 cores
     splitspec bench-prefix --smoke                       # tiny sizes, well under a minute
@@ -33,6 +15,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,12 +24,12 @@ from splitspec.engine.prefix_cache import block_keys
 from . import stack as stacks
 from .client import Gateway, Sample, prometheus, sampling
 from .harness import (apply_sizes, columns, csv_items, entry, fmt, header, log, median, metadata, mix_cell, paired,
-                      percentile, step_mix, summary, tail, tau)
+                      percentile, ratio, step_mix, summary, tail, tau)
 from .prompts import default_prompts, digest
 
 WORKLOADS = ("shared", "multiturn", "probe", "unique")
 METHODS = ("none", "dflash", "auto", "ngram")
-# Sizes: (default, --smoke, what). None: follows another size (PrefixBench.resolve).
+# Sizes: (default, --smoke, what). None: follows another size (PrefixBench.__init__).
 SIZES = {"groups": (8, 2, "shared: groups (system prompts)"), "questions": (8, 2, "shared: questions per group"),
          "system_tokens": (1536, 128, "shared: system prompt tokens"),
          "question_tokens": (64, 64, "question and user-message tokens"),
@@ -74,9 +57,6 @@ def add_flags(a) -> None:
     a("--kv-cache-budget-mb", type=int, default=2048, help="every target's (a cache-on pool fills to it)")
     a("--prefix-cache-hidden-mb", type=int, default=None, help="the cache-on targets' (default: their own)")
     stacks.add_flags(a, request_timeout_s=900.0, out="bench-out/prefix")
-
-
-# ------------------------------------------------------------------------------ requests
 
 
 @dataclass
@@ -109,9 +89,6 @@ class TokenText:
         raise RuntimeError("held-out text exhausted")
 
 
-# ------------------------------------------------------------------------------ the bench
-
-
 @dataclass
 class Variant:
     name: str                # "on", "off", "on x2 prefix", "on x2 round_robin"
@@ -123,11 +100,8 @@ class Variant:
 
 
 class PrefixBench:
-    def __init__(self, args, argv):
-        self.args, self.argv, self.skipped = args, argv, []
-
-    def resolve(self) -> None:
-        a = self.args
+    def __init__(self, a, argv):
+        self.args, self.argv, self.skipped = a, argv, []
         apply_sizes(a, SIZES)
         a.probe_prefix_tokens = a.probe_prefix_tokens or a.system_tokens
         a.unique_tokens = a.unique_tokens or a.system_tokens + a.question_tokens
@@ -146,19 +120,20 @@ class PrefixBench:
             raise SystemExit("no method left to run")
         self.variants = [Variant("on", True, 1, None), Variant("off", False, 1, None)]
         if a.replicas == 2:
-            self.variants += [Variant("on x2 prefix", True, 2, "prefix"),
-                              Variant("on x2 round_robin", True, 2, "round_robin")]
+            self.variants += [Variant(f"on x2 {policy}", True, 2, policy) for policy in ("prefix", "round_robin")]
+        self.width = stacks.draft_width(self.draft_path, a.num_draft_tokens)
+        self.nonce = uuid.uuid4().hex[:8]
+        self.stack = stacks.Stack(a, self.target_path, self.width, Path(a.out) / "logs")
 
     def start_services(self) -> None:
         a, stack = self.args, self.stack
         common = ["--kv-block-size", str(a.kv_block_size), "--kv-cache-budget-mb", str(a.kv_cache_budget_mb)]
         hidden = [] if a.prefix_cache_hidden_mb is None else ["--prefix-cache-hidden-mb", str(a.prefix_cache_hidden_mb)]
+        kinds = {"on": hidden, "off": ["--disable-radix-cache"], "on2": hidden}     # on2: with --replicas 2
         targets = {}
-        for name, extra in (("on", hidden), ("off", ["--disable-radix-cache"]), ("on2", hidden)):
-            if name == "on2" and a.replicas < 2:
-                continue
+        for name in list(kinds)[:a.replicas + 1]:
             flags, url = stacks.metrics_port()
-            targets[name] = (stack.target([*common, *extra, *flags], name=f"target-{name}"), url)
+            targets[name] = (stack.target([*common, *kinds[name], *flags], name=f"target-{name}"), url)
         draft = stack.draft(self.draft_path)
         stack.wait(*(p for p, _ in targets.values()), draft)
         gateways = []
@@ -172,8 +147,6 @@ class PrefixBench:
         stack.wait(*gateways)
         self.services = (f"targets {', '.join(f'{n} {p.address}' for n, (p, _) in targets.items())}, draft "
                          f"{draft.address}, gateways " + ", ".join(f"{v.name} {v.gateway}" for v in self.variants))
-
-    # -------------------------------------------------------------- text
 
     def prepare_text(self) -> None:
         """Every workload's token ids, fixed for the whole run."""
@@ -194,7 +167,7 @@ class PrefixBench:
                  + a.probe_pairs * (2 * a.probe_prefix_tokens + 3 * a.question_tokens)
                  + a.unique_prompts * a.unique_tokens + 2 * 256)
         tok = stacks.tokenizer(self.target_path)
-        n, stream = max(8, total // 600), []
+        n = max(8, total // 600)
         while True:
             prompts = default_prompts(n, max_chars=6000)
             stream = [t for p in prompts for t in tok.encode(p.text).ids]
@@ -210,52 +183,42 @@ class PrefixBench:
                        for system in [text.take(a.system_tokens)] for i in range(a.questions)]
         self.contexts = [text.take(a.context_tokens) for _ in range(a.conversations)]
         self.messages = [[text.take(q) for _ in range(a.turns)] for _ in range(a.conversations)]
-        self.pairs = []
-        for _ in range(a.probe_pairs):
-            prefix = text.take(a.probe_prefix_tokens)
-            self.pairs.append({"prime": prefix + text.take(q), "cached": prefix + text.take(q),
-                               "fresh": text.take(a.probe_prefix_tokens) + text.take(q)})
+        self.pairs = [{"prime": prefix + text.take(q), "cached": prefix + text.take(q),
+                       "fresh": text.take(a.probe_prefix_tokens) + text.take(q)}
+                      for _ in range(a.probe_pairs) for prefix in [text.take(a.probe_prefix_tokens)]]
         self.unique = [(f"u{i}", text.take(a.unique_tokens)) for i in range(a.unique_prompts)]
-        fixed = ([ids for _, ids in self.shared] + self.contexts + [m for c in self.messages for m in c]
-                 + [ids for pr in self.pairs for ids in pr.values()] + [ids for _, ids in self.unique])
-        self.text_digest = digest(fixed)
+        self.text_digest = digest([ids for _, ids in self.shared] + self.contexts + sum(self.messages, [])
+                                  + [ids for pr in self.pairs for ids in pr.values()] + [ids for _, ids in self.unique])
         self.text_source = (f"{len(prompts)} function cuts from installed third-party packages (max 6000 chars "
                             f"each), {len(stream)} tokens, cut into disjoint pieces")
-
-    # -------------------------------------------------------------- running
 
     def warm_up(self) -> None:
         """Each gateway and method once or twice on text no workload uses, salted apart."""
         for v in self.variants:
             for m in self.methods:
-                runner = Gateway(v.gateway, m, self.width, timeout_s=self.args.timeout_s, salt=f"warmup-{uuid.uuid4().hex}")
-                try:
+                salt = f"warmup-{uuid.uuid4().hex}"
+                with closing(Gateway(v.gateway, m, self.width, timeout_s=self.args.timeout_s, salt=salt)) as runner:
                     for ids in self.warm_prompts:
                         runner.run(ids, 8, sampling(0.0, self.args.top_p, 0))
-                finally:
-                    runner.close()
 
     def run_cell(self, workload: str, method: str, v: Variant, rep: int) -> dict:
         a = self.args
+        # a cache_salt of the run's own: every run starts cold without a restart
         salt = f"bench-prefix-{self.nonce}-{workload}-{method}-{v.name}-r{rep}".replace(" ", "_")
         runner = Gateway(v.gateway, method, self.width, timeout_s=a.timeout_s, salt=salt)
-        before = [target_counters(u) for u in v.metrics]
+        before = target_counters(v.metrics)
         t0 = time.perf_counter()
-        try:
+        with closing(runner):
             if workload in ("shared", "unique"):      # the prompts all at once, C streams
                 results, extra = self._concurrent(runner, getattr(self, workload), a.max_new_tokens), {}
             else:
                 results, extra = getattr(self, f"_{workload}")(runner, rep)
-        finally:
-            runner.close()
         wall = time.perf_counter() - t0
-        after = [target_counters(u) for u in v.metrics]
+        (q0, h0), (q1, h1) = before, target_counters(v.metrics)
         set_ideal(results, a.kv_block_size)
-        queries = sum(q1 - q0 for (q0, _), (q1, _) in zip(before, after))
-        hits = sum(h1 - h0 for (_, h0), (_, h1) in zip(before, after))
         out = {"workload": workload, "method": method, "variant": v.name, "cache": v.cache, "replicas": v.replicas,
                "routing": v.routing, "repeat": rep, **run_stats(results, method, wall),
-               "target_hit_rate": hits / queries if queries else None, **extra,
+               "target_hit_rate": ratio(h1 - h0, q1 - q0), **extra,
                "outputs": {r.key: r.sample.tokens for r in results},
                "per_request": {r.key: [r.sample.cached_tokens, r.ideal_cached, r.sample.committed, r.sample.verify_steps]
                                for r in results}}
@@ -270,18 +233,17 @@ class PrefixBench:
         return [Result(key, list(ids), s) for (key, ids), s in zip(jobs, samples)]
 
     def _multiturn(self, runner, rep):
-        """Round robin over the conversations, turn by turn; the pool takes jobs in order, so a
-        turn's predecessor was taken before it and waiting on it cannot deadlock."""
+        """Round robin over the conversations, turn by turn, a turn's prompt the transcript so far; the pool
+        takes jobs in order, so a turn's predecessor was taken before it and waiting on it cannot deadlock."""
         a = self.args
-        params = sampling(a.temperature, self.args.top_p, a.seed)
+        params = sampling(a.temperature, a.top_p, a.seed)
         answers: dict[tuple[int, int], list[int]] = {}
         done = {(k, t): threading.Event() for k in range(a.conversations) for t in range(a.turns)}
 
         def turn(kt):
             k, t = kt
-            if t:
-                if not done[(k, t - 1)].wait(a.timeout_s) or (k, t - 1) not in answers:
-                    raise RuntimeError(f"conversation {k} turn {t}: the previous turn failed")
+            if t and (not done[(k, t - 1)].wait(a.timeout_s) or (k, t - 1) not in answers):
+                raise RuntimeError(f"conversation {k} turn {t}: the previous turn failed")
             prompt = list(self.contexts[k])
             for j in range(t):
                 prompt += self.messages[k][j] + answers[(k, j)]
@@ -292,9 +254,8 @@ class PrefixBench:
                 return r
             finally:
                 done[kt].set()
-        order = [(k, t) for t in range(a.turns) for k in range(a.conversations)]
         with ThreadPoolExecutor(a.concurrency) as pool:
-            return list(pool.map(turn, order)), {}
+            return list(pool.map(turn, [(k, t) for t in range(a.turns) for k in range(a.conversations)])), {}
 
     def _probe(self, runner, rep):
         """Per pair: the prime (caches the prefix), then the cached and the fresh request, in an
@@ -314,26 +275,17 @@ class PrefixBench:
                          "probe_cached_hit_tokens": [r.sample.cached_tokens for r in cached]}
 
     def measure(self) -> list[dict]:
-        a = self.args
         runs = []
-        for rep in range(a.repeats):
+        for rep in range(self.args.repeats):
             for workload in self.workloads:
                 variants = [v for v in self.variants if v.replicas == 1 or workload == "multiturn"]
                 if rep % 2:     # on off ... then off on ...: a slow minute of a shared machine hits both
                     variants = variants[::-1]
-                for method in self.methods:
-                    for v in variants:
-                        runs.append(self.run_cell(workload, method, v, rep))
+                runs += [self.run_cell(workload, method, v, rep) for method in self.methods for v in variants]
         return runs
 
     def run(self) -> dict:
-        a = self.args
-        t0 = time.perf_counter()
-        meta = metadata("splitspec bench-prefix", self.argv)
-        self.resolve()
-        self.width = stacks.draft_width(self.draft_path, self.args.num_draft_tokens)
-        self.nonce = uuid.uuid4().hex[:8]
-        self.stack = stacks.Stack(a, self.target_path, self.width, Path(a.out) / "logs")
+        a, t0, meta = self.args, time.perf_counter(), metadata("splitspec bench-prefix", self.argv)
         try:
             self.start_services()
             self.prepare_text()
@@ -343,38 +295,31 @@ class PrefixBench:
             runs = self.measure()
         finally:
             self.stack.stop()
-        by = by_cell(runs)
+        by: dict[tuple, list[dict]] = {}        # (workload, method, variant): its runs, in the order they ran
+        for r in runs:
+            by.setdefault((r["workload"], r["method"], r["variant"]), []).append(r)
         cells = summarize_cells(by)
         for r in runs:
             del r["outputs"]         # compared in the cells; the token ids would swell the JSON
-        sizes = {name: getattr(a, name) for name in SIZES}
         results = {
             "meta": meta,
-            "run": {"duration_s": time.perf_counter() - t0,
-                    "target_model": str(self.target_path), "draft_model": str(self.draft_path or "") or None,
-                    "services": self.services, "workloads": self.workloads, "methods": self.methods,
-                    "variants": [v.name for v in self.variants], "sizes": sizes, "smoke": a.smoke,
-                    "temperature": a.temperature, "num_draft_tokens": self.width, "kv_block_size": a.kv_block_size,
-                    "kv_cache_budget_mb": a.kv_cache_budget_mb,
-                    "prefix_cache_hidden_mb": a.prefix_cache_hidden_mb, "text_source": self.text_source,
-                    "text_digest": self.text_digest, "seed": a.seed},
-            "cells": cells,
-            "ratios": ratios(cells, by),
-            "replicas": replica_ratios(by) if a.replicas == 2 else [],
-            "runs": runs,
-            "skipped": self.skipped,
-        }
+            "run": {"duration_s": time.perf_counter() - t0, "target_model": str(self.target_path),
+                    "draft_model": str(self.draft_path or "") or None, "services": self.services,
+                    "workloads": self.workloads, "methods": self.methods, "variants": [v.name for v in self.variants],
+                    "sizes": {name: getattr(a, name) for name in SIZES}, "smoke": a.smoke, "temperature": a.temperature,
+                    "num_draft_tokens": self.width, "kv_block_size": a.kv_block_size,
+                    "kv_cache_budget_mb": a.kv_cache_budget_mb, "prefix_cache_hidden_mb": a.prefix_cache_hidden_mb,
+                    "text_source": self.text_source, "text_digest": self.text_digest, "seed": a.seed},
+            "cells": cells, "ratios": ratios(cells, by), "replicas": replica_ratios(by) if a.replicas == 2 else [],
+            "runs": runs, "skipped": self.skipped}
         results["flags"] = flags(results)
         return results
 
 
-# ------------------------------------------------------------------------------ figures
-
-
-def target_counters(url: str) -> tuple[float, float]:
-    """(prefix_cache_queries, prefix_cache_hits) of a target, from its Prometheus exporter."""
-    got = prometheus(url, r"^splitspec:prefix_cache_(queries|hits)(?:_total)? (\S+)$")
-    return got.get("queries", 0.0), got.get("hits", 0.0)
+def target_counters(urls: list[str]) -> tuple[float, float]:
+    """(prefix_cache_queries, prefix_cache_hits) of the targets together, from their Prometheus exporters."""
+    got = [prometheus(url, r"^splitspec:prefix_cache_(queries|hits)(?:_total)? (\S+)$") for url in urls]
+    return sum(g.get("queries", 0.0) for g in got), sum(g.get("hits", 0.0) for g in got)
 
 
 def set_ideal(results: list[Result], block: int) -> None:
@@ -391,12 +336,8 @@ def set_ideal(results: list[Result], block: int) -> None:
         for o in order[:i]:
             prompt_keys, seq_keys = keys[id(o)]
             seen.update(seq_keys if o.sample.end_s <= r.sample.start_s else prompt_keys)
-        n = 0
-        for k in keys[id(r)][0][:(len(r.prompt) - 1) // block]:
-            if k not in seen:
-                break
-            n += 1
-        r.ideal_cached = n * block
+        prefix = keys[id(r)][0][:(len(r.prompt) - 1) // block]
+        r.ideal_cached = block * next((n for n, k in enumerate(prefix) if k not in seen), len(prefix))
 
 
 def run_stats(results: list[Result], method: str, wall: float) -> dict:
@@ -411,14 +352,6 @@ def run_stats(results: list[Result], method: str, wall: float) -> dict:
 
 MEDIAN_FIELDS = ("ttft_ms_p50", "ttft_ms_p90", "tokens_per_s", "hit_rate", "ideal_hit_rate", "target_hit_rate",
                  "probe_ttft_cached_ms_p50", "probe_ttft_fresh_ms_p50", "probe_ttft_ratio")
-
-
-def by_cell(runs: list[dict]) -> dict[tuple, list[dict]]:
-    """The runs of each (workload, method, variant), in the order they first ran."""
-    out: dict[tuple, list[dict]] = {}
-    for r in runs:
-        out.setdefault((r["workload"], r["method"], r["variant"]), []).append(r)
-    return out
 
 
 def summarize_cells(by: dict) -> list[dict]:
@@ -448,15 +381,14 @@ def summarize_cells(by: dict) -> list[dict]:
             **{f"tau{k}": tau([{"committed": c, "verify_steps": n} for r in mine for cached, _, c, n in
                                 r["per_request"].values() if which(cached)]) if spec else None
                for k, which in (("", lambda n: True), ("_hit", lambda n: n > 0), ("_miss", lambda n: n == 0))},
-            "tau_hit_requests_on": tau(hit_on) if spec and v != "off" else None,
-            "tau_hit_requests_off": tau(hit_off) if spec and v != "off" else None,
+            **{f"tau_hit_requests_{k}": tau(hits) if spec else None for k, hits in (("on", hit_on), ("off", hit_off))},
             "outputs_equal_to_off": [compared - len(mismatches), compared] if v != "off" else None,
             "output_mismatches": mismatches,      # [repeat, request] whose output differs from the cache-off run's
             "steps_by_method": step_mix(mine)})
     return cells
 
 
-def _paired(by: dict, w: str, m: str, num: str, den: str, f: str) -> float | None:
+def _paired(by: dict, w: str, m: str, f: str, num: str = "on", den: str = "off") -> float | None:
     """The median over the repeats of field f's ratio, variant num ÷ variant den."""
     return paired(*({r["repeat"]: r.get(f) for r in by.get((w, m, v), [])} for v in (num, den)))
 
@@ -466,14 +398,12 @@ def ratios(cells: list[dict], by: dict) -> list[dict]:
     cell, out = {(c["workload"], c["method"], c["variant"]): c for c in cells}, []
     for w, m in dict.fromkeys((c["workload"], c["method"]) for c in cells):
         on, off = cell[(w, m, "on")], cell[(w, m, "off")]
-        probe = w == "probe"    # its TTFT percentiles pool primes, cached and fresh requests: the cached one's
-        out.append({"workload": w, "method": m,
-                    "ttft_ms_p50_on_over_off": _paired(by, w, m, "on", "off",
-                                                       "probe_ttft_cached_ms_p50" if probe else "ttft_ms_p50"),
-                    "ttft_ms_p90_on_over_off": None if probe else _paired(by, w, m, "on", "off", "ttft_ms_p90"),
-                    "tokens_per_s_on_over_off": _paired(by, w, m, "on", "off", "tokens_per_s"),
-                    "hit_rate_on": on["hit_rate"], "tau_on": on["tau"],
-                    "tau_on_over_off": on["tau"] / off["tau"] if on["tau"] and off["tau"] else None})
+        # probe: its TTFT percentiles pool primes, cached and fresh requests; the cached one's counts
+        ttft = "probe_ttft_cached_ms_p50" if w == "probe" else "ttft_ms_p50"
+        out.append({"workload": w, "method": m, "ttft_ms_p50_on_over_off": _paired(by, w, m, ttft),
+                    "ttft_ms_p90_on_over_off": None if w == "probe" else _paired(by, w, m, "ttft_ms_p90"),
+                    "tokens_per_s_on_over_off": _paired(by, w, m, "tokens_per_s"), "hit_rate_on": on["hit_rate"],
+                    "tau_on": on["tau"], "tau_on_over_off": ratio(on["tau"], off["tau"])})
     return out
 
 
@@ -481,7 +411,7 @@ def replica_ratios(by: dict) -> list[dict]:
     """multiturn hit rate with two replicas ÷ with one, per method and routing policy."""
     hits = lambda m, v: median([r["hit_rate"] for r in by.get(("multiturn", m, v), [])])     # noqa: E731
     return [{"method": m, "variant": v, "hit_rate_1": hits(m, "on"), "hit_rate_2": hits(m, v),
-             "ratio": _paired(by, "multiturn", m, v, "on", "hit_rate")}
+             "ratio": _paired(by, "multiturn", m, "hit_rate", v, "on")}
             for m in dict.fromkeys(m for w, m, _ in by if w == "multiturn") for v in ("on x2 prefix", "on x2 round_robin")]
 
 
@@ -513,44 +443,39 @@ def flags(r: dict) -> list[str]:
     return out
 
 
-# ------------------------------------------------------------------------------ markdown
-
 def markdown(r: dict) -> str:
-    meta, run = r["meta"], r["run"]
-    s = run["sizes"]
-    lines = header("splitspec bench-prefix", meta,
+    run = r["run"]
+    lines = header("splitspec bench-prefix", r["meta"],
                    f"target: `{run['target_model']}`; draft: `{run['draft_model'] or 'none (ngram)'}`; verify width "
                    f"{run['num_draft_tokens']}; KV block {run['kv_block_size']}; T={run['temperature']:g}, eos ignored",
                    f"services: {run['services']}", f"text: {run['text_source']} (digest {run['text_digest']})",
-                   "sizes: " + ", ".join(f"{k} {v}" for k, v in s.items()) + " (cache on/off order alternating "
-                   f"per repeat); took {run['duration_s']:.0f} s") + ["## Cells", ""]
+                   "sizes: " + ", ".join(f"{k} {v}" for k, v in run["sizes"].items()) + " (cache on/off order "
+                   f"alternating per repeat); took {run['duration_s']:.0f} s") + ["## Cells", ""]
     pair = lambda a, b, f="{:.2f}": lambda c: f"{fmt(c.get(a), f)} / {fmt(c.get(b), f)}"     # noqa: E731
-    lines += columns([("workload", "workload", "{}"), ("method", "method", "{}"), ("cache", "variant", "{}"),
-                      ("TTFT p50 / p90 ms", pair("ttft_ms_p50", "ttft_ms_p90", "{:.0f}")), ("tok/s", "tokens_per_s", "{:.1f}"),
-                      ("hit rate (ideal, targets' counters)", lambda c: " (".join(fmt(c.get(k), "{:.3f}") for k in (
-                          "hit_rate", "ideal_hit_rate")) + f", {fmt(c.get('target_hit_rate'), '{:.3f}')})"),
-                      ("τ (hit / miss)", lambda c: f"{fmt(c['tau'])} ({pair('tau_hit', 'tau_miss')(c)})"),
-                      ("τ hit reqs on / off", pair("tau_hit_requests_on", "tau_hit_requests_off")),
-                      ("requests hit/miss", lambda c: f"{c['requests_hit']}/{c['requests_miss']}"),
-                      ("steps", lambda c: mix_cell(c["steps_by_method"])),
-                      ("= off outputs", lambda c: "/".join(map(str, c["outputs_equal_to_off"] or [])) or "–")], r["cells"])
-    lines += ["", "## Cache on ÷ off", ""]
-    lines += columns([("workload", "workload", "{}"), ("method", "method", "{}"),
-                      ("TTFT p50 on/off", "ttft_ms_p50_on_over_off"), ("TTFT p90 on/off", "ttft_ms_p90_on_over_off"),
-                      ("tok/s on/off", "tokens_per_s_on_over_off"), ("τ on/off", "tau_on_over_off", "{:.3f}"),
-                      ("hit rate on", "hit_rate_on", "{:.3f}")], r["ratios"])
-    probe = [c for c in r["cells"] if c["workload"] == "probe"]
-    if probe:
-        lines += ["", "## TTFT probe: prefix sent once before vs a fresh prefix of the same length", ""]
-        lines += columns([("method", "method", "{}"), ("cache", "variant", "{}"),
-                          ("TTFT cached p50 ms", "probe_ttft_cached_ms_p50", "{:.0f}"),
-                          ("TTFT fresh p50 ms", "probe_ttft_fresh_ms_p50", "{:.0f}"),
-                          ("median ratio cached/fresh", "probe_ttft_ratio", "{:.3f}")], probe)
+    lines += columns([
+        ("workload", "workload", "{}"), ("method", "method", "{}"), ("cache", "variant", "{}"),
+        ("TTFT p50 / p90 ms", pair("ttft_ms_p50", "ttft_ms_p90", "{:.0f}")), ("tok/s", "tokens_per_s", "{:.1f}"),
+        ("hit rate (ideal, targets' counters)", lambda c: " (".join(fmt(c.get(k), "{:.3f}") for k in (
+            "hit_rate", "ideal_hit_rate")) + f", {fmt(c.get('target_hit_rate'), '{:.3f}')})"),
+        ("τ (hit / miss)", lambda c: f"{fmt(c['tau'])} ({pair('tau_hit', 'tau_miss')(c)})"),
+        ("τ hit reqs on / off", pair("tau_hit_requests_on", "tau_hit_requests_off")),
+        ("requests hit/miss", lambda c: f"{c['requests_hit']}/{c['requests_miss']}"),
+        ("steps", lambda c: mix_cell(c["steps_by_method"])),
+        ("= off outputs", lambda c: "/".join(map(str, c["outputs_equal_to_off"] or [])) or "–")], r["cells"])
+    lines += ["", "## Cache on ÷ off", "", *columns([
+        ("workload", "workload", "{}"), ("method", "method", "{}"), ("TTFT p50 on/off", "ttft_ms_p50_on_over_off"),
+        ("TTFT p90 on/off", "ttft_ms_p90_on_over_off"), ("tok/s on/off", "tokens_per_s_on_over_off"),
+        ("τ on/off", "tau_on_over_off", "{:.3f}"), ("hit rate on", "hit_rate_on", "{:.3f}")], r["ratios"])]
+    if probe := [c for c in r["cells"] if c["workload"] == "probe"]:
+        lines += ["", "## TTFT probe: prefix sent once before vs a fresh prefix of the same length", "", *columns([
+            ("method", "method", "{}"), ("cache", "variant", "{}"),
+            ("TTFT cached p50 ms", "probe_ttft_cached_ms_p50", "{:.0f}"),
+            ("TTFT fresh p50 ms", "probe_ttft_fresh_ms_p50", "{:.0f}"),
+            ("median ratio cached/fresh", "probe_ttft_ratio", "{:.3f}")], probe)]
     if r["replicas"]:
-        lines += ["", "## multiturn: two cache-on replicas behind one gateway", ""]
-        lines += columns([("method", "method", "{}"), ("gateway", "variant", "{}"),
-                          ("hit rate, 1 replica", "hit_rate_1", "{:.3f}"), ("hit rate, 2 replicas", "hit_rate_2", "{:.3f}"),
-                          ("2 ÷ 1", "ratio", "{:.3f}")], r["replicas"])
+        lines += ["", "## multiturn: two cache-on replicas behind one gateway", "", *columns([
+            ("method", "method", "{}"), ("gateway", "variant", "{}"), ("hit rate, 1 replica", "hit_rate_1", "{:.3f}"),
+            ("hit rate, 2 replicas", "hit_rate_2", "{:.3f}"), ("2 ÷ 1", "ratio", "{:.3f}")], r["replicas"])]
     lines += [""] + tail(r["flags"], r["skipped"], (
         "TTFT (client-side) and tok/s (output tokens ÷ the run's wall time) are medians over the repeats; hit "
         "rate = Σ cached ÷ Σ prompt tokens (Usage), ideal = the prompt blocks an unbounded cache could have "
@@ -562,4 +487,4 @@ def markdown(r: dict) -> str:
     return "\n".join(lines)
 
 
-main, cli_main = entry("splitspec bench-prefix", __doc__, add_flags, lambda args, argv: PrefixBench(args, argv).run(), markdown)
+main, cli_main = entry("splitspec bench-prefix", __doc__, add_flags, lambda *a: PrefixBench(*a).run(), markdown)

@@ -1,29 +1,9 @@
 """`splitspec bench-structured`: structured outputs through the real services (issue 41): held-out
-prompts, each followed by a line asking for one constrained shape, run with every speculative
-method at T=0 and T=1; per cell τ, tok/s, validity and finish reasons, and the grammar's cost.
-
-One target, a draft service and a gateway per draft (by default both bundled drafts: DFlash, whose
-chains stay inside the grammar, and DFlash2). Every request carries `sampling.constraint` and honours
-eos (a constrained answer ends where its grammar is complete). The shapes take turns over the prompts:
-
-  flat        JSON schema: a record of the function (an enum, an integer in [0, 16], two booleans)
-  nested      JSON schema: the signature, an array (maxItems 3) of objects, a return-type enum
-  strings     JSON schema: four string fields with maxLength
-  tool        JSON schema of a tool call {"name": const <the function>, "arguments": {its parameters}}
-  identifier  regex [a-z_][a-z0-9_]{0,23} after "def "
-  version     regex [0-9]{1,2}\\.[0-9]{1,2}\\.[0-9]{1,3} after `__version__ = "`
-  choice      one of six categories
-
-Every prompt runs through every method in turn (none first: the baseline). Validity = answers that
-parse and validate (JSON Schema by the `jsonschema` package, regexes by a full match, choices by
-equality) ÷ completed answers (a `length` finish is unfinished and counted apart). "forced" = the
-share of committed tokens the grammar forced: per verify step, the chunk's tokens − 1 (the bonus) −
-the drafter's own accepted nodes (a lower bound: the last chunk stops at eos).
-
-The grammar's cost (target-only, one stream): each constrained `none` request is followed by the
-same request unconstrained with exactly the constrained answer's length ("matched": ignore_eos,
-max_new_tokens = its token count, the same decoding at the same positions). And unconstrained
-requests are timed before any constrained one and after the run: the grammar must cost them nothing.
+prompts, each followed by a line asking for one constrained shape (JSON schemas, a tool call,
+regexes, a choice), through every speculative method in turn at T=0 and T=1. Reported per cell: τ,
+tok/s against none, validity (valid ÷ completed answers), finish reasons and the share of tokens
+the grammar forced; and the grammar's cost: constrained `none` requests against the same requests
+unconstrained at the same lengths, and unconstrained requests before and after. See docs/benchmarks.md.
 
     splitspec bench-structured                                # defaults, ~8 min on 2 cores
     splitspec bench-structured --smoke                        # 2 prompts, 1 repeat, dflash only
@@ -79,8 +59,6 @@ def add_flags(a) -> None:
     stacks.add_flags(a, request_timeout_s=600.0, out="bench-out/structured")
 
 
-# ------------------------------------------------------------------------------ constraints
-
 def _obj(props: dict, **extra) -> dict:
     return {"type": "object", "properties": props, "required": list(props), "additionalProperties": False, **extra}
 
@@ -104,8 +82,7 @@ SUFFIX = {"flat": "\n\n# A JSON record describing the function above:\n",
           "nested": "\n\n# The signature of the function above as JSON:\n",
           "strings": "\n\n# Metadata of the module above as JSON:\n",
           "tool": "\n\n# A JSON tool call of the function above:\n",
-          "identifier": "\n\ndef ",
-          "version": '\n\n__version__ = "',
+          "identifier": "\n\ndef ", "version": '\n\n__version__ = "',
           "choice": "\n\n# Category of the function above (" + ", ".join(CHOICES[:-1]) + f" or {CHOICES[-1]}): "}
 
 
@@ -163,23 +140,19 @@ def make_job(index: int, prompt_id: str, text: str, shape: str) -> tuple[Job, st
     return Job(index, prompt_id, shape, kind, spec), text.rstrip("\n") + SUFFIX[shape]
 
 
-# ------------------------------------------------------------------------------ validation
-
 def schema_errors(value, schema: dict) -> list[str]:
     """What is wrong with `value` against `schema`, by the `jsonschema` package (draft 2020-12)."""
     try:
         from jsonschema import Draft202012Validator
     except ImportError:
         raise SystemExit("bench-structured checks answers with jsonschema: pip install -e '.[bench]'") from None
-    errors = sorted(Draft202012Validator(schema).iter_errors(value), key=lambda e: list(e.absolute_path))
     return ["$" + "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in e.absolute_path) + f": {e.message}"
-            for e in errors]
+            for e in sorted(Draft202012Validator(schema).iter_errors(value), key=lambda e: list(e.absolute_path))]
 
 
 def _no_duplicates(pairs):
     keys = [k for k, _ in pairs]
-    dup = sorted({k for k in keys if keys.count(k) > 1})
-    if dup:
+    if dup := sorted({k for k in keys if keys.count(k) > 1}):
         raise ValueError(f"duplicate key(s) {dup}")
     return dict(pairs)
 
@@ -203,8 +176,6 @@ def check_output(kind: str, spec, text: str) -> str | None:
     return "; ".join(errs[:3]) if errs else None
 
 
-# ------------------------------------------------------------------------------ the bench
-
 @dataclass
 class Run:
     name: str                 # "none", "ngram", "dflash (DFlash)", "auto (DFlash2)", "none matched"
@@ -226,7 +197,9 @@ def send(run: Run, ids: list[int], max_new: int, params, constraint=None, ignore
 
 
 def forced_tokens(sample) -> int | None:
-    """Tokens the grammar forced in one answer; None when the steps and the chunks do not pair up."""
+    """Tokens the grammar forced in one answer: per verify step, the chunk's tokens − 1 (the bonus) −
+    the drafter's own accepted nodes (a lower bound: the last chunk stops at eos); None when the steps
+    and the chunks do not pair up."""
     steps = sample.stats.steps
     if len(steps) != len(sample.step_sizes):
         return None
@@ -234,10 +207,9 @@ def forced_tokens(sample) -> int | None:
 
 
 class StructuredBench:
-    def __init__(self, args, argv):
+    def __init__(self, a, argv):
         from splitspec_tools.defaults import model_dir
-        self.args, self.argv, self.skipped = args, argv, []
-        a = args
+        self.args, self.argv, self.skipped = a, argv, []
         apply_sizes(a, SIZES)
         if min(a.num_prompts, a.repeats, a.max_new_tokens) < 1:
             raise SystemExit("--num-prompts, --repeats and --max-new-tokens must be >= 1")
@@ -246,11 +218,9 @@ class StructuredBench:
         self.shapes, self.temperatures = csv_items(a.shapes), [float(t) for t in csv_items(a.temperatures)]
         if set(self.methods) - set(METHODS) or set(self.shapes) - set(SHAPES) or not self.shapes or not self.temperatures:
             raise SystemExit(f"--methods from {', '.join(METHODS)}; --shapes from {', '.join(SHAPES)}; --temperatures")
-        self.drafts = []
-        for d in csv_items(a.drafts):
-            path = Path(d) if Path(d).is_absolute() else (model_dir(None, d) or Path(d))
-            arch = stacks.architecture(path, "--drafts")
-            self.drafts.append(({"DFlashDraftModel": "DFlash", "DFlash2DraftModel": "DFlash2"}.get(arch, path.name), path))
+        paths = [Path(d) if Path(d).is_absolute() else (model_dir(None, d) or Path(d)) for d in csv_items(a.drafts)]
+        labels = {"DFlashDraftModel": "DFlash", "DFlash2DraftModel": "DFlash2"}
+        self.drafts = [(labels.get(stacks.architecture(p, "--drafts"), p.name), p) for p in paths]
         if len({label for label, _ in self.drafts}) != len(self.drafts):
             self.drafts = [(f"{label}:{p.name}", p) for label, p in self.drafts]
         if not self.drafts:
@@ -260,8 +230,7 @@ class StructuredBench:
         self.stack = stacks.Stack(a, self.target_path, self.width, Path(a.out) / "logs")
 
     def start(self) -> None:
-        stack = self.stack
-        target = stack.target()
+        stack, target = self.stack, self.stack.target()
         drafts = [(label, stack.draft(path, name=f"draft-{label}")) for label, path in self.drafts or [("ngram", None)]]
         stack.wait(target, *(p for _, p in drafts))
         self.gateways = {label: stack.gateway(target.address, p.address, name=f"gateway-{label}") for label, p in drafts}
@@ -339,7 +308,7 @@ class StructuredBench:
             errors.append(err) if err else samples.append(sample)
         s = summary(samples)
         out = {"when": when, "requests": len(samples), "errors": errors, "max_new_tokens": n,
-               "decode_ms_per_token": decode_ms(samples), "tokens_per_s": s["tokens_per_s"], "ttft_ms_p50": s["ttft_ms_p50"]}
+               "decode_ms_per_token": decode_ms(samples), **{k: s[k] for k in ("tokens_per_s", "ttft_ms_p50")}}
         log(f"unconstrained probe {when}: decode {fmt(out['decode_ms_per_token'])} ms/token")
         return out
 
@@ -393,8 +362,6 @@ def row(t: float, rep: int, job: Job, run: Run, s, error: str | None) -> dict:
             "text": s.text if run.variant == "constrained" else None, "_s": s}
 
 
-# ------------------------------------------------------------------------------ figures
-
 def decode_ms(samples) -> float | None:
     """Σ (t_last − t_first) ÷ Σ (n − 1): decode time per token, TTFT left out."""
     gaps = sum(len(s.tokens) - 1 for s in samples)
@@ -428,18 +395,15 @@ def summarize_cells(rows: list[dict], runs: list[str], temps: list[float]) -> li
                 continue
             ok, method = [r for r in mine if "tokens" in r], mine[0]["method"]
             s, spec, rates = summary([r["_s"] for r in ok], method), method != "none", per_repeat(ok)
-            committed = sum(r["committed"] for r in ok if r["forced"] is not None)
+            known = [r for r in ok if r["forced"] is not None]      # forced_tokens paired the steps and the chunks
+            forced = ratio(sum(r["forced"] for r in known), sum(r["committed"] for r in known)) if spec else None
             pairs = [(r["_s"].tokens, base_ids[(r["repeat"], r["job"])]) for r in ok if (r["repeat"], r["job"]) in base_ids]
             cells.append({
                 "name": name, "method": method, "draft": mine[0]["draft"], "temperature": t, **validity(mine),
                 "finish_reasons": dict(Counter(r["finish_reason"] for r in ok)),
                 "tokens_mean": ratio(s["tokens"], len(ok)), "tau": s["tau"] if spec else None,
-                "tokens_per_s": median(rates.values()),
-                "speedup_vs_none": paired(rates, base_rate),
-                "ttft_ms_p50": s["ttft_ms_p50"],
-                "forced_share": sum(r["forced"] for r in ok if r["forced"] is not None) / committed
-                if spec and committed else None,
-                "forced_unknown": sum(1 for r in ok if r["forced"] is None),
+                "tokens_per_s": median(rates.values()), "speedup_vs_none": paired(rates, base_rate),
+                "ttft_ms_p50": s["ttft_ms_p50"], "forced_share": forced, "forced_unknown": len(ok) - len(known),
                 **{k: s[k] for k in ("steps_by_method", "method_mismatches", "draft_fallbacks")},
                 "equal_to_none": [sum(x == y for x, y in pairs), len(pairs)] if t == 0 else None})
     return cells
@@ -514,53 +478,48 @@ def flags(r: dict) -> list[str]:
     return out
 
 
-# ------------------------------------------------------------------------------ markdown
-
 def markdown(r: dict) -> str:
     run = r["run"]
+    drafts = ", ".join(f"{k} `{v}`" for k, v in run["drafts"].items()) or "none"
     lines = header("splitspec bench-structured", r["meta"],
-                   f"target: `{run['target_model']}`; drafts: " + (", ".join(f"{k} `{v}`" for k, v in run["drafts"].items())
-                                                                   or "none") + f"; verify width {run['num_draft_tokens']}",
+                   f"target: `{run['target_model']}`; drafts: {drafts}; verify width {run['num_draft_tokens']}",
                    f"services: {run['services']}",
                    f"prompts: {run['num_prompts']} (function cuts + one request line per shape, digest "
                    f"{run['prompt_digest']}, {run['prompt_tokens_mean']:.0f} tokens on average); shapes "
                    f"{', '.join(run['shapes'])} in turn; max_new_tokens {run['max_new_tokens']}, eos honoured; repeats "
                    f"{run['repeats']}; drafts at T > 0: {run['draft_sampling']}; took {run['duration_s']:.0f} s")
+    cell = lambda s: "–" if s is None else f"{fmt(s['tau'])} ({s['valid']}/{s['completed']})"  # noqa: E731
     for t in run["temperatures"]:
-        cells = [c for c in r["cells"] if c["temperature"] == t]
-        lines += [f"## temperature {t:g}" + (f", top_p {run['top_p']:g}" if t else " (greedy)"), ""]
-        lines += columns([("method", "name", "{}"), ("τ", "tau"), ("tok/s", "tokens_per_s", "{:.1f}"),
-                          ("× none", "speedup_vs_none"), ("valid / completed", lambda c: f"{c['valid']}/{c['completed']}"),
-                          ("cut (length)", "truncated", "{}"), ("errors", "errors", "{}"),
-                          ("finish", lambda c: ", ".join(f"{k} {v}" for k, v in sorted(c["finish_reasons"].items()))),
-                          ("tokens mean", "tokens_mean", "{:.1f}"), ("TTFT p50 ms", "ttft_ms_p50", "{:.0f}"),
-                          ("forced", "forced_share", "{:.1%}"),
-                          ("steps", lambda c: mix_cell(c["steps_by_method"]) if c["method"] == "auto" else "–"),
-                          ("= none", lambda c: "–" if c["equal_to_none"] is None
-                           else "/".join(map(str, c["equal_to_none"])))], cells)
-        shapes = [s for s in r["shapes"] if s["temperature"] == t]
-        names = list(dict.fromkeys(s["name"] for s in shapes))
-        cell = lambda s: "–" if s is None else f"{fmt(s['tau'])} ({s['valid']}/{s['completed']})"  # noqa: E731
-        lines += ["", "τ (validity) by shape:", ""]
-        lines += table(["shape", *names], [[shape, *(cell(next((x for x in shapes if (x["name"], x["shape"]) == (n, shape)),
-                                                                 None)) for n in names)] for shape in run["shapes"]])
-        lines.append("")
+        lines += [f"## temperature {t:g}" + (f", top_p {run['top_p']:g}" if t else " (greedy)"), "", *columns([
+            ("method", "name", "{}"), ("τ", "tau"), ("tok/s", "tokens_per_s", "{:.1f}"), ("× none", "speedup_vs_none"),
+            ("valid / completed", lambda c: f"{c['valid']}/{c['completed']}"), ("cut (length)", "truncated", "{}"),
+            ("errors", "errors", "{}"),
+            ("finish", lambda c: ", ".join(f"{k} {v}" for k, v in sorted(c["finish_reasons"].items()))),
+            ("tokens mean", "tokens_mean", "{:.1f}"), ("TTFT p50 ms", "ttft_ms_p50", "{:.0f}"),
+            ("forced", "forced_share", "{:.1%}"),
+            ("steps", lambda c: mix_cell(c["steps_by_method"]) if c["method"] == "auto" else "–"),
+            ("= none", lambda c: "–" if c["equal_to_none"] is None else "/".join(map(str, c["equal_to_none"])))],
+            [c for c in r["cells"] if c["temperature"] == t])]
+        shapes = {(s["name"], s["shape"]): s for s in r["shapes"] if s["temperature"] == t}
+        names = list(dict.fromkeys(name for name, _ in shapes))
+        lines += ["", "τ (validity) by shape:", "", *table(["shape", *names], [
+            [shape, *(cell(shapes.get((n, shape))) for n in names)] for shape in run["shapes"]]), ""]
     if r["cost"]:
-        lines += ["## The grammar's cost (target-only, one stream)", ""]
         both = lambda k, f: lambda e: " / ".join(fmt(e[v][k], f) for v in ("constrained", "matched"))  # noqa: E731
-        lines += columns([("T", "temperature", "{:g}"), ("pairs", "pairs", "{}"),
-                          ("decode ms/token constrained / matched", both("decode_ms_per_token", "{:.3f}")),
-                          ("tok/s constrained / matched", both("tokens_per_s", "{:.1f}")),
-                          ("cost: tok/s", "grammar_cost_tokens_per_s", "{:.1%}"),
-                          ("cost: decode ms/token", "grammar_cost_decode", "{:.1%}")], r["cost"])
+        lines += ["## The grammar's cost (target-only, one stream)", "", *columns([
+            ("T", "temperature", "{:g}"), ("pairs", "pairs", "{}"),
+            ("decode ms/token constrained / matched", both("decode_ms_per_token", "{:.3f}")),
+            ("tok/s constrained / matched", both("tokens_per_s", "{:.1f}")),
+            ("cost: tok/s", "grammar_cost_tokens_per_s", "{:.1%}"),
+            ("cost: decode ms/token", "grammar_cost_decode", "{:.1%}")], r["cost"])]
         lines += ["", "matched = the same request without the constraint, ignore_eos, as many tokens as the "
                   "constrained answer; cost: tok/s = 1 − tok/s ÷ matched's (median of the repeats' ratios), decode = "
                   "decode ms/token ÷ matched's − 1.", ""]
     probe = r["unconstrained_probe"]
-    lines += ["## Unconstrained requests before and after the constrained ones", ""]
-    lines += columns([("when", "when", "{}"), ("requests", "requests", "{}"),
-                      ("decode ms/token", "decode_ms_per_token", "{:.3f}"), ("tok/s", "tokens_per_s", "{:.1f}"),
-                      ("TTFT p50 ms", "ttft_ms_p50", "{:.1f}")], [probe["before"], probe["after"]])
+    lines += ["## Unconstrained requests before and after the constrained ones", "", *columns([
+        ("when", "when", "{}"), ("requests", "requests", "{}"), ("decode ms/token", "decode_ms_per_token", "{:.3f}"),
+        ("tok/s", "tokens_per_s", "{:.1f}"), ("TTFT p50 ms", "ttft_ms_p50", "{:.1f}")],
+        [probe["before"], probe["after"]])]
     lines += ["", f"after ÷ before (decode ms/token): {fmt(probe['decode_ratio'], '{:.3f}')}.", ""]
     lines += tail(r["flags"][:60], r["skipped"], (
         "τ = committed tokens per verify step, pooled over the repeats; tok/s = output tokens ÷ wall time over a "
@@ -569,4 +528,4 @@ def markdown(r: dict) -> str:
     return "\n".join(lines)
 
 
-main, cli_main = entry("splitspec bench-structured", __doc__, add_flags, lambda args, argv: StructuredBench(args, argv).run(), markdown)
+main, cli_main = entry("splitspec bench-structured", __doc__, add_flags, lambda *a: StructuredBench(*a).run(), markdown)
