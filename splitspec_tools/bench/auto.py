@@ -1,20 +1,8 @@
-"""`splitspec bench-auto`: the default method (`auto`) against target-only, cell by cell, and the
-per-step prices that decide whether drafting pays (issue 42).
-
-Cells: T ∈ {0, 1 / top_p 0.95} × streams {1, 8, 16} × new tokens {64, 512} × prompts {short (held-out
-cuts of < 256 tokens), long (the last ~2,000 tokens of longer cuts, less where the generation would
-not fit the context)}. Requests carry token ids, ignore eos and name only their method, as a client
-on the gateway's defaults does. Each repeat of a cell sends the same requests once with `none` and
-once with `auto` to the same gateway, the order alternating, `streams` in flight; "auto ×" is the
-median over repeats of the paired tok/s ratios, and at T=0 every auto output must equal none's. A
-cell is first sized: one unmeasured run of `none`, and if shorter than --min-run-s more requests
-per run (whole waves): on a busy host a 2-second run of the same requests reads 0.8x-1.2x of itself.
-
-Services: `--launch up` (`splitspec up` itself, its defaults), `hand` (the three services with
-nothing but their model paths and addresses), `up,hand` (both in turn), or `--gateway ADDR`.
-Prices (`--price-streams`, first launch only): at each load, method none, ngram, dflash (a chain of
-8) and dflash trees of 16 and 32 nodes at T=0 on short prompts: a step's ms, its Propose and Verify
-round trips, τ, and the break-even τ = step ms ÷ none's.
+"""`splitspec bench-auto`: the default method (`auto`) against target-only, cell by cell (T × streams × new
+tokens × short or long prompts), and the per-step prices that decide whether drafting pays (issue 42). A
+cell's repeats send the same requests with `none` and with `auto`, the order alternating; "auto ×" is the
+median of the paired tok/s ratios. Services: `--launch up` (`splitspec up`), `hand` (bare), `up,hand` or
+`--gateway ADDR`. More in docs/benchmarks.md.
 
     splitspec bench-auto                                   # full grid with `splitspec up`, ~40 min on 2 cores
     splitspec bench-auto --launch up,hand --repeats 3
@@ -65,15 +53,12 @@ def add_flags(a) -> None:
     a("--smoke", action="store_true", help="one small cell per temperature and one load: a quick end-to-end check")
 
 
-# ------------------------------------------------------------------------------ prompts
-
 def make_prompts(tokenizer, args) -> dict[str, list[list[int]]]:
     """short: held-out cuts of 16 to 255 tokens; long: cuts of at least --long-tokens, kept to their
     last --long-tokens (the request then continues the function body)."""
-    short = [ids for p in default_prompts(64, max_chars=700) if 16 <= len(ids := tokenizer.encode(p.text).ids) <= SHORT_MAX]
-    long = [ids[-args.long_tokens:] for p in default_prompts(96, max_chars=12000)
-            if len(ids := tokenizer.encode(p.text).ids) >= args.long_tokens]
-    return {"short": short, "long": long}
+    encoded = lambda n, chars: [tokenizer.encode(p.text).ids for p in default_prompts(n, max_chars=chars)]  # noqa: E731
+    return {"short": [ids for ids in encoded(64, 700) if 16 <= len(ids) <= SHORT_MAX],
+            "long": [ids[-args.long_tokens:] for ids in encoded(96, 12000) if len(ids) >= args.long_tokens]}
 
 
 def fit(prompt: list[int], max_new: int, max_context: int, width: int = 8) -> list[int]:
@@ -81,8 +66,6 @@ def fit(prompt: list[int], max_new: int, max_context: int, width: int = 8) -> li
     room = max_context - max_new - width - 1
     return prompt[-room:] if len(prompt) > room else prompt
 
-
-# ------------------------------------------------------------------------------ the grid
 
 @dataclass(frozen=True)
 class Cell:
@@ -144,19 +127,17 @@ def run_cell(gw: Gateway, cell: Cell, prompts: list[list[int]], n_requests: int,
     return {"temperature": cell.temperature, "streams": cell.streams, "max_new_tokens": cell.max_new,
             "prompts": cell.kind, "requests": n_requests, "repeats": repeats,
             "prompt_tokens_mean": round(statistics.mean(len(prompts[i % len(prompts)]) for i in range(n_requests)), 1),
-            "none_tok_s": median(rates["none"]), "auto_tok_s": median(rates["auto"]),
-            "ratio": median(ratios), "ratios": [round(x, 3) for x in ratios],
-            "ttft_ms_none": 1e3 * median([r.ttft_s for r in none_all]),
-            "ttft_ms_auto": 1e3 * median([r.ttft_s for r in auto_all]),
-            "auto_steps": step_mix(auto_all), "auto_dflash_tau": drafter_tau(auto_all, "dflash"),
-            "auto_ngram_tau": drafter_tau(auto_all, "ngram"),
+            "none_tok_s": median(rates["none"]), "auto_tok_s": median(rates["auto"]), "ratio": median(ratios),
+            "ratios": [round(x, 3) for x in ratios], "ttft_ms_none": 1e3 * median([r.ttft_s for r in none_all]),
+            "ttft_ms_auto": 1e3 * median([r.ttft_s for r in auto_all]), "auto_steps": step_mix(auto_all),
+            "auto_dflash_tau": drafter_tau(auto_all, "dflash"), "auto_ngram_tau": drafter_tau(auto_all, "ngram"),
             "greedy_mismatches": sum(a.tokens != b.tokens for a, b in zip(auto_all, none_all))
             if cell.temperature == 0 else None}
 
 
-def grid(args) -> list[Cell]:
-    return [Cell(float(t), int(s), int(n), k) for t in csv_items(args.temperatures) for k in csv_items(args.prompt_kinds)
-            for n in csv_items(args.max_new_tokens) for s in csv_items(args.streams)]
+def grid(a) -> list[Cell]:
+    return [Cell(float(t), int(s), int(n), k) for t in csv_items(a.temperatures) for k in csv_items(a.prompt_kinds)
+            for n in csv_items(a.max_new_tokens) for s in csv_items(a.streams)]
 
 
 def min_requests(spec: str) -> dict[int, int]:
@@ -164,17 +145,14 @@ def min_requests(spec: str) -> dict[int, int]:
     return {int(new): int(n) for new, _, n in (part.partition(":") for part in csv_items(spec))}
 
 
-# ------------------------------------------------------------------------------ prices
-
 def step_prices(results: list[Sample]) -> dict:
     """Per step, medians over the requests: a step's time (after the first token), a Propose
     round trip, a Verify round trip, the wire's share of them, and τ pooled."""
     n = lambda r: r.verify_steps or max(1, len(r.tokens) - 1)       # target-only: a step is a token
     steps = sum(n(r) for r in results)
-    per = lambda f: sum(f(r) for r in results) / steps
-    return {"step_ms": median([1e3 * (r.wall_s - r.ttft_s) / n(r) for r in results]),
-            "propose_ms": per(lambda s: s.draft_ms), "verify_ms": per(lambda s: s.verify_ms),
-            "wire_ms": per(lambda s: s.wire_ms), "queue_ms": per(lambda s: s.queue_ms),
+    per = lambda k: sum(getattr(r, k) for r in results) / steps
+    return {"step_ms": median([1e3 * (r.wall_s - r.ttft_s) / n(r) for r in results]), "propose_ms": per("draft_ms"),
+            "verify_ms": per("verify_ms"), "wire_ms": per("wire_ms"), "queue_ms": per("queue_ms"),
             "tau": tau(results) or 1.0, "steps": steps}
 
 
@@ -200,14 +178,13 @@ def run_prices(gw: Gateway, prompts: list[list[int]], args, depth: int) -> list[
     return rows
 
 
-# ------------------------------------------------------------------------------ report
-
 def markdown(res: dict) -> str:
     out = header("splitspec bench-auto", res["meta"], f"took {res['took_s']:.0f} s",
                  f"prompts: short {res['prompts']['short']}, long {res['prompts']['long']}")
     for run in res["runs"]:
         out += [f"## Services: {run['services']}", "", f"`{run['description']}`", ""]
-        n = lambda c: c["requests"] * c["repeats"]      # noqa: E731
+        same = lambda c: "–" if c["greedy_mismatches"] is None else (      # noqa: E731
+            f"{c['requests'] * c['repeats'] - c['greedy_mismatches']}/{c['requests'] * c['repeats']}")
         out += columns([("T", "temperature", "{:g}"), ("streams", "streams", "{}"), ("new", "max_new_tokens", "{}"),
                         ("prompts (tokens)", lambda c: f"{c['prompts']} ({c['prompt_tokens_mean']:.0f})"),
                         ("requests", "requests", "{}"), ("none tok/s", "none_tok_s", "{:.1f}"),
@@ -215,37 +192,28 @@ def markdown(res: dict) -> str:
                         ("auto ×", lambda c: f"**{fmt(c['ratio'])}**" if c["ratio"] < 0.95 else fmt(c["ratio"])),
                         ("per repeat", lambda c: " ".join(f"{x:.2f}" for x in c["ratios"])),
                         ("auto steps", lambda c: mix_cell(c["auto_steps"])), ("τ dflash", "auto_dflash_tau"),
-                        ("τ ngram", "auto_ngram_tau"), ("= none", lambda c: "–" if c["greedy_mismatches"] is None
-                                                          else f"{n(c) - c['greedy_mismatches']}/{n(c)}")], run["cells"])
-        ratios = [c["ratio"] for c in run["cells"]]
-        if ratios:
+                        ("τ ngram", "auto_ngram_tau"), ("= none", same)], run["cells"])
+        if ratios := [c["ratio"] for c in run["cells"]]:
             out += ["", f"auto × none: min {min(ratios):.2f}, median {median(ratios):.2f}; "
                         f"{sum(r >= 0.95 for r in ratios)}/{len(ratios)} cells ≥ 0.95, "
                         f"{sum(r >= 1.0 for r in ratios)}/{len(ratios)} ≥ 1.0", ""]
-        if run.get("prices"):
-            out += price_markdown(run["prices"])
+        if prices := run.get("prices"):
+            dash = lambda k: lambda r: fmt(r[k]) if r["config"] != "none" else "–"      # noqa: E731
+            out += ["### Prices per step (T=0, short prompts)", ""] + columns(
+                [("streams", "streams", "{}"), ("step", "config", "{}"), ("ms a step", "step_ms"),
+                 ("Propose ms", dash("propose_ms")), ("Verify ms", dash("verify_ms")), ("wire ms", "wire_ms"),
+                 ("queue ms", "queue_ms"), ("τ", "tau"), ("break-even τ", "break_even_tau"),
+                 ("tok/s × none", "tok_s_vs_none")], prices)
+            out += ["", "ms a step: a request's time after its first token ÷ its steps (median over requests; for "
+                    "none a step is one token); Propose / Verify / wire / queue: the gateway's per-request totals ÷ "
+                    "steps; break-even τ = ms a step ÷ none's ms a step at the same load: the drafter pays where "
+                    "its τ is above it.", ""]
     out += ["auto × = median over repeats of (auto tok/s ÷ none tok/s), each pair run back to back in "
             "alternating order on the same gateway; requests = per run (sized by --min-run-s); auto steps = "
             "its steps by what ran; τ dflash / ngram = committed tokens per verify of auto's steps by that "
             "drafter; = none: greedy auto outputs equal to none's."]
     return "\n".join(out) + "\n"
 
-
-def price_markdown(prices: list[dict]) -> list[str]:
-    out = ["### Prices per step (T=0, short prompts)", ""]
-    dash = lambda k: lambda r: fmt(r[k]) if r["config"] != "none" else "–"      # noqa: E731
-    out += columns([("streams", "streams", "{}"), ("step", "config", "{}"), ("ms a step", "step_ms"),
-                    ("Propose ms", dash("propose_ms")), ("Verify ms", dash("verify_ms")), ("wire ms", "wire_ms"),
-                    ("queue ms", "queue_ms"), ("τ", "tau"), ("break-even τ", "break_even_tau"),
-                    ("tok/s × none", "tok_s_vs_none")], prices)
-    out += ["", "ms a step: a request's time after its first token ÷ its steps (median over requests; for "
-            "none a step is one token); Propose / Verify / wire / queue: the gateway's per-request totals ÷ "
-            "steps; break-even τ = ms a step ÷ none's ms a step at the same load: the drafter pays where its τ "
-            "is above it.", ""]
-    return out
-
-
-# ------------------------------------------------------------------------------ main
 
 SMOKE = dict(temperatures="0,1", streams="2", max_new_tokens="16", prompt_kinds="short,long", long_tokens=400,
              repeats=1, price_streams="2", price_new_tokens=16, price_repeats=1, min_requests="16:2", min_run_s=0.0)
@@ -257,12 +225,10 @@ def bench(args, argv: list[str]) -> dict:
     from splitspec_tools.defaults import DEFAULT_DRAFT, DEFAULT_TARGET, model_dir
     meta, t0 = metadata("splitspec bench-auto", argv), time.perf_counter()
     model, draft = model_dir(args.model_path, DEFAULT_TARGET), model_dir(args.draft_model_path, DEFAULT_DRAFT)
-    tokenizer = stacks.tokenizer(model)
     launches = ["running"] if args.gateway else csv_items(args.launch)
     if set(launches) - {"up", "hand", "running"}:
         raise SystemExit("--launch: up, hand or up,hand")
-    needed = min_requests(args.min_requests)
-    runs, prompt_info = [], {}
+    prompts, needed, runs = make_prompts(stacks.tokenizer(model), args), min_requests(args.min_requests), []
     for i, how in enumerate(launches):
         stack, gateway, target, description = (
             (None, args.gateway, None, f"gateway {args.gateway}") if how == "running" else
@@ -271,8 +237,6 @@ def bench(args, argv: list[str]) -> dict:
         try:
             log(f"{how}: gateway {gateway}, target {target}")
             info = gw.info()
-            prompts = make_prompts(tokenizer, args)
-            prompt_info = {k: f"{len(v)} ({digest(v)})" for k, v in prompts.items()}
             gw.send(request(prompts["short"][0], 8, sampling(0, TOP_P, 0), method="auto"))     # warm-up
             run = {"services": how, "description": description, "gateway": gateway, "cells": []}
             if i == 0 and csv_items(args.price_streams):
@@ -281,16 +245,17 @@ def bench(args, argv: list[str]) -> dict:
                 ps = [fit(p, cell.max_new, info.max_context) for p in prompts[cell.kind]]
                 n, sized_s = size_cell(gw, cell, ps, max(cell.streams, needed.get(cell.max_new, 1)), args.min_run_s,
                                        args.seed)
-                row = run_cell(gw, cell, ps, n, args.repeats, args.seed)
-                row["sizing_run_s"] = round(sized_s, 2)
+                row = {**run_cell(gw, cell, ps, n, args.repeats, args.seed), "sizing_run_s": round(sized_s, 2)}
                 run["cells"].append(row)
-                log(f"{how}: {cell.label}: auto × none {row['ratio']:.2f} ({row['ratios']}), steps {row['auto_steps']}")
+                log(f"{how}: {cell.label}: auto × none {row['ratio']:.2f} ({row['ratios']}), "
+                    f"steps {row['auto_steps']}")
             runs.append(run)
         finally:
             gw.close()
             if stack is not None:
                 stack.stop()
-    return {"meta": meta, "took_s": time.perf_counter() - t0, "prompts": prompt_info, "runs": runs}
+    return {"meta": meta, "took_s": time.perf_counter() - t0,
+            "prompts": {k: f"{len(v)} ({digest(v)})" for k, v in prompts.items()}, "runs": runs}
 
 
 main, cli_main = entry("splitspec bench-auto", __doc__, add_flags, bench, markdown)

@@ -1,20 +1,11 @@
-"""`splitspec bench-drafts`: two or more draft checkpoints for the same target, side by side in
-one run through the real services (issue 16: DFlash vs DFlash2).
-
-One target service is shared; each draft gets its own draft service and gateway. Every prompt runs
-through each draft in turn (A B A B …, so a slow minute hits all drafts alike) with method "dflash"
-(never auto, so τ is the drafter's own), at T=0 and at each T > 0 with greedy and sampled drafts.
-Reported per draft and setting: τ, P(slot k accepted), tok/s, the draft's forward ms per Propose
-(its metrics: DFlash2's convs and selector show as added ms), τ ÷ the first draft's, and τ ÷ the
-`splitspec ceiling` of the same prompts and setting. At T=0 every draft must give the same tokens
-(all are lossless against one target): a mismatch is reported and the exit code is 1.
+"""`splitspec bench-drafts`: two or more draft checkpoints for one target, side by side through the real
+services (issue 16: DFlash vs DFlash2), every prompt through each draft in turn with method "dflash" (so τ
+is the drafter's own): τ, P(slot k accepted), tok/s, draft ms per Propose, τ ÷ the first draft's and ÷ the
+`splitspec ceiling`. At T=0 all drafts must give the same tokens, else exit code 1. See docs/benchmarks.md.
 
     splitspec bench-drafts --draft runs/out-dflash --draft runs/out-dflash2      # ~25 min on 2 idle cores
     splitspec bench-drafts --draft A --draft B --num-prompts 10 --ceiling-paths 0    # no ceiling
     splitspec bench-drafts --draft A --draft B --prompt-lengths 128,512,1024,1800   # τ by prompt length
-
-With --prompt-lengths the same long prompts run at every length, each cut to its last L tokens: a
-length changes only how much of the file before the function the models see.
 """
 from __future__ import annotations
 
@@ -45,12 +36,10 @@ def propose_ms(url: str) -> tuple[float, float]:
 
 class DraftBench:
     def __init__(self, args, argv):
-        self.args, self.argv, self.skipped = args, argv, []
+        self.args, self.argv, self.skipped, self.mismatches = args, argv, [], []
         self.target_path, _ = stacks.models(args.target_model_path, "none")
-        self.drafts = []
-        for path in map(Path, args.draft):
-            self.drafts.append({"label": path.name, "path": str(path), "architecture": stacks.architecture(path, "--draft"),
-                                "block_size": stacks.draft_width(path)})
+        self.drafts = [{"label": p.name, "path": str(p), "architecture": stacks.architecture(p, "--draft"),
+                        "block_size": stacks.draft_width(p)} for p in map(Path, args.draft)]
         if len({d["label"] for d in self.drafts}) < len(self.drafts):     # same folder names: say more
             for d in self.drafts:
                 d["label"] = f"{Path(d['path']).parent.name}/{d['label']}"
@@ -84,8 +73,7 @@ class DraftBench:
         self.source = f"prompts of at least {max(self.lengths)} tokens cut to their last L, digest {digest(kept)}"
 
     def start(self) -> None:
-        stack, drafts = self.stack, []
-        target = stack.target()
+        stack, target, drafts = self.stack, self.stack.target(), []
         for i, d in enumerate(self.drafts):
             flags, d["metrics"] = stacks.metrics_port()
             drafts.append(stack.draft(Path(d["path"]), flags, name=f"draft{i}"))
@@ -93,11 +81,11 @@ class DraftBench:
         self.gateways = [stack.gateway(target.address, p.address, name=f"gateway{i}") for i, p in enumerate(drafts)]
         stack.wait(*self.gateways)
 
-    def measure(self, L: int | None, ids: list[list[int]]) -> tuple[list[dict], list[str]]:
-        a, entries, mismatches, at = self.args, [], [], f" at {L} prompt tokens" if L else ""
+    def measure(self, L: int | None, ids: list[list[int]]) -> list[dict]:
+        a, entries, at = self.args, [], f" at {L} prompt tokens" if L else ""
         for t, mode in self.settings:
             runners = [Gateway(gw.address, "dflash", self.width, mode, a.timeout_s) for gw in self.gateways]
-            name = "T=0" if t == 0 else f"T={t:g} top_p {a.top_p:g}, {'sampled' if mode == 'sample' else 'greedy'} drafts"
+            name = f"T={t:g} top_p {a.top_p:g}, {'sampled' if mode == 'sample' else 'greedy'} drafts" if t else "T=0"
             for runner in runners:      # this setting's own path (sampled drafts too), not timed
                 for p in ids[:a.warmup]:
                     runner.run(p, min(16, a.max_new_tokens), sampling(t, a.top_p, a.seed + 999_999))
@@ -106,27 +94,25 @@ class DraftBench:
                 sample = runners[d].run(p, a.max_new_tokens, params)
                 s1, n1 = propose_ms(self.drafts[d]["metrics"])
                 return sample, (s1 - s0) * 1e3 / (n1 - n0) if n1 > n0 else None
-
             def after(rep, i, out):
-                nonlocal mismatches
                 if t == 0:      # lossless: every draft must give the reference draft's tokens
-                    mismatches += [f"{self.drafts[d]['label']} ≠ {self.drafts[0]['label']} on {self.names[i]}{at} "
-                                   f"(repeat {rep + 1})" for d in range(1, len(runners))
-                                   if out[d][-1][0].tokens != out[0][-1][0].tokens]
+                    self.mismatches += [f"{self.drafts[d]['label']} ≠ {self.drafts[0]['label']} on {self.names[i]}{at} "
+                                        f"(repeat {rep + 1})" for d in range(1, len(runners))
+                                        if out[d][-1][0].tokens != out[0][-1][0].tokens]
                 log(f"{name}{at} rep {rep + 1}/{a.repeats} prompt {i + 1}/{len(ids)}: τ " +
                     ", ".join(f"{dr['label']} {fmt(tau([o[-1][0]]))}" for dr, o in zip(self.drafts, out)))
             out = interleave(range(len(runners)), ids, a.repeats, send, t, a.top_p, a.seed, after, rotate=True)
             for runner in runners:
                 runner.close()
-            rows = [summarize(dr, [s for s, _ in o], [f for _, f in o], t, mode, name) for dr, o in zip(self.drafts, out)]
-            ref_ms = rows[0]["draft_forward_ms_p50"]
+            rows = [summarize(dr, [s for s, _ in o], [f for _, f in o], t, mode, name)
+                    for dr, o in zip(self.drafts, out)]
             for r in rows:
+                ms, ref = r["draft_forward_ms_p50"], rows[0]["draft_forward_ms_p50"]
                 r.update(prompt_tokens=L or sum(map(len, ids)) / len(ids), length_key=L,
                          tau_vs_first=ratio(r["tau"], rows[0]["tau"]),
-                         draft_forward_ms_vs_first=None if r["draft_forward_ms_p50"] is None or ref_ms is None
-                         else r["draft_forward_ms_p50"] - ref_ms)
+                         draft_forward_ms_vs_first=None if ms is None or ref is None else ms - ref)
             entries += rows
-        return entries, mismatches
+        return entries
 
     def ceilings(self) -> dict:
         """`splitspec ceiling` on the same prompts, width and settings, per prompt length, in this
@@ -137,9 +123,8 @@ class DraftBench:
                  "seconds": 0.0, "source": "exact (the target is deterministic at T=0)"}
         out = {(L, 0.0): exact for L in self.by_length} if 0 in self.temperatures else {}
         hot = sorted({t for t, _ in self.settings if t > 0})
-        if hot and a.ceiling_paths <= 0:
-            self.skipped.append("ceiling at T > 0: --ceiling-paths 0")
         if not hot or a.ceiling_paths <= 0:
+            self.skipped += ["ceiling at T > 0: --ceiling-paths 0"] if hot else []
             return out
         from splitspec.engine.sample import SamplingParams
         from target_service.engine import load_model
@@ -156,13 +141,10 @@ class DraftBench:
 
     def run(self) -> dict:
         a, t0, meta = self.args, time.perf_counter(), metadata("splitspec bench-drafts", self.argv)
-        entries, mismatches = [], []
         try:
             self.prompts()
             self.start()
-            for L, ids in self.by_length.items():
-                e, m = self.measure(L, ids)
-                entries, mismatches = entries + e, mismatches + m
+            entries = [e for L, ids in self.by_length.items() for e in self.measure(L, ids)]
         finally:
             self.stack.stop()
         ceil = self.ceilings()
@@ -175,26 +157,22 @@ class DraftBench:
         for d in self.drafts:
             d.pop("metrics", None)
         some = next(iter(self.by_length.values()))
-        return {
-            "meta": meta,
-            "run": {"duration_s": time.perf_counter() - t0, "target_model": str(self.target_path),
-                    "num_prompts": len(some), "prompt_source": self.source,
-                    "prompt_tokens_mean": sum(map(len, some)) / len(some), "max_new_tokens": a.max_new_tokens,
-                    "repeats": a.repeats, "num_draft_tokens": self.width, "prompt_lengths": self.lengths, "seed": a.seed},
-            "drafts": self.drafts,
-            "ceilings": {(f"{L}:{t:g}" if L else f"{t:g}"): c for (L, t), c in ceil.items()},
-            "results": entries,
+        return {"meta": meta, "run": {
+            "duration_s": time.perf_counter() - t0, "target_model": str(self.target_path), "num_prompts": len(some),
+            "prompt_source": self.source, "prompt_tokens_mean": sum(map(len, some)) / len(some),
+            "max_new_tokens": a.max_new_tokens, "repeats": a.repeats, "num_draft_tokens": self.width,
+            "prompt_lengths": self.lengths, "seed": a.seed}, "drafts": self.drafts,
+            "ceilings": {(f"{L}:{t:g}" if L else f"{t:g}"): c for (L, t), c in ceil.items()}, "results": entries,
             "lossless": {"requests": len(some) * a.repeats * len(self.by_length) if 0.0 in self.temperatures else 0,
-                         "mismatches": mismatches},
-            "skipped": self.skipped}
+                         "mismatches": self.mismatches}, "skipped": self.skipped}
 
 
 def summarize(draft: dict, samples: list, fwd: list, t: float, mode: str, name: str) -> dict:
-    per_step = lambda k: percentile([getattr(s, k) / s.verify_steps for s in samples if s.verify_steps], 50)  # noqa: E731
+    step = lambda k: percentile([getattr(s, k) / s.verify_steps for s in samples if s.verify_steps], 50)  # noqa: E731
     return {"setting": name, "temperature": t, "draft_sampling": mode if t > 0 else None, "draft": draft["label"],
             "architecture": draft["architecture"], **summary(samples, "dflash"),
             "draft_forward_ms_p50": percentile(fwd, 50),
-            "propose_ms_per_step_p50": per_step("draft_ms"), "verify_ms_per_step_p50": per_step("verify_ms")}
+            "propose_ms_per_step_p50": step("draft_ms"), "verify_ms_per_step_p50": step("verify_ms")}
 
 
 def markdown(r: dict) -> str:
@@ -213,16 +191,16 @@ def markdown(r: dict) -> str:
                       ("share of ceiling", "ceiling_share", "{:.0%}"), ("tok/s", "tokens_per_s", "{:.1f}"),
                       ("draft forward ms/Propose p50", "draft_forward_ms_p50"),
                       ("Δ draft ms vs first", "draft_forward_ms_vs_first", "{:+.2f}"),
-                      ("Propose / Verify ms/step p50", lambda e: f"{fmt(e['propose_ms_per_step_p50'], '{:.1f}')} / "
-                                                                 f"{fmt(e['verify_ms_per_step_p50'], '{:.1f}')}")], entries)
+                      ("Propose / Verify ms/step p50", lambda e: " / ".join(
+                          fmt(e[f"{k}_ms_per_step_p50"], "{:.1f}") for k in ("propose", "verify")))], entries)
     if run["prompt_lengths"]:
         Ls, at = run["prompt_lengths"], {(e["setting"], e["draft"], e["prompt_tokens"]): e for e in entries}
-        cells = lambda s, d: [at.get((s, d, L)) for L in Ls]  # noqa: E731
+        cells = lambda s, d, f: [f(at[s, d, L]) if (s, d, L) in at else "–" for L in Ls]  # noqa: E731
         lines += ["", "## By prompt length", "", "τ (share of the ceiling) and draft ms per Propose, the same prompts "
                   "cut to their last L tokens:", ""]
         lines += table(["setting", "draft", *[f"τ @{L}" for L in Ls], *[f"ms @{L}" for L in Ls]],
-                       [[s, d, *[f"{fmt(c['tau'])} ({fmt(c['ceiling_share'], '{:.0%}')})" if c else "–" for c in cells(s, d)],
-                         *[fmt(c["draft_forward_ms_p50"]) if c else "–" for c in cells(s, d)]]
+                       [[s, d, *cells(s, d, lambda c: f"{fmt(c['tau'])} ({fmt(c['ceiling_share'], '{:.0%}')})"),
+                         *cells(s, d, lambda c: fmt(c["draft_forward_ms_p50"]))]
                         for s, d in dict.fromkeys((e["setting"], e["draft"]) for e in entries)])
     depth = max((len(e["per_position_acceptance"]) for e in entries), default=0)
     rows = []
@@ -240,8 +218,8 @@ def markdown(r: dict) -> str:
     lines += [f"- **{e['setting']} {e['draft']}: {e['method_mismatches']} request(s) ran another method, "
               f"{e['draft_fallbacks']} draft fallback(s) (τ understated)**" for e in entries
               if e["method_mismatches"] or e["draft_fallbacks"]]
-    lines += ["", "Ceilings: " + ", ".join(f"T={t}: {c['source']}, {c['seconds']:.0f} s" for t, c in r["ceilings"].items())
-              + "." + (f" Not run: {'; '.join(r['skipped'])}." if r["skipped"] else "")]
+    ceilings = ", ".join(f"T={t}: {c['source']}, {c['seconds']:.0f} s" for t, c in r["ceilings"].items())
+    lines += ["", f"Ceilings: {ceilings}." + (f" Not run: {'; '.join(r['skipped'])}." if r["skipped"] else "")]
     lines += ["", "τ = tokens committed per verify step, pooled; ceiling τ = `splitspec ceiling` on these prompts and "
               "this width; draft forward ms/Propose = the draft service's own time per propose forward (its metrics), "
               "median over requests; Propose / Verify ms/step = the gateway's round trips per step, median over "
@@ -255,4 +233,5 @@ def lossless(args, results) -> int:
     return 1 if results["lossless"]["mismatches"] else 0
 
 
-main, cli_main = entry("splitspec bench-drafts", __doc__, add_flags, lambda args, argv: DraftBench(args, argv).run(), markdown, lossless)
+main, cli_main = entry("splitspec bench-drafts", __doc__, add_flags, lambda args, argv: DraftBench(args, argv).run(),
+                       markdown, lossless)

@@ -1,15 +1,6 @@
-"""`splitspec bench-trees`: chain vs tree drafts from one draft, side by side, and what a verify
-costs against its node count (issue 23).
-
-Part 1, accept length: every prompt runs with the chain (width 8: 7 drafted tokens) and with the
-tree (topk 4, 15 nodes: a 16-wide verify) in turn, in one process (the `splitspec_tools.speculate`
-loop: the draft's proposals verified by the target's runner, no gRPC, so τ is the drafter's own
-and the timing is the models' alone), at T=0 and at T>0 / top_p in each draft mode. Reported:
-τ (committed tokens per verify), tokens per second, ms per step, tree ÷ chain.
-
-Part 2, verify cost: one sequence per prompt length, then verifies of trees of 7, 15, 31 and 63
-nodes (best-first shapes with topk 4; their tokens are rejected, so each commits one token and
-the context stays the prompt's) and one-token decode steps, interleaved, median of the repeats.
+"""`splitspec bench-trees`: chain vs tree drafts from one draft, side by side in process (the
+`splitspec_tools.speculate` loop, no gRPC, so τ is the drafter's own): τ, tok/s, ms per step, tree ÷
+chain; then what a verify costs against its node count (issue 23). More in docs/benchmarks.md.
 
     splitspec bench-trees                                      # default pair, ~15 min on 2 idle cores
     splitspec bench-trees --num-prompts 4 --prompt-lengths 64 --max-new-tokens 32     # quick look
@@ -41,16 +32,16 @@ def add_flags(a) -> None:
 
 def prompts_of_length(tok, n: int, length: int) -> list[list[int]]:
     from .prompts import at_least, default_prompts
-    return [ids[-length:] for ids, _ in at_least(default_prompts(4 * n, max_chars=max(1500, 6 * length)), tok, length, n)]
+    return [p[-length:] for p, _ in at_least(default_prompts(4 * n, max_chars=max(1500, 6 * length)), tok, length, n)]
 
 
 def run_generation(model, draft, prompt, *, params, draft_params, width: int, topk: int, max_new: int):
     from draft_service.proposer import DFlashProposer
     from splitspec_tools.speculate import speculative_generate
     from target_service.engine import TargetSequence
-    seq = TargetSequence(model, prompt, params, max_len=len(prompt) + max_new + 2 * width + 2,
-                         hidden_layers=tuple(draft.cfg.target_layer_ids))
-    prop = DFlashProposer(draft, num_draft_tokens=width, topk=topk, max_len=len(prompt) + max_new + 2 * width + 2,
+    max_len = len(prompt) + max_new + 2 * width + 2
+    seq = TargetSequence(model, prompt, params, max_len=max_len, hidden_layers=tuple(draft.cfg.target_layer_ids))
+    prop = DFlashProposer(draft, num_draft_tokens=width, topk=topk, max_len=max_len,
                           num_steps=draft.cfg.block_size - 1 if topk > 1 else None, sampling=draft_params)
     t0 = time.perf_counter()
     out, stats = speculative_generate(seq, prop, max_new)
@@ -75,11 +66,10 @@ def tau_part(model, draft, tok, args) -> list[dict]:
                        "top_p": args.top_p if t > 0 else None, "prompts": len(prompts),
                        "t0_mismatches": sum(t == 0 and c[0] != r[0] for c, r in zip(got["chain"], got["tree"]))}
                 for name, runs in got.items():
-                    stats, secs = [st for _, st, _ in runs], sum(secs for _, _, secs in runs)
-                    row.update({f"{name}_tau": tau(stats), f"{name}_tok_s": ratio(sum(len(o) for o, _, _ in runs), secs),
+                    outs, stats, secs = [o for o, _, _ in runs], [st for _, st, _ in runs], sum(s for _, _, s in runs)
+                    row.update({f"{name}_tau": tau(stats), f"{name}_tok_s": ratio(sum(map(len, outs)), secs),
                                 f"{name}_ms_per_step": ratio(1e3 * secs, sum(st.verify_steps for st in stats))})
-                row["tau_tree_over_chain"] = ratio(row["tree_tau"], row["chain_tau"])
-                row["tok_s_tree_over_chain"] = ratio(row["tree_tok_s"], row["chain_tok_s"])
+                row |= {f"{k}_tree_over_chain": ratio(row[f"tree_{k}"], row[f"chain_{k}"]) for k in ("tau", "tok_s")}
                 log(f"{length} tokens, T={t:g} {mode}: τ chain {row['chain_tau']:.2f} tree {row['tree_tau']:.2f} "
                     f"({row['tau_tree_over_chain']:.2f}x), tok/s {row['tok_s_tree_over_chain']:.2f}x")
                 rows.append(row)
@@ -89,18 +79,15 @@ def tau_part(model, draft, tok, args) -> list[dict]:
 def best_first_shape(nodes: int, topk: int) -> list[int]:
     """Parents of a best-first tree of `nodes` nodes: the spine, then breadth under it."""
     from draft_service.tree_search import best_first_tree
-    built = best_first_tree(lambda _p, _d: [(j, -0.5 * (j + 1)) for j in range(topk)], root_token=0,
-                            spine=[(0, -0.1)] * 7, budget=nodes, max_depth=7, topk=topk)
-    return built.parents
+    return best_first_tree(lambda _p, _d: [(j, -0.5 * (j + 1)) for j in range(topk)], root_token=0,
+                           spine=[(0, -0.1)] * 7, budget=nodes, max_depth=7, topk=topk).parents
 
 
 def verify_cost_part(model, tok, args) -> list[dict]:
     from splitspec.engine.tree import Tree
     from target_service.engine import TargetSequence
-    topk = int(args.tree.split(":")[0])
-    sizes = [int(x) for x in csv_items(args.nodes)]
-    vocab = model.cfg.vocab_size
-    rows = []
+    topk, sizes = int(args.tree.split(":")[0]), [int(x) for x in csv_items(args.nodes)]
+    shapes, rows = {n: tuple(best_first_shape(n, topk)) for n in sizes}, []
     for length in map(int, csv_items(args.prompt_lengths)):
         prompt = prompts_of_length(tok, 1, length)[0]
         seq = TargetSequence(model, prompt, max_len=length + (args.verify_repeats + 1) * (len(sizes) + 1) + 80)
@@ -114,11 +101,9 @@ def verify_cost_part(model, tok, args) -> list[dict]:
                 else:
                     # Tokens no target would pick next (the last token repeated is rarely it) are
                     # rejected, so each verify commits one token, as a decode does.
-                    parents = best_first_shape(n, topk)
-                    last = seq.tokens[-1]
-                    ids = [(last + 1 + j) % vocab for j in range(len(parents))]
+                    ids = tuple((seq.tokens[-1] + 1 + j) % model.cfg.vocab_size for j in range(len(shapes[n])))
                     t0 = time.perf_counter()
-                    seq.verify(Tree(tuple(ids), tuple(parents)))
+                    seq.verify(Tree(ids, shapes[n]))
                 times[n].append((time.perf_counter() - t0) * 1e3)
         med = {n: median(ts) for n, ts in times.items()}
         rows += [{"prompt_tokens": length, "nodes": n, "verify_width": n + 1, "ms_median": ms, "vs_decode": ms / med[0]}
@@ -130,11 +115,11 @@ def verify_cost_part(model, tok, args) -> list[dict]:
 def markdown(res: dict) -> str:
     lines = header("splitspec bench-trees", res["meta"]) + ["## Accept length, chain vs tree (in process)", ""]
     lines += columns([("prompt tokens", "prompt_tokens", "{}"), ("T", "temperature", "{:g}"),
-                      ("draft mode", "draft_sampling", "{}"), ("τ chain", "chain_tau"),
-                      ("τ tree", "tree_tau"), ("τ tree ÷ chain", "tau_tree_over_chain"),
-                      ("tok/s chain", "chain_tok_s", "{:.1f}"), ("tok/s tree", "tree_tok_s", "{:.1f}"),
-                      ("tok/s tree ÷ chain", "tok_s_tree_over_chain"), ("ms/step chain", "chain_ms_per_step", "{:.1f}"),
-                      ("ms/step tree", "tree_ms_per_step", "{:.1f}"), ("T=0 mismatches", "t0_mismatches", "{}")], res["tau"])
+                      ("draft mode", "draft_sampling", "{}"), ("τ chain", "chain_tau"), ("τ tree", "tree_tau"),
+                      ("τ tree ÷ chain", "tau_tree_over_chain"), ("tok/s chain", "chain_tok_s", "{:.1f}"),
+                      ("tok/s tree", "tree_tok_s", "{:.1f}"), ("tok/s tree ÷ chain", "tok_s_tree_over_chain"),
+                      ("ms/step chain", "chain_ms_per_step", "{:.1f}"), ("ms/step tree", "tree_ms_per_step", "{:.1f}"),
+                      ("T=0 mismatches", "t0_mismatches", "{}")], res["tau"])
     lines += ["", "## Verify forward against its node count (one sequence, median)", ""]
     lines += columns([("prompt tokens", "prompt_tokens", "{}"), ("verify width", "verify_width", "{}"),
                       ("ms", "ms_median", "{:.1f}"), ("÷ decode", "vs_decode")], res["verify_cost"])
@@ -147,12 +132,11 @@ def bench(args, argv: list[str]) -> dict:
     from draft_service.architectures import load_draft
     from target_service.engine import load_model, load_tokenizer
     torch.set_num_threads(args.torch_threads)
-    meta = metadata("splitspec bench-trees", argv)
-    model = load_model(args.target_model_path)
-    draft = load_draft(args.draft, args.target_model_path)
-    tok = load_tokenizer(args.target_model_path)
+    meta, path = metadata("splitspec bench-trees", argv), args.target_model_path
+    model, draft, tok = load_model(path), load_draft(args.draft, path), load_tokenizer(path)
     with torch.inference_mode():
-        return {"meta": meta, "verify_cost": verify_cost_part(model, tok, args), "tau": tau_part(model, draft, tok, args)}
+        return {"meta": meta, "verify_cost": verify_cost_part(model, tok, args),
+                "tau": tau_part(model, draft, tok, args)}
 
 
 main, cli_main = entry("splitspec bench-trees", __doc__, add_flags, bench, markdown,
