@@ -14,6 +14,7 @@
     splitspec bench-drafts --draft A --draft B  draft checkpoints side by side through the services (splitspec_tools.bench.drafts)
     splitspec bench-trees                       chain vs tree drafts, verify cost by node count (splitspec_tools.bench.trees)
     splitspec bench-auto                        `auto` against target-only cell by cell, and the per-step prices (splitspec_tools.bench.auto)
+    splitspec bench-forward exactness|cost      the target's forward in process: exact at bf16, and its cost (splitspec_tools.bench.forward)
 """
 from __future__ import annotations
 
@@ -136,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("bench-auto", add_help=False, help="auto against target-only in every cell (T x streams x new "
                                                       "tokens x prompt length) and the per-step prices and "
                                                       "break-even tau of each drafter (see its --help)")
+    sub.add_parser("bench-forward", add_help=False, help="the target's forward in process: greedy speculative = "
+                                                         "target-only, and what batch-invariant forwards cost "
+                                                         "(see its --help)")
     return p
 
 
@@ -322,6 +326,9 @@ def main(argv=None) -> None:
     if argv and argv[0] == "bench-auto":
         from splitspec_tools.bench.auto import cli_main as bench_auto_main
         sys.exit(bench_auto_main(argv[1:]))
+    if argv and argv[0] == "bench-forward":
+        from splitspec_tools.bench.forward import cli_main as bench_forward_main
+        sys.exit(bench_forward_main(argv[1:]))
     args = build_parser().parse_args(argv)
     from splitspec_tools.ops import certs, scaleout
     sys.exit({"up": cmd_up, "generate": cmd_generate, "health": cmd_health,

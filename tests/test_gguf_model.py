@@ -107,3 +107,19 @@ def test_chat_completions_stop_at_the_turn_end_and_refuse_a_prompt_past_the_cont
     status, body = _post(port, {"messages": [{"role": "user", "content": "word " * 9000}], "max_tokens": 8})
     assert status == 400, body
     assert "context" in body["error"]["message"]
+
+
+def test_bench_forward_finds_verifies_equal_to_decodes_and_prices_both_attention_paths(tmp_path):
+    """`splitspec bench-forward` end to end on the real model (tiny sizes): with batch-invariant
+    attention every greedy chain verify commits target-only's tokens, and the cost check times
+    each step with both attention paths. A benchmark, not a test of speed: no thresholds."""
+    from splitspec_tools.bench.forward import main
+    assert main(["exactness", "--prompts", "2", "--new-tokens", "6", "--attention", "torch-exact",
+                 "--out", str(tmp_path / "ex")]) == 0
+    ex = json.loads((tmp_path / "ex" / "results.json").read_text())
+    assert [(r["attention"], r["prompts"], r["mismatches"]) for r in ex["rows"]] == [("torch-exact", 2, 0)]
+    assert main(["cost", "--reps", "1", "--prompt-tokens", "32", "--out", str(tmp_path / "cost")]) == 0
+    rows = json.loads((tmp_path / "cost" / "results.json").read_text())["rows"]
+    assert [r["step"] for r in rows] == ["decode x1", "verify-8 x1", "decode x8"]
+    assert all(r["plain_ms"] > 0 and r["invariant_ms"] > 0 for r in rows)
+    assert "| bfloat16 | 32 | verify-8 x1 |" in (tmp_path / "cost" / "results.md").read_text()

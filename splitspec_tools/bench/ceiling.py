@@ -1,26 +1,11 @@
 """How high can the accept length τ go against a given target, whatever the drafter?
 
-A drafter's τ is bounded by how predictable the target's own output is. This measures, on real
-contexts (held-out prompts plus the target's own continuations), the τ of two idealised drafters
-with block size B (B-1 drafted tokens plus the bonus token), so a trained draft can be judged
-against what is possible and a τ goal against what the target allows:
-
-* **greedy drafts, target-only verification** — the target's own argmax chain y_k = argmax
-  p(·|c, y_<k), accepted at slot k with probability p(y_k|c, y_<k) (the verifier samples from p and
-  keeps the draft token when it draws it). Every greedy-mode drafter, DFlash or autoregressive,
-  drafts some token sequence y and is accepted through slot k with probability P(x_1..k = y_1..k);
-  the argmax chain is the usual best guess at the most likely sequence (a beam search can do a
-  little better), so this is the figure greedy-draft mode will not meaningfully exceed.
-* **sampled drafts, `min(1, p/q)`, exact marginals** — a block drafter drafts all slots in one
-  forward, so slot k cannot see which token was drafted at slot k-1: the best its cross-entropy
-  training can learn is the marginal q_k(x) = P(x_k = x | c) under the target's sampling. This
-  estimates q_k as the mean of p(·|c, x_<k) over `num_paths` of the target's own paths, draws
-  drafts y_k ~ q_k independently per slot and runs the real acceptance rule on them. It is the τ a
-  perfectly trained DFlash drafter reaches in sampled mode (slot 1 is always accepted: q_1 = p_1).
-
-At temperature 0 both are B (the target is deterministic): there the limit is the drafter's
-capacity and training, not the target. Also reported: the target's mean entropy (nats/token)
-along its own paths, the quantity that drives both.
+On real contexts (held-out prompts plus the target's own continuations), the τ of two idealised
+drafters of block size B: the target's own argmax chain under target-only verification (what
+greedy-draft mode can reach), and block drafts sampled from the exact per-slot marginals under
+`min(1, p/q)` (what a perfectly trained DFlash draft reaches in sampled mode); and the target's
+mean entropy along its own paths. At T=0 both are B. docs/training.md, "How high can τ go
+against a target?", explains both.
 
     python -m splitspec_tools.bench.ceiling --temperature 1.0 --top-p 0.95     # or: splitspec ceiling ...
 """
@@ -147,7 +132,7 @@ def ceiling(model, prompts: list[list[int]], *, block_size: int = 8, params: Sam
     }
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="splitspec ceiling", description=__doc__.splitlines()[0])
     a = p.add_argument
     a("--target-model-path", default="models/splitspec-code-target")
@@ -162,44 +147,34 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--seed", type=int, default=0)
     a("--threads", type=int, default=None)
     a("--out", default=None, help="also write the result as JSON here")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    from target_service.engine import load_model, load_tokenizer
 
-
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    from tokenizers import Tokenizer
-
-    from target_service.engine import load_model
-
-    from .harness import machine_line, metadata
+    from .harness import log, machine_line, metadata
     from .prompts import default_prompts, digest, load_jsonl
     if args.threads:
         torch.set_num_threads(args.threads)
     model = load_model(args.target_model_path)
     raw = load_jsonl(args.prompts, args.num_prompts) if args.prompts else default_prompts(args.num_prompts)
-    tok = None if all(p.token_ids for p in raw) else \
-        Tokenizer.from_file(str(Path(args.target_model_path) / "tokenizer.json"))
+    tok = None if all(p.token_ids for p in raw) else load_tokenizer(args.target_model_path)
     prompts = [list(p.token_ids) or tok.encode(p.text).ids for p in raw]
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p).validate()
     t0 = time.time()
-
-    def progress(done, total):
-        if done % 10 == 0 or done == total:
-            print(f"  {done}/{total} prompts, {time.time() - t0:.0f}s", file=sys.stderr, flush=True)
     res = ceiling(model, prompts, block_size=args.block_size, params=params, num_paths=args.num_paths,
-                  offsets=[int(o) for o in args.offsets.split(",")], seed=args.seed, progress=progress)
+                  offsets=[int(o) for o in args.offsets.split(",")], seed=args.seed,
+                  progress=lambda done, total: log(f"{done}/{total} prompts, {time.time() - t0:.0f}s")
+                  if done % 10 == 0 or done == total else None)
     meta = metadata("splitspec ceiling", sys.argv[1:] if argv is None else argv)
     res.update(seconds=round(time.time() - t0, 1), command=meta["command"], git_revision=meta["git_revision"],
                machine=machine_line(meta), prompts_digest=digest(prompts))
-    fmt = lambda xs: " ".join(f"{x:.2f}" for x in xs)   # noqa: E731
+    reach = lambda key: " ".join(f"{x:.2f}" for x in res[f"{key}_reach_per_position"])   # noqa: E731
     print(f"{res['contexts']} contexts ({len(prompts)} prompts), T={args.temperature} top_p={args.top_p}, "
-          f"B={args.block_size}, {args.num_paths} paths/context, {res['seconds']:.0f}s")
-    print(f"command: {res['command']} | git {res['git_revision']} | {res['machine']}")
-    print(f"target entropy along its own paths: {res['entropy_nats']:.2f} nats/token")
-    print(f"tau, greedy drafts (target's argmax chain):      {res['greedy_tau']:.2f}   "
-          f"reach per slot {fmt(res['greedy_reach_per_position'])}")
-    print(f"tau, sampled drafts (exact marginals, min(1,p/q)): {res['sampled_tau']:.2f}   "
-          f"reach per slot {fmt(res['sampled_reach_per_position'])}")
+          f"B={args.block_size}, {args.num_paths} paths/context, {res['seconds']:.0f}s\n"
+          f"command: {res['command']} | git {res['git_revision']} | {res['machine']}\n"
+          f"target entropy along its own paths: {res['entropy_nats']:.2f} nats/token\n"
+          f"tau, greedy drafts (target's argmax chain):      {res['greedy_tau']:.2f}   reach per slot {reach('greedy')}\n"
+          f"tau, sampled drafts (exact marginals, min(1,p/q)): {res['sampled_tau']:.2f}   "
+          f"reach per slot {reach('sampled')}")
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
     return 0

@@ -1,14 +1,7 @@
-"""Held-out benchmark prompts: deterministic cuts of functions from the source of installed
-third-party packages (code the default models never saw: they were trained on the standard
-library only), or a JSONL file.
-
-A cut is the file's text up to the end of a function's `def` line(s) and docstring (or just the
-`def` line(s) when there is no docstring), keeping at most `max_chars` characters before the cut
-(starting on a line boundary), so the model continues with the function's body, with some of the
-surrounding module as context. Files are visited round robin over the packages, in the order of a hash of their path
-within each, at most `per_file` functions from each, so the prompts spread over packages and files; the same installed
-packages always give the same prompts.
-"""
+"""The benches' prompts: held-out cuts of functions from installed third-party packages (code the
+default models never saw), HumanEval or chat prompts wrapped in the target's chat template, or a
+JSONL file. A cut ends after a function's `def` line(s) and docstring, with up to `max_chars` of
+the file before it; the same installed packages always give the same prompts."""
 from __future__ import annotations
 
 import ast
@@ -88,7 +81,8 @@ def function_cuts(text: str, max_chars: int) -> list[tuple[str, str]]:
 
 
 def default_prompts(n: int = 50, *, max_chars: int = 1500, per_file: int = 1) -> list[Prompt]:
-    """n function cuts from installed third-party packages (see the module docstring)."""
+    """n function cuts, `per_file` at most from a file (doubled while too few), the files taken round
+    robin over the packages in the order of a hash of their paths: they spread over packages and files."""
     by_package, paths = [], sysconfig.get_paths()
     roots = sorted({Path(paths["purelib"]), Path(paths["platlib"])})
     for package in PACKAGES + (EXTRA if per_file > 2 else ()):
