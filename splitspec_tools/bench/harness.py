@@ -72,8 +72,7 @@ def percentile(values, q: float) -> float | None:
     if not v:
         return None
     pos = (len(v) - 1) * q / 100.0
-    lo = int(pos)
-    hi = min(lo + 1, len(v) - 1)
+    lo, hi = int(pos), min(int(pos) + 1, len(v) - 1)
     return v[lo] + (v[hi] - v[lo]) * (pos - lo)
 
 
@@ -249,9 +248,11 @@ def write(out: Path, results: dict, markdown: str) -> None:
 
 
 def entry(prog: str, doc: str, add_flags, bench, markdown, then=None):
-    """A bench's main(argv) and its `cli` entry: the flags `add_flags(add_argument)` gives a parser of
-    `prog` (`doc` its help), parsed; `bench(args, argv)` run for its results, results.json and
-    results.md written to --out; the exit code `then(args, results)`, else 0."""
+    """A bench's main(argv) and its command-line entry: the flags `add_flags(add_argument)` gives a
+    parser of `prog` (`doc` its help), parsed; `bench(args, argv)` run for its results, results.json
+    and results.md written to --out; the exit code `then(args, results)`, else 0. The entry logs the
+    library's warnings to stderr as JSON lines, so stdout carries only the report, and SIGTERM
+    unwinds like Ctrl-C, through the `finally` that stops the services."""
     def main(argv: list[str]) -> int:
         p = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
         add_flags(p.add_argument)
@@ -259,14 +260,8 @@ def entry(prog: str, doc: str, add_flags, bench, markdown, then=None):
         results = bench(args, argv)
         write(Path(args.out), results, markdown(results))
         return then(args, results) if then else 0
-    return main, cli(main)
 
-
-def cli(main):
-    """A bench's entry point: library logs to stderr as JSON lines (warnings and up), so stdout
-    carries only the report; SIGTERM unwinds like Ctrl-C, through the `finally` that stops the
-    services."""
-    def run(argv: list[str] | None = None) -> int:
+    def cli_main(argv: list[str] | None = None) -> int:
         import signal
 
         from splitspec import logs
@@ -279,4 +274,4 @@ def cli(main):
             return main(sys.argv[1:] if argv is None else list(argv))
         except KeyboardInterrupt:
             return 130
-    return run
+    return main, cli_main
