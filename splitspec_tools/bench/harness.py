@@ -29,17 +29,24 @@ def csv_items(s: str) -> list[str]:
     return [x.strip() for x in (s or "").split(",") if x.strip()]
 
 
+# The prompt, request and setting flags of `splitspec bench` and bench-drafts: (default, help),
+# each parsed as its default's type.
+REQUEST_FLAGS = {
+    "--num-prompts": (50, "prompts to run"),
+    "--max-prompt-chars": (1500, "context kept before each default cut"),
+    "--max-prompt-tokens": (512, "longer prompts keep their last tokens"),
+    "--max-new-tokens": (128, "tokens generated per request (eos ignored)"),
+    "--repeats": (1, "times every prompt runs through every configuration"),
+    "--warmup": (2, "untimed requests per configuration and setting"),
+    "--temperatures": ("0,1.0", "comma-separated; top_p applies when > 0"),
+    "--draft-sampling": ("greedy,sample", "draft modes at T > 0: greedy and/or sample"),
+}
+
+
 def request_flags(a) -> None:
-    """The prompt, request and setting flags of `splitspec bench` and bench-drafts."""
     a("--prompts", default=None, help="a JSONL file, 'humaneval' or 'chat' (default: held-out function cuts)")
-    a("--num-prompts", type=int, default=50)
-    a("--max-prompt-chars", type=int, default=1500, help="context kept before each default cut")
-    a("--max-prompt-tokens", type=int, default=512, help="longer prompts keep their last tokens")
-    a("--max-new-tokens", type=int, default=128, help="tokens generated per request (eos ignored)")
-    a("--repeats", type=int, default=1, help="times every prompt runs through every configuration")
-    a("--warmup", type=int, default=2, help="untimed requests per configuration and setting")
-    a("--temperatures", default="0,1.0", help="comma-separated; top_p applies when > 0")
-    a("--draft-sampling", default="greedy,sample", help="draft modes at T > 0: greedy and/or sample")
+    for flag, (default, what) in REQUEST_FLAGS.items():
+        a(flag, type=type(default), default=default, help=what)
 
 
 def settings(args) -> tuple[list[float], list[str]]:

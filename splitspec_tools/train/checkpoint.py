@@ -10,6 +10,14 @@ from pathlib import Path
 import torch
 
 
+def add_run_flags(a, out: str, run_dir: str, what: str) -> None:
+    """The flags every trainer takes (`a`: a parser's add_argument): where the model goes, and the run
+    folder its checkpoint resumes from."""
+    a("--out", default=out, help=f"{what} folder to write")
+    a("--run-dir", default=run_dir, help="checkpoint, cached data, logs and metrics")
+    a("--fresh", action="store_true", help="ignore an existing checkpoint and cached data in --run-dir")
+
+
 def save(path: Path, model, opt, args, **fields) -> None:
     blob = {"model": model.state_dict(), "optimizer": opt.state_dict(), "args": vars(args),
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}, **fields}

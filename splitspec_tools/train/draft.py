@@ -43,6 +43,7 @@ from draft_service.dflash2 import DFlash2Draft, new_dflash2
 from splitspec_tools.defaults import DEFAULT_TARGET
 from splitspec.models.config import ModelConfig
 
+from .checkpoint import add_run_flags
 from .draft_data import (Producer, ProducerHandle, ProducerSpec, chunk_path, corpus_streams,  # noqa: F401
                          eos_ids_of, features_of, load_target, regenerate, target_tokenizer, windows)
 from .draft_eval import eval_set, full_eval, tau_eval
@@ -59,9 +60,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="splitspec train-draft", description=__doc__.splitlines()[0])
     a = p.add_argument
     a("--target-model-path", default=DEFAULT_TARGET, help="frozen target (HF folder the engine loads)")
-    a("--out", default=DEFAULT_OUT, help="draft folder to write (z-lab DFlash format + README.md)")
-    a("--run-dir", default=DEFAULT_RUN_DIR, help="checkpoint, cached token ids, logs, metrics")
-    a("--fresh", action="store_true", help="ignore an existing checkpoint and cached data in --run-dir")
+    add_run_flags(a, DEFAULT_OUT, DEFAULT_RUN_DIR, "draft (z-lab DFlash format + README.md)")
     # draft model
     a("--arch", choices=("dflash", "dflash2"), default="dflash",
       help="dflash: the DFlash block drafter; dflash2: DFlash plus the dynamic convs and the candidate selector")

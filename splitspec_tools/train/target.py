@@ -39,9 +39,7 @@ DEFAULT_RUN_DIR = "runs/target"
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="splitspec train-target", description=__doc__.splitlines()[0])
     a = p.add_argument
-    a("--out", default=DEFAULT_OUT, help="Hugging Face model folder to write")
-    a("--run-dir", default=DEFAULT_RUN_DIR, help="checkpoints, tokenizer and encoded corpus")
-    a("--fresh", action="store_true", help="ignore an existing checkpoint in --run-dir")
+    checkpoint.add_run_flags(a, DEFAULT_OUT, DEFAULT_RUN_DIR, "Hugging Face model")
     a("--max-files", type=int, default=None, help="train on a small subset (tests, smoke runs)")
     a("--vocab-size", type=int, default=8192)
     a("--hidden-size", type=int, default=256)
