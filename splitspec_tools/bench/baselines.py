@@ -80,10 +80,9 @@ class _Clock:
         self.start, self.times, self._prompt = time.perf_counter(), [], True
 
     def put(self, value) -> None:
-        if self._prompt:
-            self._prompt = False
-            return
-        self.times.append(time.perf_counter() - self.start)
+        if not self._prompt:
+            self.times.append(time.perf_counter() - self.start)
+        self._prompt = False
 
     def end(self) -> None:
         pass

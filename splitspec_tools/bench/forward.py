@@ -1,14 +1,8 @@
 """`splitspec bench-forward`: the target's forward in process, no services (docs/speculation.md,
-"Exact at bf16").
-
-  exactness  is greedy speculative decoding target-only's? Per prompt, target-only greedy decoding
-             of --new-tokens tokens, then the same prompt verified in chains of --width whose drafts
-             are that very continuation (a perfect drafter: every verify row is compared). A prompt
-             mismatches when a committed token differs. Per dtype and attention; --verify-threads
-             runs the speculative side on another thread count than target-only's (--threads).
-  cost       what batch-invariant forwards cost: forward ms of a decode step, a width-8 verify and a
-             decode step of 8 sessions, attention "torch" and "torch-exact" taking turns, medians of
-             --reps, on random prompts of each --prompt-tokens length.
+"Exact at bf16"). `exactness`: per prompt, target-only greedy decoding, then the same prompt
+verified in chains whose drafts are that continuation (a perfect drafter: every verify row is
+compared); a prompt mismatches when a committed token differs. `cost`: forward ms of a decode, a
+width-8 verify and a decode of 8 sessions, plain and batch-invariant attention taking turns.
 
     splitspec bench-forward exactness --prompts 200 --dtypes bfloat16,float32 --threads 1
     splitspec bench-forward exactness --prompts 24 --attention torch-exact --threads 2 --verify-threads 1

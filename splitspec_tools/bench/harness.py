@@ -29,8 +29,7 @@ def csv_items(s: str) -> list[str]:
     return [x.strip() for x in (s or "").split(",") if x.strip()]
 
 
-# The prompt, request and setting flags of `splitspec bench` and bench-drafts: (default, help),
-# each parsed as its default's type.
+# The request flags of `splitspec bench` and bench-drafts: (default, help), parsed as the default's type.
 REQUEST_FLAGS = {
     "--num-prompts": (50, "prompts to run"),
     "--max-prompt-chars": (1500, "context kept before each default cut"),
