@@ -26,6 +26,22 @@ def resident(t: torch.Tensor, layer: int, start: int, stop: int) -> list[bool]:
     return [bool(v & 1) for v in vec]
 
 
+def evict(t: torch.Tensor, start: int, stop: int) -> None:
+    """Unmap rows [start, stop) of every layer (MADV_DONTNEED), so that a test starts from pages known
+    not to be resident: a full suite run once found such rows of a fresh pool resident before anything
+    wrote them (cause not found; memory the allocator had mapped before is the likely one), and only
+    what `populate` maps is under test. The rows were never written, so dropping them loses nothing."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    row, elem = t.stride(1) * t.element_size(), t.element_size()
+    for layer in range(t.shape[0]):
+        lo = t.data_ptr() + layer * t.stride(0) * elem + start * row
+        hi = lo + (stop - start) * row
+        lo -= lo % PAGE
+        hi += -hi % PAGE
+        assert libc.madvise(ctypes.c_void_p(lo), hi - lo, 4) == 0, ctypes.get_errno()     # MADV_DONTNEED
+
+
 def pool(blocks=2048):
     # 2 layers x 16 slots x 8 heads x 64 x 4 bytes: one block is 32 KiB, 8 pages, per layer; 64 MiB
     # a layer, above glibc's largest mmap threshold, so the tensors are always fresh mappings.
@@ -36,7 +52,9 @@ def test_populate_maps_pages_and_keeps_their_contents():
     p = pool()
     if not populate(p.k, 0, 0):
         pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux < 5.14)")
-    # Rows of block 40 on: nothing wrote there yet.
+    # Rows of block 40 on, and block 60: nothing wrote there, and nothing maps them now.
+    evict(p.k, 40 * 16, 48 * 16)
+    evict(p.k, 60 * 16, 61 * 16)
     assert not any(resident(p.k, 1, 40 * 16, 48 * 16))
     p.k[:, 40 * 16:41 * 16] = 7.0          # block 40 touched by a "forward" first
     assert populate(p.k, 40 * 16, 48 * 16)
@@ -50,6 +68,8 @@ def test_the_pool_maps_blocks_ahead_of_the_highest_one_handed_out():
     p = pool()
     if not populate(p.k, 0, 0):
         pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux < 5.14)")
+    evict(p.v, 64 * 16, 65 * 16)
+    evict(p.k, 120 * 16, 121 * 16)
     p.prefault_ahead(8 * p.bytes_per_block)
     assert p.prefault.wait(30) and p.prefault.done >= 9
     assert all(resident(p.v, 1, 16, 9 * 16))
