@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from splitspec.engine.kv_pool import KVPool
-from splitspec.engine.prefault import populate
+from splitspec.engine.prefault import page_ranges, populate
 
 PAGE = mmap.PAGESIZE
 
@@ -15,14 +15,10 @@ PAGE = mmap.PAGESIZE
 def resident(t: torch.Tensor, layer: int, start: int, stop: int) -> list[bool]:
     """mincore over rows [start, stop) of layer `layer` of a [layers, rows, ...] tensor."""
     libc = ctypes.CDLL(None, use_errno=True)
-    row = t.stride(1) * t.element_size()
-    lo = t.data_ptr() + layer * t.stride(0) * t.element_size() + start * row
-    hi = lo + (stop - start) * row
-    lo -= lo % PAGE
-    hi += -hi % PAGE
-    vec = (ctypes.c_ubyte * ((hi - lo) // PAGE))()
+    lo, n = page_ranges(t, start, stop)[layer]
+    vec = (ctypes.c_ubyte * (n // PAGE))()
     libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    assert libc.mincore(ctypes.c_void_p(lo), hi - lo, vec) == 0, ctypes.get_errno()
+    assert libc.mincore(ctypes.c_void_p(lo), n, vec) == 0, ctypes.get_errno()
     return [bool(v & 1) for v in vec]
 
 
@@ -33,13 +29,8 @@ def evict(t: torch.Tensor, start: int, stop: int) -> None:
     what `populate` maps is under test. The rows were never written, so dropping them loses nothing."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    row, elem = t.stride(1) * t.element_size(), t.element_size()
-    for layer in range(t.shape[0]):
-        lo = t.data_ptr() + layer * t.stride(0) * elem + start * row
-        hi = lo + (stop - start) * row
-        lo -= lo % PAGE
-        hi += -hi % PAGE
-        assert libc.madvise(ctypes.c_void_p(lo), hi - lo, 4) == 0, ctypes.get_errno()     # MADV_DONTNEED
+    for lo, n in page_ranges(t, start, stop):
+        assert libc.madvise(ctypes.c_void_p(lo), n, 4) == 0, ctypes.get_errno()     # MADV_DONTNEED
 
 
 def pool(blocks=2048):

@@ -41,22 +41,28 @@ def _madvise():
     return fn
 
 
-def populate(t: torch.Tensor, start: int, stop: int) -> bool:
-    """Map the pages of rows [start, stop) of dim 1 of t, in every slice of dim 0 (a pool's
-    [layers, slots, ...] layout). False when the kernel cannot (the caller stops asking)."""
-    fn = _madvise()
-    if fn is None or t.device.type != "cpu" or not t.is_contiguous() or stop <= start:
-        return fn is not None
+def page_ranges(t: torch.Tensor, start: int, stop: int) -> list[tuple[int, int]]:
+    """(address, bytes) of the whole pages holding rows [start, stop) of dim 1 of t, one range per
+    slice of dim 0 (a pool's [layers, slots, ...] layout)."""
     elem = t.element_size()
     layer_bytes, row_bytes = t.stride(0) * elem, t.stride(1) * elem
+    out = []
     for layer in range(t.shape[0]):
         lo = t.data_ptr() + layer * layer_bytes + start * row_bytes
         hi = lo + (stop - start) * row_bytes
         lo -= lo % PAGE
         hi += -hi % PAGE
-        if fn(lo, hi - lo, MADV_POPULATE_WRITE) != 0:
-            return False
-    return True
+        out.append((lo, hi - lo))
+    return out
+
+
+def populate(t: torch.Tensor, start: int, stop: int) -> bool:
+    """Map the pages of rows [start, stop) of dim 1 of t, in every slice of dim 0. False when the
+    kernel cannot (the caller stops asking)."""
+    fn = _madvise()
+    if fn is None or t.device.type != "cpu" or not t.is_contiguous() or stop <= start:
+        return fn is not None
+    return all(fn(lo, n, MADV_POPULATE_WRITE) == 0 for lo, n in page_ranges(t, start, stop))
 
 
 class Prefaulter:
