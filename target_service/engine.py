@@ -31,12 +31,14 @@ from target_service.verify import check_draft_probs
 DEFAULT_PREFILL_CHUNK = 512
 
 
-def load_model(path, *, dtype="float32", device="cpu", tensor_parallel_size: int = 1, timeout_s: float = 600.0):
+def load_model(path, *, dtype="float32", device="cpu", tensor_parallel_size: int = 1, timeout_s: float = 600.0,
+               gguf_weights: str = "packed", gguf_head: str = "int8"):
     """A target folder as the service loads it. tensor_parallel_size > 1 spawns the other ranks
     on this host (`tp_worker.start`) and returns rank 0's driver, which every function here
-    drives like a plain model; `close_model` stops the ranks."""
+    drives like a plain model; `close_model` stops the ranks. A GGUF file keeps its weights
+    packed on CPU unless `gguf_weights="dequantized"` (loader.load_model)."""
     if tensor_parallel_size <= 1:
-        return _load_model(path, dtype=dtype, device=device)
+        return _load_model(path, dtype=dtype, device=device, gguf_weights=gguf_weights, gguf_head=gguf_head)
     from target_service import tp_worker
     return tp_worker.start(str(path), tensor_parallel_size, dtype=parse_dtype(dtype),
                            device=resolve_device(str(device)), timeout_s=timeout_s)

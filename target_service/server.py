@@ -312,6 +312,15 @@ def build_parser() -> argparse.ArgumentParser:
                     "default, one per core)",
                     dtype_help="weights and KV cache dtype (auto: bfloat16 on CUDA and on CPUs with native bf16 "
                     "(AVX512-BF16 / AMX), float32 on other CPUs)")
+    a("--gguf-weights", default="packed", choices=["packed", "dequantized"],
+      help="a .gguf target on CPU: packed keeps its Q4_0 / Q4_1 projections 4-bit and multiplies them with torch's "
+           "int4 kernel (a third of the bytes a token streams; rows stay bit-identical at every batch size); "
+           "dequantized loads float weights, the reference. Other quant types, CUDA and CPUs without AVX2 load "
+           "dequantized, said at start-up (docs/real-model.md)")
+    a("--gguf-head", default="int8", choices=["int8", "int4"],
+      help="with --gguf-weights packed, how a head whose weights are not 4-bit in the file (SmolLM2's tied Q8_0 "
+           "embedding) is requantized: int8 per output channel (NLL as the file's) or int4 groups of 32 (faster, "
+           "measurably less exact: docs/real-model.md)")
     a("--verify-torch-threads", type=int, default=0,
       help="intra-op threads for forwards that verify a model draft while sessions drafting with the model are at "
            "least half of those running (0: auto, --torch-threads "
@@ -496,7 +505,8 @@ def _load(args: argparse.Namespace):
                                 nnodes=getattr(args, "nnodes", 1) or 1, dist_init_addr=getattr(args, "dist_init_addr", None),
                                 auth_key=(getattr(args, "dist_auth_key", None) or "").encode())
         return model, make_verifier(args.sampling_backend, device)
-    model = load_model(args.model_path, dtype=parse_dtype(dtype), device=device)
+    model = load_model(args.model_path, dtype=parse_dtype(dtype), device=device,
+                       gguf_weights=getattr(args, "gguf_weights", "packed"), gguf_head=getattr(args, "gguf_head", "int8"))
     if args.attention_backend == "flashinfer":
         check_attention_backend(device)
     return model, make_verifier(args.sampling_backend, device)

@@ -30,7 +30,7 @@ def tok_dir(tmp_path_factory):
 def test_weights_and_logits_match_the_source_model(tmp_path, tok_dir, arch, qtype):
     hf = build_tiny_hf_model(arch, vocab_size=VOCAB, seed=3)
     expected = save_tiny_gguf(tmp_path / "m.gguf", hf, tok_dir / "tokenizer.json", qtype=qtype)
-    ours = load_model(tmp_path / "m.gguf")
+    ours = load_model(tmp_path / "m.gguf", gguf_weights="dequantized")    # the reference path (packed: test_gguf_packed)
     state = ours.state_dict()
     for name, want in expected.items():
         assert torch.equal(state[name].float(), want), name
@@ -45,7 +45,7 @@ def test_a_folder_holding_one_gguf_file_and_tied_embeddings(tmp_path, tok_dir):
     (tmp_path / "folder").mkdir()
     save_tiny_gguf(tmp_path / "folder" / "m.gguf", hf, tok_dir / "tokenizer.json", qtype="Q8_0")
     assert find_gguf(tmp_path / "folder") == tmp_path / "folder" / "m.gguf"
-    model = load_model(tmp_path / "folder")
+    model = load_model(tmp_path / "folder", gguf_weights="dequantized")
     assert model.cfg.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
 
 

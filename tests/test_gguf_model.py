@@ -36,7 +36,7 @@ def test_forward_and_greedy_text_equal_transformers_at_float32():
     from transformers import AutoModelForCausalLM
     from target_service.engine import forward_sequences, generate
     from splitspec.models.loader import load_model, load_tokenizer
-    ours, tok = load_model(GGUF, dtype="float32"), load_tokenizer(GGUF)
+    ours, tok = load_model(GGUF, dtype="float32", gguf_weights="dequantized"), load_tokenizer(GGUF)
     hf = AutoModelForCausalLM.from_pretrained(GGUF.parent, gguf_file=GGUF.name, dtype=torch.float32).eval()
     for question in CHAT:
         ids = _chat_ids(tok, question)

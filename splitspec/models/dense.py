@@ -121,10 +121,14 @@ class MLP(nn.Module):
 
     def forward_fused(self, x: torch.Tensor) -> torch.Tensor:
         """forward with gate and up as one matmul (fused.py): the serving path."""
-        weight, bias = fused(self, ("gate_proj", "up_proj"))
-        gu = x @ weight if bias is None else torch.addmm(bias, x, weight)
+        if self.gate_proj is None:      # GGUF weights kept packed (gguf_packed.py)
+            gu = self.gate_up_packed(x)
+        else:
+            weight, bias = fused(self, ("gate_proj", "up_proj"))
+            gu = x @ weight if bias is None else torch.addmm(bias, x, weight)
         gate, up = gu.chunk(2, dim=-1)
-        transposed(self.down_proj)
+        if isinstance(self.down_proj, nn.Linear):
+            transposed(self.down_proj)
         # silu over a contiguous copy of the gate half: over the strided half (any M > 1) torch
         # takes another elementwise path whose exp rounds differently in the last bit, so a verify
         # row and a decode row of the same token would differ (batch invariance, docs/speculation.md).
@@ -166,8 +170,11 @@ class Attention(nn.Module):
         """x: [N, H], the flat tokens of a ragged batch; rope: their rope_table rows [N, 2, 1, D].
         q, k and v come out of one matmul, and q and k are normed and rotated together."""
         N, D, hq, hkv = x.shape[0], self.head_dim, self.n_heads, self.n_kv
-        weight, bias = fused(self, ("q_proj", "k_proj", "v_proj"))
-        qkv = x @ weight if bias is None else torch.addmm(bias, x, weight)
+        if self.q_proj is None:         # GGUF weights kept packed (gguf_packed.py)
+            qkv = self.qkv_packed(x)
+        else:
+            weight, bias = fused(self, ("q_proj", "k_proj", "v_proj"))
+            qkv = x @ weight if bias is None else torch.addmm(bias, x, weight)
         qk = qkv[:, :(hq + hkv) * D].view(N, hq + hkv, D)
         v = qkv[:, (hq + hkv) * D:].view(N, hkv, D)
         if self.q_norm is not None:
@@ -179,7 +186,8 @@ class Attention(nn.Module):
         kp.index_copy_(0, slots, k.to(kp.dtype))
         vp.index_copy_(0, slots, v.to(vp.dtype))
         out = paged_attention(q, kp, vp, batch.plan)
-        transposed(self.o_proj)
+        if isinstance(self.o_proj, nn.Linear):
+            transposed(self.o_proj)
         return self.o_proj(out.reshape(N, -1))
 
     def _qk_norm(self, qk: torch.Tensor) -> torch.Tensor:
@@ -281,5 +289,6 @@ class CausalLM(nn.Module):
                 hidden[i] = self.tap(i, x)
         if logits_index is not None:
             x = x[logits_index]
-        transposed(self.lm_head)        # tied: the embedding then reads rows of the same storage
+        if isinstance(self.lm_head, nn.Linear):
+            transposed(self.lm_head)    # tied: the embedding then reads rows of the same storage
         return self.lm_head(self.model.norm(x)), hidden

@@ -30,7 +30,7 @@ import structlog
 import torch
 from safetensors import safe_open
 
-from splitspec.models import gguf
+from splitspec.models import gguf, gguf_packed
 from splitspec.models.config import ConfigError, ModelConfig
 from splitspec.models.hybrid_config import wrapper_of
 from splitspec.models.dense import CausalLM
@@ -272,9 +272,10 @@ def stored_head_wins(cfg: ModelConfig, files: dict) -> ModelConfig:
 
 
 def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, files: dict | None = None,
-                quant: Fp4Scheme | None = None) -> CausalLM:
+                quant: Fp4Scheme | None = None, packed: gguf_packed.PackPlan | None = None) -> CausalLM:
     """The model's modules, allocated on `device` but not loaded; with `files`, FP4-packed
-    tensors of the checkpoint get `PackedLinear` modules (never a dequantized weight)."""
+    tensors of the checkpoint get `PackedLinear` modules (never a dequantized weight); with
+    `packed`, the GGUF projections it packs are left out (`gguf_packed.attach` fills them)."""
     if cfg.hybrid is not None:
         from splitspec.models.hybrid_weights import checkpoint_name
         from splitspec.models.hybrid import HybridLM
@@ -292,13 +293,45 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, file
         model = CausalLM(cfg)
     if files is not None:
         pack_fp4(model, files, quant)
+    if packed is not None:
+        gguf_packed.strip(model, packed)
     model = model.to_empty(device=device).to(dtype)
-    if cfg.tie_word_embeddings:  # to_empty unties shared parameters
-        model.lm_head.weight = model.model.embed_tokens.weight
+    if cfg.tie_word_embeddings and model.lm_head is not None and model.model.embed_tokens is not None:
+        model.lm_head.weight = model.model.embed_tokens.weight   # to_empty unties shared parameters
     return model
 
 
-def load_model(path: str | Path, *, dtype="float32", device="cpu") -> CausalLM:
+GGUF_WEIGHTS = ("packed", "dequantized")
+
+
+def pack_plan(weights, cfg: ModelConfig, device: torch.device, gguf_weights: str,
+              gguf_head: str) -> gguf_packed.PackPlan | None:
+    """How a GGUF target's weights are held: packed for the CPU's int4 kernel (the default), or
+    dequantized (the reference, and the only way on CUDA or on a CPU without AVX2), said once
+    at start-up with the tensors that stay dequantized and why."""
+    if gguf_weights not in GGUF_WEIGHTS:
+        raise ValueError(f"gguf weights {gguf_weights!r}: expected one of {', '.join(GGUF_WEIGHTS)}")
+    if weights is None or gguf_weights == "dequantized" or cfg.hybrid is not None:
+        return None
+    why = None
+    if device.type != "cpu":
+        why = f"the int4 kernel runs on CPU, the device is {device}"
+    elif not gguf_packed.kernel_available():
+        why = f"this CPU ({torch.backends.cpu.get_cpu_capability()}) has no AVX2, the int4 kernel's fast paths"
+    if why:
+        log.info("gguf_weights", weights="dequantized", requested=gguf_weights, why=why)
+        return None
+    plan = gguf_packed.make_plan(weights, cfg, gguf_head)
+    log.info("gguf_weights", weights="packed", head=plan.head and f"{plan.head_format} ({plan.head})",
+             packed_groups=len(plan.groups), embedding="Q8_0 blocks" if plan.embed else "dequantized",
+             dequantized={k: v for k, v in list(plan.kept.items())[:8]}, dequantized_count=len(plan.kept))
+    return plan
+
+
+def load_model(path: str | Path, *, dtype="float32", device="cpu", gguf_weights: str = "packed",
+               gguf_head: str = "int8") -> CausalLM:
+    """A checkpoint's model, ready to serve. A GGUF file on CPU keeps its 4-bit projections packed
+    (`gguf_weights="packed"`, gguf_packed.py); "dequantized" loads float weights, the reference."""
     path = model_folder(path)
     cfg = ModelConfig.from_dir(path)
     quant = quantization_scheme(path)
@@ -307,8 +340,16 @@ def load_model(path: str | Path, *, dtype="float32", device="cpu") -> CausalLM:
         cfg = ModelConfig(**{**cfg.__dict__, "eos_token_ids": eos})
     files = weight_files(path)
     cfg = stored_head_wins(cfg, files)
-    model = build_model(cfg, parse_dtype(dtype), resolve_device(device), files, quant)
+    device = resolve_device(device)
+    source = gguf.source_of(path) if gguf_weights != "dequantized" else None
+    weights = open_weights(source) if source is not None else None
+    plan = pack_plan(weights, cfg, device, gguf_weights, gguf_head)
+    model = build_model(cfg, parse_dtype(dtype), device, files, quant, plan)
     skip = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
+    if plan is not None:
+        load_state(model, files, skip=skip + plan.skipped())
+        gguf_packed.attach(model, plan, weights, parse_dtype(dtype))
+        return model.eval().requires_grad_(False)
     if cfg.hybrid is not None:
         from splitspec.models.hybrid_weights import adapt_tensor, checkpoint_name, ignored
         load_state(model, files, skip=skip, source=checkpoint_name, adapt=adapt_tensor,
