@@ -169,8 +169,7 @@ def run_batch(model: CausalLM, pool: KVPool, verifier, steps: list,
         # differ in the last bit from the same rows among 2..24), and a decode must compute what
         # that token's row of a verify computes. Both copies write the same K/V to one slot.
         ids, positions = ids * 2, positions * 2
-        plan.slot_mapping = plan.slot_mapping.repeat(2)
-        plan.exact.append((1, 2, *plan.exact[0][2:]))
+        plan.repeat_first_token()
     states = None
     if pool.states is not None:
         states = StatePlan(pool.states, [_state_row(steps[i], start, q) for i, start, q in live], pool.states.rollback)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from . import native
 from .kv_pool import BlockTable
 
 LONG_QUERY = 32     # rows with more new tokens than this attend in a group of their own (or of their exact shape)
@@ -65,6 +66,24 @@ class AttentionPlan:
     # Slots of the rows whose blocks are not consecutive in the pool: each gathered once a layer
     # for all its calls (a call's keys (g, 0, n) read the first n of gather g).
     exact_gathers: list[torch.Tensor] = field(default_factory=list)
+    # Batch-invariant mode with the native kernel (`kernel_keys`): the decode and verify tokens
+    # attended by one call a layer; token kernel_tokens[i] reads the pool slots
+    # key_slots[key_offsets[i]:key_offsets[i + 1]].
+    kernel_tokens: torch.Tensor | None = None
+    key_slots: torch.Tensor | None = None
+    key_offsets: torch.Tensor | None = None
+
+    def repeat_first_token(self) -> None:
+        """The plan of a one-token forward run as two copies of that token (runner.py), both
+        attended as the one would be and writing their K/V to its slot."""
+        self.slot_mapping = self.slot_mapping.repeat(2)
+        if self.kernel_tokens is not None:
+            n = self.key_slots.numel()
+            self.kernel_tokens = torch.arange(2, device=self.kernel_tokens.device)
+            self.key_slots = self.key_slots.repeat(2)
+            self.key_offsets = torch.tensor([0, n, 2 * n], device=self.key_offsets.device)
+        else:
+            self.exact.append((1, 2, *self.exact[0][2:]))
 
 
 def exact_queries(row: Row, start: int, gathers: list) -> list[tuple[int, int, object, torch.Tensor | None]]:
@@ -118,6 +137,31 @@ def exact_queries(row: Row, start: int, gathers: list) -> list[tuple[int, int, o
         out.append((start + a - c, start + b - c, (src, base, b), causal))
         a = b
     return out
+
+
+def kernel_keys(row: Row, start: int) -> list[tuple[int, torch.Tensor]]:
+    """(flat token, its key slots) for each new token of a decode or verify row, for the native
+    kernel that attends every such token of a forward in one call (csrc/exact_attention.cpp):
+    a decode token reads its context and itself, a tree node its context then its ancestors and
+    itself, in position order: the keys a target-only decode of that token attends. The kernel
+    reduces each token over its own keys in one fixed order, so these are the only inputs that
+    decide its bits."""
+    c, q = row.table.length, row.q_len
+    slots = row.table.slots(0, c + q)
+    if row.mask is None:
+        return [(start + i, slots[:c + i + 1]) for i in range(q)]
+    mask = row.mask.cpu()
+    out = []
+    for i in range(q):
+        chain = bool(mask[i, :i + 1].all()) and not bool(mask[i, i + 1:].any())
+        out.append((start + i, slots[:c + i + 1] if chain else torch.cat([slots[:c], slots[c:c + q][mask[i]]])))
+    return out
+
+
+def _kernel_plan(keys: list[tuple[int, torch.Tensor]], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    tokens = torch.tensor([t for t, _ in keys], dtype=torch.long)
+    lengths = torch.tensor([0] + [k.numel() for _, k in keys], dtype=torch.long)
+    return tokens.to(device), torch.cat([k for _, k in keys]).to(device), lengths.cumsum(0).to(device)
 
 
 def _block_matrix(rows: list[Row]) -> torch.Tensor:
@@ -200,10 +244,13 @@ def _one_row(row: Row, start: int, row_slots: torch.Tensor, n: int, device) -> G
                  causal=c == 0 and row.mask is None and q > 1)
 
 
-def plan_attention(rows: list[Row], device, *, groups: bool = True, exact: bool = False) -> AttentionPlan:
+def plan_attention(rows: list[Row], device, *, groups: bool = True, exact: bool = False,
+                   kernel: bool | None = None) -> AttentionPlan:
     """Slots and gather indices for `rows`, whose new tokens are laid out one row after another
     (groups=False: slots only, for a backend that reads the block tables itself). exact: every
-    row attends batch-invariantly (`exact_queries`)."""
+    row attends batch-invariantly: decode and verify rows through the native kernel in one call
+    a layer (`kernel_keys`) where it is built (kernel=None: wherever it loads on this CPU), the
+    rest as per-span SDPA calls (`exact_queries`)."""
     starts, n = [], 0
     for r in rows:
         starts.append(n)
@@ -220,12 +267,22 @@ def plan_attention(rows: list[Row], device, *, groups: bool = True, exact: bool 
     if not groups:
         return AttentionPlan(slot_mapping.to(device), [])
     if exact:
+        if kernel is None:
+            kernel = torch.device(device).type == "cpu" and exact_kernel() is not None
         gathers: list[torch.Tensor] = []
-        calls = [call for i, r in enumerate(rows) for call in exact_queries(r, starts[i], gathers)]
-        return AttentionPlan(slot_mapping.to(device), [],
+        calls, keys = [], []
+        for i, r in enumerate(rows):
+            if kernel and (r.mask is not None or r.q_len == 1):
+                keys += kernel_keys(r, starts[i])
+            else:
+                calls += exact_queries(r, starts[i], gathers)
+        plan = AttentionPlan(slot_mapping.to(device), [],
                              exact=[(t0, t1, k if isinstance(k, tuple) else k.to(device),
                                      None if m is None else m.to(device)) for t0, t1, k, m in calls],
                              exact_gathers=[g.to(device) for g in gathers])
+        if keys:
+            plan.kernel_tokens, plan.key_slots, plan.key_offsets = _kernel_plan(keys, device)
+        return plan
     # Rows pad to the longest query of their group, so decode rows (1 query) must not share a
     # group with 8-token verify rows or a prompt chunk: bucket by query length (powers of two).
     buckets: dict[int, list[int]] = {}
@@ -251,8 +308,11 @@ def paged_attention(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, p
     N, Hq, D = q.shape
     Hkv = k_all.shape[1]
     rep = Hq // Hkv
-    if plan.exact:
-        return _exact_attention(q, k_all, v_all, plan, q.new_empty(N, Hq, D))
+    if plan.exact or plan.kernel_tokens is not None:
+        out = q.new_empty(N, Hq, v_all.shape[-1])
+        if plan.kernel_tokens is not None:
+            _kernel_attention(q, k_all, v_all, plan, out)
+        return _exact_attention(q, k_all, v_all, plan, out)
     if len(plan.groups) == 1 and plan.groups[0].in_order:
         g = plan.groups[0]
         return _group_attention(q.reshape(g.q_index.shape + (Hq, D)), k_all, v_all, g, rep).reshape(N, Hq, D)
@@ -263,6 +323,23 @@ def paged_attention(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, p
         o = _group_attention(padded.index_select(0, g.q_index.view(-1)).view(R, Q, Hq, D), k_all, v_all, g, rep)
         out.index_copy_(0, g.flat, o[g.valid])
     return out
+
+
+def exact_kernel():
+    """The native batch-invariant attention (csrc/exact_attention.cpp), or None where it is not built."""
+    module = native.load("exact_attention")
+    return None if module is None else module.exact_attention
+
+
+def _kernel_attention(q, k_all, v_all, plan: AttentionPlan, out) -> None:
+    tokens = plan.kernel_tokens
+    whole = tokens.numel() == q.shape[0]        # every token of the forward (decode and verify only)
+    qq = q if whole else q.index_select(0, tokens)
+    o = exact_kernel()(qq, k_all, v_all, plan.key_slots, plan.key_offsets, q.shape[-1] ** -0.5)
+    if whole:
+        out.copy_(o)
+    else:
+        out.index_copy_(0, tokens, o)
 
 
 def _exact_attention(q, k_all, v_all, plan: AttentionPlan, out):
