@@ -66,17 +66,20 @@ def test_tokenizer_and_chat_template_from_the_metadata(tmp_path, tok_dir):
 def test_end_of_generation_ids_include_the_turn_end():
     """SmolLM2's file says eos = 2 and ends turns with <|im_end|>; a file whose eos is
     <|im_start|> still stops at <|im_end|> (llama.cpp's end-of-generation set)."""
+    from gguf import GGUFValueType as T
+
     class Field:
-        def __init__(self, v):
-            self.v = v
+        def __init__(self, v, *types):
+            self.v, self.types = v, list(types)
 
         def contents(self):
             return self.v
 
     class Reader:
-        fields = {"tokenizer.ggml.tokens": Field(["<|endoftext|>", "<|im_start|>", "<|im_end|>", "a"]),
-                  "tokenizer.ggml.token_type": Field([3, 3, 3, 1]),
-                  "tokenizer.ggml.eos_token_id": Field(1)}
+        fields = {"tokenizer.ggml.tokens": Field(["<|endoftext|>", "<|im_start|>", "<|im_end|>", "a"], T.ARRAY,
+                                                 T.STRING),
+                  "tokenizer.ggml.token_type": Field([3, 3, 3, 1], T.ARRAY, T.INT32),
+                  "tokenizer.ggml.eos_token_id": Field(1, T.UINT32)}
     assert end_ids(Reader(), "f.gguf") == [0, 2, 1]
 
 
