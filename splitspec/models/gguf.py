@@ -322,7 +322,7 @@ def _check_shapes(reader, file: Path, cfg: dict) -> None:
             raise GGUFError(f"{file}: tensor {t.name!r} has shape {list(got)}; the metadata ({arch}.*) implies "
                             f"{list(want)}")
     if len(seen) != layers:
-        missing = sorted(set(range(layers)) - seen)[:4]
+        missing = [i for i in range(len(seen) + 4) if i not in seen][:4]      # block_count may be 2^64
         raise GGUFError(f"{file}: metadata field '{arch}.block_count' = {layers}, but the file holds no tensors "
                         f"for layers {missing}")
 
@@ -618,9 +618,11 @@ def _write_folder(out: Path, files: dict[str, str], stamp: dict) -> None:
 def hf_name(gguf_name: str) -> str | None:
     if gguf_name in GLOBAL_NAMES:
         return GLOBAL_NAMES[gguf_name]
-    if gguf_name.startswith("blk."):
+    if gguf_name.startswith("blk.") and gguf_name.count(".") >= 2:
         _, layer, rest = gguf_name.split(".", 2)
-        if rest in LAYER_NAMES:
+        # Only llama.cpp's spelling of a layer (a decimal without leading zeros), so two
+        # spellings of one layer can never name the same parameter.
+        if rest in LAYER_NAMES and layer.isascii() and layer.isdigit() and layer == str(int(layer)):
             return f"model.layers.{layer}.{LAYER_NAMES[rest]}"
     return None
 
