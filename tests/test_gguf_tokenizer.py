@@ -141,3 +141,25 @@ def test_text_round_trips_through_decode(pairs):
         for text in STRINGS:
             want = unicodedata.normalize("NFC", text) if pre == "qwen2" else text
             assert ours.decode(ours.encode(text, add_special_tokens=False).ids, skip_special_tokens=False) == want
+
+
+def test_the_llama3_group_adds_bos_without_the_flag_and_eos_where_asked(tmp_path):
+    """llama.cpp adds BOS for the `llama-bpe` group unless the file says false; EOS only where
+    `tokenizer.ggml.add_eos_token` is true."""
+    from gguf import GGUFValueType as T
+    from splitspec.models.gguf_header import scan
+    hf_tok = save_tiny_tokenizer(tmp_path / "tok", VOCAB) / "tokenizer.json"
+    hf = build_tiny_hf_model("llama", vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_layers=1,
+                             num_heads=2, num_kv_heads=1)
+
+    def no_flag_eos(w):
+        _with_bos(w)
+        del w.kv_data[0]["tokenizer.ggml.add_bos_token"]
+        w.add_key_value("tokenizer.ggml.add_eos_token", True, T.BOOL)
+
+    save_tiny_gguf(tmp_path / "m.gguf", hf, hf_tok, qtype="F32", pre="llama-bpe", edit=no_flag_eos)
+    assert "tokenizer.ggml.add_bos_token" not in scan(tmp_path / "m.gguf").values
+    tok = load_tokenizer(tmp_path / "m.gguf")
+    ids = tok.encode("hi there").ids
+    assert ids[0] == 1 and ids[-1] == 0 and tok.id_to_token(0) == "<|endoftext|>"      # eos id 0 in these files
+    assert tok.encode("hi there", add_special_tokens=False).ids == ids[1:-1]

@@ -488,17 +488,17 @@ class GGUFFile:
     tensors: dict
 
 
-# The last file parsed, by identity (path, device, inode, size, modification time): gguf-py's
-# reader takes seconds and ~170 MB for a 49k-token vocabulary, and start-up reads the same
-# file from the folder's build, the memory preflight, the weights' names and the weights' load.
-# `release` drops it once the weights are loaded, so it never outlives start-up.
+# The last file parsed, by identity (path, device, inode, size, modification and change
+# times): gguf-py's reader takes seconds and ~170 MB for a 49k-token vocabulary, and start-up
+# reads the same file for the folder's build, the memory preflight, the weights' names and the
+# weights' load. `release` drops it once the weights are loaded, so it never outlives start-up.
 _parsed: dict[tuple, GGUFFile] = {}
 _headers: dict[tuple, h.Header] = {}
 
 
 def _identity(file: Path) -> tuple:
     st = file.stat()
-    return str(file), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+    return str(file), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
 def header_of(file: Path) -> h.Header:
