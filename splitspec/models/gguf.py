@@ -8,6 +8,12 @@ folder. The weights never leave the GGUF file: `GGUFWeights.get_tensor` dequanti
 at a time to float32, straight from the memory-mapped file, and the loader casts it into the
 parameter (no float copy of the whole model is ever held besides the model itself).
 
+A file is trusted only as far as it has been checked: `gguf_header.scan` bounds every count and
+size by the file before gguf-py walks them, `Metadata` reads each field as the type it must
+have, `config_dict` holds every size the model is built from to the tensors the file holds, and
+`_tokenizer_fields` checks the vocabulary, merges, token types and special ids; each refusal is
+a GGUFError naming the file, the field and the value (docs/real-model.md has the list).
+
 Facts this rests on (gguf-py's `constants.py` / `quants.py`, llama.cpp's `convert_hf_to_gguf.py`
 and `llama-vocab.cpp`; see ../shared/research/real-model-gguf.md):
 * shapes are listed innermost first; gguf-py hands quantized rows as (rows, bytes per row);
@@ -15,7 +21,9 @@ and `llama-vocab.cpp`; see ../shared/research/real-model-gguf.md):
   `qwen3` are not permuted): the rows are un-permuted here so our half-split RoPE is right;
 * end-of-generation tokens: the metadata's eos and eot ids, and, as llama.cpp does, the chat
   markers ending a turn (`<|im_end|>`, `<|eot_id|>`, ...). SmolLM2's file says eos = 1
-  (`<|im_start|>`), while its turns end with `<|im_end|>` = 2.
+  (`<|im_start|>`), while its turns end with `<|im_end|>` = 2;
+* BOS / EOS: added where `tokenizer.ggml.add_bos_token` / `add_eos_token` say; when the file
+  does not say, llama.cpp adds BOS for its LLAMA3 pre-tokenizer group (`llama-bpe`, `llama3`).
 """
 from __future__ import annotations
 
@@ -342,9 +350,7 @@ def _tokenizer_fields(meta: Metadata, vocab_rows: int) -> dict:
     if not merges:
         raise GGUFError(f"{meta.file}: metadata field 'tokenizer.ggml.merges' is missing or empty: a BPE tokenizer "
                         "needs its merges")
-    vocab = {}
-    for i, tok in enumerate(tokens):
-        vocab.setdefault(tok, i)
+    vocab = set(tokens)
     pairs = [_merge(meta, i, m, vocab) for i, m in enumerate(merges)]
     types = meta.ints("tokenizer.ggml.token_type")
     if types is None:
@@ -369,7 +375,7 @@ def _tokenizer_fields(meta: Metadata, vocab_rows: int) -> dict:
             "add_bos": add_bos, "add_eos": add_eos}
 
 
-def _merge(meta: Metadata, i: int, merge: str, vocab: dict) -> tuple[str, str]:
+def _merge(meta: Metadata, i: int, merge: str, vocab: set[str]) -> tuple[str, str]:
     """One merge as llama.cpp and `tokenizers` read it: two tokens of the vocabulary joined by
     one space, whose concatenation is a token too (`tokenizers` panics on one that is not)."""
     left, space, right = merge.partition(" ")
@@ -396,9 +402,8 @@ def tokenizer_json(reader, file: Path, vocab_rows: int | None = None) -> str:
     from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
     meta = Metadata(reader, file)
     f = _tokenizer_fields(meta, vocab_rows or _vocab_rows_of(reader))
-    vocab = {}
-    for i, tok in enumerate(f["tokens"]):
-        vocab.setdefault(tok, i)
+    # A text listed twice takes its last id, as llama.cpp's and transformers' readers do.
+    vocab = {tok: i for i, tok in enumerate(f["tokens"])}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=f["merges"], fuse_unk=False, byte_fallback=False,
                                ignore_merges=f["pre"] in LLAMA3_PRES))
     if f["pre"] == "qwen2":          # Qwen2Tokenizer's (transformers) and tokenizer.json's normalizer
