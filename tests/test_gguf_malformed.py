@@ -213,7 +213,7 @@ def _malformed():
     from gguf import GGUFValueType as T
     arr, ints = T.ARRAY, st.integers(min_value=0, max_value=2 ** 32 - 1)
     not_dividing = st.integers(1, 64).filter(lambda k: HEADS % k)
-    ids = st.tuples(st.sampled_from(["bos", "eos", "eot", "eom", "padding", "unknown"]), st.integers(VOCAB, 2 ** 32 - 1))
+    ids = st.tuples(st.sampled_from(["bos", "eos", "eot"]), st.integers(VOCAB, 2 ** 32 - 1))
     int_keys = st.sampled_from(["block_count", "embedding_length", "feed_forward_length", "attention.head_count",
                                 "context_length", "attention.head_count_kv"])
     no_space = st.text(st.sampled_from("abcdefgĠ"), min_size=1, max_size=6)

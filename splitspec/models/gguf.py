@@ -79,7 +79,9 @@ LLAMA3_PRES = ("llama-bpe", "llama3")
 TURN_ENDS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>")
 TOKEN_CONTROL, TOKEN_USER_DEFINED = 3, 4
 TOKEN_TYPES = range(7)           # llama.cpp's: undefined, normal, unknown, control, user-defined, unused, byte
-SPECIAL_IDS = ("bos", "eos", "eot", "eom", "unknown", "padding")
+# The special ids this loader uses; llama.cpp warns about and ignores an unused one (pad, unk)
+# past the vocabulary, and so does this loader, by not reading it.
+SPECIAL_IDS = ("bos", "eos", "eot")
 
 INTS = frozenset({h.UINT8, h.INT8, h.UINT16, h.INT16, h.UINT32, h.INT32, h.UINT64, h.INT64})
 NUMBERS = INTS | {h.FLOAT32, h.FLOAT64}
