@@ -139,9 +139,9 @@ class Metadata:
             return None
         types = [int(t) for t in f.types]
         if item_kinds is None and (not types or types[0] not in kinds):
-            raise self.refuse(key, f"is {_type_name(types)}; expected {kinds_name(kinds)}")
+            raise self.refuse(key, f"is {_type_name(types)}; expected {_kinds_name(kinds)}")
         if item_kinds is not None and (types[:1] != [h.ARRAY] or (len(types) > 1 and types[1] not in item_kinds)):
-            raise self.refuse(key, f"is {_type_name(types)}; expected an array of {kinds_name(item_kinds)}")
+            raise self.refuse(key, f"is {_type_name(types)}; expected an array of {_kinds_name(item_kinds)}")
         try:
             return f.contents()
         except Exception as exc:     # a string that is not UTF-8
@@ -195,7 +195,7 @@ class Metadata:
         return int(values[0])
 
 
-def kinds_name(kinds) -> str:
+def _kinds_name(kinds) -> str:
     if kinds == INTS:
         return "an integer"
     if kinds == NUMBERS:
