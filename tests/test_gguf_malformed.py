@@ -114,7 +114,8 @@ def _write(tmp: Path, data: bytes, name: str = "bad.gguf") -> Path:
 @given(target=st.sampled_from(["tensor count", "kv count", "first key length", "tokens length", "first token length",
                                "merges length", "token types length", "chat template length", "dimension count",
                                "dimension", "tensor offset"]),
-       big=st.integers(min_value=0, max_value=2 ** 64 - 1), choice=st.sampled_from([2 ** 40, 2 ** 63, 2 ** 64 - 1, None]))
+       big=st.integers(min_value=0, max_value=2 ** 64 - 1),
+       choice=st.sampled_from([2 ** 40, 2 ** 63, 2 ** 64 - 1, None]))
 def test_a_count_past_the_file_is_refused_by_the_scan_naming_it(good, tmp_path, target, big, choice):
     offset, code, needle = _targets(good)[target]
     limit = 2 ** (8 * struct.calcsize(code)) - 1
@@ -208,57 +209,84 @@ def _token_types(change):
     return edit
 
 
-def _malformed():
-    """(edit, the field the refusal must name) pairs, one strategy per kind of bad value."""
+def _bos_text(text):
+    """BOS added to every sequence, spelled `text`."""
+    def edit(w):
+        from gguf import GGUFValueType as T
+        w.kv_data[0]["tokenizer.ggml.tokens"].value[1] = text
+        w.add_key_value("tokenizer.ggml.bos_token_id", 1, T.UINT32)
+        w.add_key_value("tokenizer.ggml.add_bos_token", True, T.BOOL)
+    return edit
+
+
+def _malformed() -> dict[str, st.SearchStrategy]:
+    """Kind of bad value -> strategy of (edit, the field the refusal must name)."""
     from gguf import GGUFValueType as T
     arr, ints = T.ARRAY, st.integers(min_value=0, max_value=2 ** 32 - 1)
-    not_dividing = st.integers(1, 64).filter(lambda k: HEADS % k)
-    ids = st.tuples(st.sampled_from(["bos", "eos", "eot"]), st.integers(VOCAB, 2 ** 32 - 1))
     int_keys = st.sampled_from(["block_count", "embedding_length", "feed_forward_length", "attention.head_count",
                                 "context_length", "attention.head_count_kv"])
     no_space = st.text(st.sampled_from("abcdefgĠ"), min_size=1, max_size=6)
-    return st.one_of(
-        st.just((_set("llama.attention.head_count", 0, T.UINT32), "llama.attention.head_count")),
-        st.just((_set("llama.attention.head_count_kv", 0, T.UINT32), "llama.attention.head_count_kv")),
-        not_dividing.map(lambda k: (_set("llama.attention.head_count_kv", k, T.UINT32), "does not divide")),
-        st.lists(st.integers(1, 8), min_size=LAYERS, max_size=LAYERS).filter(lambda v: len(set(v)) > 1).map(
+
+    def merge(index, text):
+        return _merges(lambda ms: ms.__setitem__(index, text)), "tokenizer.ggml.merges"
+
+    return {
+        "zero heads": st.sampled_from([("llama.attention.head_count", 0), ("llama.attention.head_count_kv", 0)]).map(
+            lambda kv: (_set(kv[0], kv[1], T.UINT32), kv[0])),
+        "kv heads not dividing": st.integers(1, 64).filter(lambda k: HEADS % k).map(
+            lambda k: (_set("llama.attention.head_count_kv", k, T.UINT32), "does not divide")),
+        "per-layer heads differ": st.lists(st.integers(1, 8), min_size=LAYERS, max_size=LAYERS).filter(
+            lambda v: len(set(v)) > 1).map(
             lambda v: (_set("llama.attention.head_count", v, arr, T.UINT32), "differs between layers")),
-        st.lists(st.just(HEADS), min_size=1, max_size=5).filter(lambda v: len(v) != LAYERS).map(
+        "per-layer heads of another length": st.lists(st.just(HEADS), min_size=1, max_size=5).filter(
+            lambda v: len(v) != LAYERS).map(
             lambda v: (_set("llama.attention.head_count", v, arr, T.UINT32), "per-layer values")),
-        ids.map(lambda kv: (_set(f"tokenizer.ggml.{kv[0]}_token_id", kv[1], T.UINT32),
-                            f"tokenizer.ggml.{kv[0]}_token_id")),
-        int_keys.map(lambda k: (_set(f"llama.{k}", 4.0, T.FLOAT32), f"llama.{k}")),
-        int_keys.map(lambda k: (_set(f"llama.{k}", "4", T.STRING), f"llama.{k}")),
-        st.integers(LAYERS + 1, 2 ** 64 - 1).map(lambda n: (_set("llama.block_count", n, T.UINT64), "block_count")),
-        st.integers(33, 2 ** 63).map(lambda n: (_set("llama.embedding_length", n, T.UINT64), "token_embd.weight")),
-        st.integers(33, 2 ** 31).map(lambda n: (_set("llama.feed_forward_length", n, T.UINT32), "ffn_")),
-        st.sampled_from([0.0, -1e-5, float("nan"), float("inf")]).map(
+        "id past the vocabulary": st.tuples(st.sampled_from(["bos", "eos", "eot"]),
+                                            st.integers(VOCAB, 2 ** 32 - 1)).map(
+            lambda kv: (_set(f"tokenizer.ggml.{kv[0]}_token_id", kv[1], T.UINT32), f"tokenizer.ggml.{kv[0]}_token_id")),
+        "float for an integer": int_keys.map(lambda k: (_set(f"llama.{k}", 4.0, T.FLOAT32), f"llama.{k}")),
+        "string for an integer": int_keys.map(lambda k: (_set(f"llama.{k}", "4", T.STRING), f"llama.{k}")),
+        "huge block count": st.integers(LAYERS + 1, 2 ** 64 - 1).map(
+            lambda n: (_set("llama.block_count", n, T.UINT64), "block_count")),
+        "hidden size the tensors contradict": st.integers(33, 2 ** 63).map(
+            lambda n: (_set("llama.embedding_length", n, T.UINT64), "token_embd.weight")),
+        "feed-forward size the tensors contradict": st.integers(33, 2 ** 31).map(
+            lambda n: (_set("llama.feed_forward_length", n, T.UINT32), "ffn_")),
+        "bad norm epsilon": st.sampled_from([0.0, -1e-5, float("nan"), float("inf")]).map(
             lambda e: (_set("llama.attention.layer_norm_rms_epsilon", e, T.FLOAT32), "layer_norm_rms_epsilon")),
-        st.tuples(st.integers(0, 50), no_space).map(
-            lambda m: (_merges(lambda ms: ms.__setitem__(m[0], m[1])), "tokenizer.ggml.merges")),
-        st.integers(0, 50).map(lambda i: (_merges(lambda ms: ms.__setitem__(i, "a b c")), "tokenizer.ggml.merges")),
-        st.integers(0, 50).map(lambda i: (_merges(lambda ms: ms.__setitem__(i, "Ġzzq Ġqzz")), "not in tokenizer")),
-        st.just((_set("tokenizer.ggml.merges", [1, 2], arr, T.INT32), "tokenizer.ggml.merges")),
-        st.just((_set("tokenizer.ggml.tokens", list(range(VOCAB)), arr, T.INT32), "tokenizer.ggml.tokens")),
-        st.integers(1, 5).map(lambda n: (_token_types(lambda ts: ts.__delitem__(slice(0, n))),
-                                         "tokenizer.ggml.token_type")),
-        st.tuples(st.integers(0, VOCAB - 1), st.integers(7, 2 ** 31 - 1)).map(
+        "merge without a space": st.tuples(st.integers(0, 50), no_space).map(lambda m: merge(*m)),
+        "merge of three": st.integers(0, 50).map(lambda i: merge(i, "a b c")),
+        "merge of unknown tokens": st.integers(0, 50).map(lambda i: merge(i, "Ġzzq Ġqzz")),
+        "merges of integers": st.just((_set("tokenizer.ggml.merges", [1, 2], arr, T.INT32), "tokenizer.ggml.merges")),
+        "tokens of integers": st.just(
+            (_set("tokenizer.ggml.tokens", list(range(VOCAB)), arr, T.INT32), "tokenizer.ggml.tokens")),
+        "token types of another length": st.integers(1, 5).map(
+            lambda n: (_token_types(lambda ts: ts.__delitem__(slice(0, n))), "tokenizer.ggml.token_type")),
+        "token type out of range": st.tuples(st.integers(0, VOCAB - 1), st.integers(7, 2 ** 31 - 1)).map(
             lambda v: (_token_types(lambda ts: ts.__setitem__(v[0], v[1])), "tokenizer.ggml.token_type")),
-        st.sampled_from([(1, T.UINT8), ("yes", T.STRING)]).map(
+        "bos no template can hold": st.sampled_from(["", "<|x:y|>", "$A"]).map(
+            lambda text: (_bos_text(text), "tokenizer.ggml.bos_token_id")),
+        "flag not a bool": st.sampled_from([(1, T.UINT8), ("yes", T.STRING)]).map(
             lambda v: (_set("tokenizer.ggml.add_bos_token", v[0], v[1]), "tokenizer.ggml.add_bos_token")),
-        ints.map(lambda n: (_set("tokenizer.chat_template", n, T.UINT32), "tokenizer.chat_template")),
-        ints.map(lambda n: (_set("general.architecture", n, T.UINT32), "general.architecture")),
-        st.integers(0, 2 ** 32 - 1).filter(lambda a: a & (a - 1) or a == 0).map(
+        "template not a string": ints.map(
+            lambda n: (_set("tokenizer.chat_template", n, T.UINT32), "tokenizer.chat_template")),
+        "architecture not a string": ints.map(
+            lambda n: (_set("general.architecture", n, T.UINT32), "general.architecture")),
+        "alignment not a power of two": st.integers(0, 2 ** 32 - 1).filter(lambda a: a & (a - 1) or a == 0).map(
             lambda a: (_set("general.alignment", a, T.UINT32), "general.alignment")),
-        st.just((_set("general.alignment", 32, T.UINT64), "general.alignment")),
-        st.just((_set("tokenizer.ggml.pre", "tekken", T.STRING), "tokenizer.ggml.pre")),
-    )
+        "alignment not UINT32": st.just((_set("general.alignment", 32, T.UINT64), "general.alignment")),
+        "unknown pre-tokenizer": st.just((_set("tokenizer.ggml.pre", "tekken", T.STRING), "tokenizer.ggml.pre")),
+    }
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(case=_malformed())
-def test_a_malformed_field_is_refused_naming_it(source, tmp_path, case):
-    edit, needle = case
+MALFORMED = _malformed()
+
+
+@pytest.mark.parametrize("kind", list(MALFORMED))
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_a_malformed_field_is_refused_naming_it(source, tmp_path, kind, data):
+    edit, needle = data.draw(MALFORMED[kind])
     save_tiny_gguf(tmp_path / "m.gguf", *source, qtype="F32", edit=edit)
     _refused(tmp_path / "m.gguf", needle)
 

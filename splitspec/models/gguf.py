@@ -370,11 +370,22 @@ def _tokenizer_fields(meta: Metadata, vocab_rows: int) -> dict:
     add_bos = meta.bool("tokenizer.ggml.add_bos_token", default=pre in LLAMA3_PRES)
     add_eos = meta.bool("tokenizer.ggml.add_eos_token", default=False)
     for flag, name in ((add_bos, "bos"), (add_eos, "eos")):
-        if flag and ids[name] is None:
-            raise GGUFError(f"{meta.file}: metadata field 'tokenizer.ggml.add_{name}_token' is true but "
-                            f"'tokenizer.ggml.{name}_token_id' is missing")
+        if flag:
+            _check_template_token(meta, name, ids[name], tokens)
     return {"tokens": tokens, "merges": pairs, "types": types, "pre": pre, "ids": ids,
             "add_bos": add_bos, "add_eos": add_eos}
+
+
+def _check_template_token(meta: Metadata, name: str, token_id: int | None, tokens: list[str]) -> None:
+    """A token added around each sequence must exist and be writable in a `tokenizers`
+    template, whose pieces are `text:type_id` and `$A` / `$B` (no real BOS or EOS has a colon)."""
+    key = f"tokenizer.ggml.{name}_token_id"
+    if token_id is None:
+        raise GGUFError(f"{meta.file}: metadata field 'tokenizer.ggml.add_{name}_token' is true but {key!r} is missing")
+    text = tokens[token_id]
+    if not text or ":" in text or text.startswith("$"):
+        raise meta.refuse(key, f"= {token_id} names {text!r}, which cannot be added around each sequence "
+                               "(empty, a ':' or a leading '$')")
 
 
 def _merge(meta: Metadata, i: int, merge: str, vocab: set[str]) -> tuple[str, str]:
@@ -448,8 +459,9 @@ def _post_processor(f: dict):
     tokens, ids = f["tokens"], f["ids"]
     bos = [tokens[ids["bos"]]] if f["add_bos"] else []
     eos = [tokens[ids["eos"]]] if f["add_eos"] else []
-    single = " ".join(bos + ["$A:0"] + eos)
-    pair = " ".join(bos + ["$A:0"] + eos + [f"{t}:1" for t in bos] + ["$B:1"] + [f"{t}:1" for t in eos])
+    # Lists of pieces, not a spaced string, so a token with a space in it stays one piece.
+    single = [f"{t}:0" for t in bos] + ["$A:0"] + [f"{t}:0" for t in eos]
+    pair = single + [f"{t}:1" for t in bos] + ["$B:1"] + [f"{t}:1" for t in eos]
     special = sorted({(tokens[ids[n]], ids[n]) for n, on in (("bos", f["add_bos"]), ("eos", f["add_eos"])) if on})
     return processors.Sequence([byte_level, processors.TemplateProcessing(single=single, pair=pair,
                                                                           special_tokens=special)])
