@@ -11,6 +11,7 @@ import structlog
 import torch
 
 from splitspec.models.config import ConfigError, ModelConfig
+from splitspec.models.gguf import release as release_gguf
 from splitspec.models.loader import load_state, model_folder, open_weights, parse_dtype, resolve_device, weight_files
 
 from .dflash import DFlashConfig, DFlashDraft
@@ -60,8 +61,9 @@ def load_draft(path: str | Path, target_path: str | Path, *, dtype="float32", de
     names = {"embed": "model.embed_tokens.weight",
              "lm_head": "lm_head.weight" if "lm_head.weight" in tfiles else "model.embed_tokens.weight"}
     got = {}
-    for key, name in names.items():
+    for name in dict.fromkeys(names.values()):        # a tied head is the embedding: read once
         with open_weights(tfiles[name]) as f:
-            got[key] = f.get_tensor(tfiles.stored(name)).to(dev, dt)     # a wrapper's prefix put back
-    model.attach_target(got["embed"], got["lm_head"])
+            got[name] = f.get_tensor(tfiles.stored(name)).to(dev, dt)     # a wrapper's prefix put back
+    release_gguf()
+    model.attach_target(got[names["embed"]], got[names["lm_head"]])
     return model.eval().requires_grad_(False)

@@ -43,7 +43,11 @@ def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def save_tiny_gguf(file: Path, model, tokenizer_json: Path | None, *, qtype: str = "Q8_0",
-                   arch: str | None = None, merges: bool = True, pre: str = "default") -> dict[str, torch.Tensor]:
+                   arch: str | None = None, merges: bool = True, pre: str = "default", edit=None,
+                   big_endian: bool = False) -> dict[str, torch.Tensor]:
+    """`edit(writer)`, when given, runs after the metadata is added and before anything is
+    written: it may overwrite a field (`writer.add_key_value`) or drop one
+    (`del writer.kv_data[0][key]`), for the tests of malformed files."""
     import gguf
     from gguf import GGMLQuantizationType as Q
     from gguf import quants
@@ -51,7 +55,7 @@ def save_tiny_gguf(file: Path, model, tokenizer_json: Path | None, *, qtype: str
     arch = arch or ARCH[type(model).__name__]
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    w = gguf.GGUFWriter(str(file), arch)
+    w = gguf.GGUFWriter(str(file), arch, endianess=gguf.GGUFEndian.BIG if big_endian else gguf.GGUFEndian.LITTLE)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -97,6 +101,8 @@ def save_tiny_gguf(file: Path, model, tokenizer_json: Path | None, *, qtype: str
             if a.ndim == 2 and quant != Q.F32:
                 stored = quants.quantize(stored, quant)
         w.add_tensor(gguf_name(name), stored, raw_dtype=quant if stored is not a else None)
+    if edit is not None:
+        edit(w)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

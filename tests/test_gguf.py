@@ -66,17 +66,20 @@ def test_tokenizer_and_chat_template_from_the_metadata(tmp_path, tok_dir):
 def test_end_of_generation_ids_include_the_turn_end():
     """SmolLM2's file says eos = 2 and ends turns with <|im_end|>; a file whose eos is
     <|im_start|> still stops at <|im_end|> (llama.cpp's end-of-generation set)."""
+    from gguf import GGUFValueType as T
+
     class Field:
-        def __init__(self, v):
-            self.v = v
+        def __init__(self, v, *types):
+            self.v, self.types = v, list(types)
 
         def contents(self):
             return self.v
 
     class Reader:
-        fields = {"tokenizer.ggml.tokens": Field(["<|endoftext|>", "<|im_start|>", "<|im_end|>", "a"]),
-                  "tokenizer.ggml.token_type": Field([3, 3, 3, 1]),
-                  "tokenizer.ggml.eos_token_id": Field(1)}
+        fields = {"tokenizer.ggml.tokens": Field(["<|endoftext|>", "<|im_start|>", "<|im_end|>", "a"], T.ARRAY,
+                                                 T.STRING),
+                  "tokenizer.ggml.token_type": Field([3, 3, 3, 1], T.ARRAY, T.INT32),
+                  "tokenizer.ggml.eos_token_id": Field(1, T.UINT32)}
     assert end_ids(Reader(), "f.gguf") == [0, 2, 1]
 
 
@@ -152,3 +155,70 @@ def test_a_draft_loads_against_a_gguf_target_and_a_mismatched_one_is_refused(tmp
     save_tiny_gguf(tmp_path / "other.gguf", other, tok_dir / "tokenizer.json", qtype="Q8_0")
     with pytest.raises(ConfigError, match="hidden"):
         load_draft(tmp_path / "draft", tmp_path / "other.gguf")
+
+
+def test_start_up_parses_the_file_once_and_lets_it_go(tmp_path, tok_dir, monkeypatch):
+    """The target's start-up (the folder, the memory preflight, the model) builds gguf-py's
+    reader once, cold or warm, and holds none of it once the model is loaded."""
+    import gguf as gguf_py
+    from splitspec.models import gguf
+    from target_service import preflight
+    built = []
+
+    class Counting(gguf_py.GGUFReader):
+        def __init__(self, *args, **kwargs):
+            built.append(args[0])
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(gguf_py, "GGUFReader", Counting)
+    monkeypatch.setenv("SPLITSPEC_CACHE", str(tmp_path / "cache"))
+    save_tiny_gguf(tmp_path / "m.gguf", build_tiny_hf_model("qwen2", vocab_size=VOCAB), tok_dir / "tokenizer.json")
+    for start in ("cold", "warm"):
+        gguf.release()
+        built.clear()
+        folder = model_folder(tmp_path / "m.gguf")
+        preflight.estimate(folder)
+        load_model(folder)
+        assert len(built) == 1, (start, built)
+        assert not gguf._parsed, start
+
+
+def test_a_tied_embedding_is_dequantized_once_for_the_draft(tmp_path, tok_dir, monkeypatch):
+    from draft_service.architectures import load_draft
+    from draft_service.dflash import new_draft, save_draft
+    from splitspec.models import gguf
+    hf = build_tiny_hf_model("llama", vocab_size=VOCAB, tie_word_embeddings=True, seed=6)
+    save_tiny_gguf(tmp_path / "t.gguf", hf, tok_dir / "tokenizer.json", qtype="Q8_0")
+    target = load_model(tmp_path / "t.gguf")
+    save_draft(new_draft(target.cfg, num_layers=1, mask_token_id=1, target_layer_ids=[0, 1]), tmp_path / "draft")
+    read = []
+    real = gguf.GGUFWeights.get_tensor
+    monkeypatch.setattr(gguf.GGUFWeights, "get_tensor", lambda self, name: read.append(name) or real(self, name))
+    draft = load_draft(tmp_path / "draft", tmp_path / "t.gguf")
+    assert read == ["model.embed_tokens.weight"]
+    assert draft._target["embed"].data_ptr() == draft._target["lm_head"].data_ptr()     # one copy in memory
+
+
+def test_a_cached_folder_is_rebuilt_when_the_file_no_longer_matches_its_pointer(tmp_path, tok_dir, monkeypatch):
+    """Same path, size and modification time but other metadata (a file rewritten in place,
+    its time put back): the pointer's header digest differs and the folder is rebuilt; a
+    pointer edited by hand is not trusted either."""
+    import os
+    from splitspec.models.gguf import POINTER
+    monkeypatch.setenv("SPLITSPEC_CACHE", str(tmp_path / "cache"))
+    file = tmp_path / "m.gguf"
+    save_tiny_gguf(file, build_tiny_hf_model("qwen3", vocab_size=VOCAB), tok_dir / "tokenizer.json")
+    folder = model_folder(file)
+    assert "<|im_start|>" in json.loads((folder / "tokenizer_config.json").read_text())["chat_template"]
+    st = file.stat()
+    data = file.read_bytes()
+    file.write_bytes(data.replace(b"<|im_start|>{{", b"<|im_begin|>{{", 1))
+    os.utime(file, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert file.stat().st_size == st.st_size and file.stat().st_mtime_ns == st.st_mtime_ns
+    assert model_folder(file) == folder
+    assert "<|im_begin|>{{" in json.loads((folder / "tokenizer_config.json").read_text())["chat_template"]
+    pointer = json.loads((folder / POINTER).read_text())
+    (folder / POINTER).write_text(json.dumps({**pointer, "size": 1}))
+    assert model_folder(file) == folder
+    assert json.loads((folder / POINTER).read_text()) == pointer
+    assert not list(folder.parent.glob("*.tmp*")) and not list(folder.parent.glob("*.stale*"))

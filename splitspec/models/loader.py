@@ -356,6 +356,7 @@ def load_model(path: str | Path, *, dtype="float32", device="cpu", gguf_weights:
                    ignored=lambda n: ignored(cfg, n))
     else:
         load_state(model, files, skip=skip)
+    gguf.release()      # a GGUF file's parse serves start-up only (gguf.parse)
     return model.eval().requires_grad_(False)
 
 
