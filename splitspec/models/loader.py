@@ -349,8 +349,7 @@ def load_model(path: str | Path, *, dtype="float32", device="cpu", gguf_weights:
     if plan is not None:
         load_state(model, files, skip=skip + plan.skipped())
         gguf_packed.attach(model, plan, weights, parse_dtype(dtype))
-        return model.eval().requires_grad_(False)
-    if cfg.hybrid is not None:
+    elif cfg.hybrid is not None:
         from splitspec.models.hybrid_weights import adapt_tensor, checkpoint_name, ignored
         load_state(model, files, skip=skip, source=checkpoint_name, adapt=adapt_tensor,
                    ignored=lambda n: ignored(cfg, n))
