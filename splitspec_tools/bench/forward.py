@@ -1,12 +1,16 @@
 """`splitspec bench-forward`: the target's forward in process, no services (docs/speculation.md,
 "Exact at bf16"). `exactness`: per prompt, target-only greedy decoding, then the same prompt
 verified in chains whose drafts are that continuation (a perfect drafter: every verify row is
-compared); a prompt mismatches when a committed token differs. `cost`: forward ms of a decode, a
-width-8 verify and a decode of 8 sessions, plain and batch-invariant attention taking turns.
+compared); a prompt mismatches when a committed token differs. `cost`: forward ms of a decode,
+verifies of each width and decodes of 8 and 16 sessions, for each weights mode of a GGUF target
+(packed, dequantized), plain and batch-invariant attention taking turns. `profile`: where a
+batch-invariant decode step's time goes (matmuls, attention, the other operators, Python) beside
+the bound the weights' bytes and this machine's measured read bandwidth set.
 
     splitspec bench-forward exactness --prompts 200 --dtypes bfloat16,float32 --threads 1
     splitspec bench-forward exactness --prompts 24 --attention torch-exact --threads 2 --verify-threads 1
-    splitspec bench-forward cost --reps 15 --prompt-tokens 128,2000
+    splitspec bench-forward cost --reps 15 --prompt-tokens 128,2000 --weights packed,dequantized
+    splitspec bench-forward profile --weights packed,dequantized --prompt-tokens 128
 """
 from __future__ import annotations
 
@@ -14,7 +18,6 @@ import time
 
 from .harness import columns, csv_items, entry, header, log, median, metadata
 
-STEPS = ("decode x1", "verify-8 x1", "decode x8")
 
 
 # (default, help), each parsed as its default's type; "exactness:" and "cost:" flags serve that check alone.
@@ -26,14 +29,17 @@ FLAGS = {
     "--width": (8, "exactness: verify width (root + drafted tokens)"),
     "--attention": ("torch,torch-exact", "exactness: attention paths, comma-separated"),
     "--verify-threads": (0, "exactness: the speculative side's threads (0: --threads)"),
-    "--reps": (30, "cost: timed repetitions of each step"),
-    "--prompt-tokens": ("128,2000", "cost: context lengths"),
+    "--reps": (30, "cost / profile: timed repetitions of each step"),
+    "--prompt-tokens": ("128,2000", "cost / profile: context lengths"),
+    "--weights": ("packed", "cost / profile: a GGUF target's weights modes, comma-separated (packed, dequantized)"),
+    "--widths": ("2,4,8,16", "cost: verify widths (root + drafted tokens)"),
+    "--streams": ("8,16", "cost / profile: decode batch sizes besides one"),
     "--out": ("bench-out/forward", "folder for results.json and results.md"),
 }
 
 
 def add_flags(a) -> None:
-    a("check", choices=["exactness", "cost"])
+    a("check", choices=["exactness", "cost", "profile"])
     a("--model-path", default=None, help="target model (default: SmolLM2-135M-Instruct's GGUF)")
     for flag, (default, what) in FLAGS.items():
         a(flag, type=type(default), default=default, help=what)
@@ -74,41 +80,140 @@ def exactness(model, path, a, dtype: str) -> list[dict]:
     return rows
 
 
-def cost(model, a, dtype: str) -> list[dict]:
-    import torch
+class Steps:
+    """Sessions of `plen` random tokens prefilled on a pool of their own, per attention mode, and
+    the steps to time on them; `run` times one step and rolls back what it appended, so every
+    repetition sees the same lengths."""
 
-    from splitspec.engine.tree import Tree
-    from target_service.engine import TargetSequence
-    from target_service.pools import make_pool
-    from target_service.runner import Decode, Verify, run_batch
-    from target_service.torch_verifier import TorchVerifier
+    def __init__(self, model, plen: int, sessions: int, modes):
+        import torch
+
+        from target_service.engine import TargetSequence
+        from target_service.pools import make_pool
+        g = torch.Generator().manual_seed(plen)
+        prompts = [torch.randint(100, 40000, (plen,), generator=g).tolist() for _ in range(sessions)]
+        self.model = model
+        self.pool = make_pool(model, num_blocks=len(modes) * sessions * (-(-(plen + 64) // 16)) + 16, block_size=16)
+        self.seqs = {m: [TargetSequence(model, p, max_len=plen + 64, pool=self.pool, attention=m) for p in prompts]
+                     for m in modes}
+        for s in (s for m in modes for s in self.seqs[m]):
+            s.prefill()
+
+    def kinds(self, a) -> dict:
+        """step name -> (lambda mode: the runner's steps)."""
+        from splitspec.engine.tree import Tree
+        from target_service.runner import Decode, Verify
+        out = {"decode x1": lambda m: [Decode(self.seqs[m][0].seq)]}
+        for w in (int(x) for x in csv_items(a.widths)):
+            out[f"verify-{w} x1"] = lambda m, w=w: [Verify(self.seqs[m][0].seq, Tree.chain([5] * (w - 1)))]
+        for n in (int(x) for x in csv_items(a.streams)):
+            out[f"decode x{n}"] = lambda m, n=n: [Decode(s.seq) for s in self.seqs[m][:n]]
+        return out
+
+    def run(self, mode: str, steps) -> float:
+        from target_service.runner import run_batch
+        from target_service.torch_verifier import TorchVerifier
+        saved = [(len(s.seq.tokens), s.seq.table.length) for s in self.seqs[mode]]
+        t0 = time.perf_counter()
+        run_batch(self.model, self.pool, TorchVerifier(), steps, mode)
+        ms = (time.perf_counter() - t0) * 1e3
+        for s, (ntok, length) in zip(self.seqs[mode], saved):
+            del s.seq.tokens[ntok:]
+            s.seq.table.length = length
+        return ms
+
+
+def sessions(a) -> int:
+    return max([1] + [int(x) for x in csv_items(a.streams)])
+
+
+def cost(model, a, dtype: str, weights: str) -> list[dict]:
     modes, rows = ("torch", "torch-exact"), []
     for plen in (int(x) for x in csv_items(a.prompt_tokens)):
-        g = torch.Generator().manual_seed(plen)
-        prompts = [torch.randint(100, 40000, (plen,), generator=g).tolist() for _ in range(8)]
-        pool = make_pool(model, num_blocks=16 * (-(-(plen + 64) // 16)) + 16, block_size=16)
-        seqs = {m: [TargetSequence(model, p, max_len=plen + 64, pool=pool, attention=m) for p in prompts] for m in modes}
-        for s in (s for m in modes for s in seqs[m]):
-            s.prefill()
-        times = {(m, k): [] for m in modes for k in STEPS}
+        steps = Steps(model, plen, sessions(a), modes)
+        kinds = steps.kinds(a)
+        times = {(m, k): [] for m in modes for k in kinds}
         for rep in range(a.reps):
             for m in modes[::-1] if rep % 2 else modes:
-                one = seqs[m][0].seq
-                for kind, steps in zip(STEPS, ([Decode(one)], [Verify(one, Tree.chain([5] * 7))],
-                                               [Decode(s.seq) for s in seqs[m]])):
-                    saved = [(len(s.seq.tokens), s.seq.table.length) for s in seqs[m]]
-                    t0 = time.perf_counter()
-                    run_batch(model, pool, TorchVerifier(), steps, m)
-                    times[(m, kind)].append((time.perf_counter() - t0) * 1e3)
-                    # Roll back what the step appended, so every repetition sees the same lengths.
-                    for s, (ntok, length) in zip(seqs[m], saved):
-                        del s.seq.tokens[ntok:]
-                        s.seq.table.length = length
-        for kind in STEPS:
+                for kind, make in kinds.items():
+                    times[(m, kind)].append(steps.run(m, make(m)))
+        decode = {m: median(times[(m, "decode x1")]) for m in modes}
+        for kind in kinds:
             plain, exact = (median(times[(m, kind)]) for m in modes)
-            rows.append({"dtype": dtype, "prompt_tokens": plen, "step": kind, "plain_ms": plain, "invariant_ms": exact,
-                         "ratio": exact / plain})
-            log(f"{plen} tokens, {kind}: plain {plain:.2f} ms, batch-invariant {exact:.2f} ms")
+            rows.append({"dtype": dtype, "weights": weights, "prompt_tokens": plen, "step": kind, "plain_ms": plain,
+                         "invariant_ms": exact, "ratio": exact / plain, "decodes": exact / decode["torch-exact"]})
+            log(f"{weights} {plen} tokens, {kind}: plain {plain:.2f} ms, batch-invariant {exact:.2f} ms "
+                f"({exact / decode['torch-exact']:.2f} decodes)")
+    return rows
+
+
+MATMULS = ("_weight_int4pack_mm", "_weight_int8pack_mm", "aten::mm", "aten::addmm", "aten::linear", "aten::matmul",
+           "aten::bmm")
+ATTENTION = ("scaled_dot_product_attention", "exact_attention")
+
+
+def _category(name: str) -> str:
+    if any(m in name for m in MATMULS):
+        return "matmul"
+    return "attention" if any(m in name for m in ATTENTION) else "other ops"
+
+
+def read_bandwidth_gbs(threads: int) -> float:
+    """This machine's read bandwidth now, GB/s: the median of summing a 512 MB tensor."""
+    import torch
+    torch.set_num_threads(threads)
+    x = torch.ones(128 * 1024 * 1024)
+    runs = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        x.sum()
+        runs.append(x.nbytes / (time.perf_counter() - t0) / 1e9)
+    return median(runs)
+
+
+def streamed_bytes(model) -> int:
+    """Bytes of weights a decode reads: every parameter and buffer but the embedding table (a
+    lookup reads one row of it), the head counted once when tied."""
+    embed = model.model.embed_tokens
+    skip = {id(t) for t in list(embed.parameters()) + list(embed.buffers())}
+    head = getattr(model.lm_head, "weight", None)
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if id(t) in seen or (id(t) in skip and t is not head):
+            continue
+        seen.add(id(t))
+        total += t.numel() * t.element_size()
+    return total
+
+
+def profile(model, a, dtype: str, weights: str) -> list[dict]:
+    """Decode steps (one session, and each --streams) under torch's profiler: the top-level
+    operators' time by category; Python is the wall time no operator accounts for."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+    rows, bound_ms = [], streamed_bytes(model) / (a.bandwidth_gbs * 1e9) * 1e3
+    for plen in (int(x) for x in csv_items(a.prompt_tokens)):
+        steps = Steps(model, plen, sessions(a), ("torch-exact",))
+        kinds = {k: v for k, v in steps.kinds(a).items() if k.startswith("decode")}
+        for kind, make in kinds.items():
+            for _ in range(3):
+                steps.run("torch-exact", make("torch-exact"))
+            walls = []
+            with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(a.reps):
+                    walls.append(steps.run("torch-exact", make("torch-exact")))
+            by = {"matmul": 0.0, "attention": 0.0, "other ops": 0.0}
+            for ev in prof.events():
+                if ev.cpu_parent is None:
+                    by[_category(ev.name)] += ev.cpu_time_total / 1e3 / a.reps
+            wall = sum(walls) / len(walls)
+            row = {"dtype": dtype, "weights": weights, "prompt_tokens": plen, "step": kind, "wall_ms": wall,
+                   **{f"{k}_ms": v for k, v in by.items()}, "python_ms": max(0.0, wall - sum(by.values())),
+                   "bound_ms": bound_ms, "mb_streamed": streamed_bytes(model) / 1e6}
+            rows.append(row)
+            log(f"{weights} {plen} tokens, {kind}: {wall:.2f} ms = matmul {by['matmul']:.2f} + attention "
+                f"{by['attention']:.2f} + other ops {by['other ops']:.2f} + Python {row['python_ms']:.2f}; "
+                f"weights bound {bound_ms:.2f} ms")
     return rows
 
 
@@ -121,20 +226,34 @@ def bench(a, argv: list[str]) -> dict:
     torch.set_num_threads(a.threads)
     meta, path = metadata("splitspec bench-forward", argv), model_folder(a.model_path or real_target())
     rows = []
+    if a.check == "profile":
+        a.bandwidth_gbs = read_bandwidth_gbs(a.threads)
+        log(f"read bandwidth {a.bandwidth_gbs:.1f} GB/s ({a.threads} threads)")
     for dtype in csv_items(a.dtypes):
-        model = load_model(path, dtype=dtype)
-        rows += exactness(model, path, a, dtype) if a.check == "exactness" else cost(model, a, dtype)
-    setting = (f"{a.new_tokens} tokens a prompt, verify width {a.width}; threads {a.threads} (verifies: "
-               f"{a.verify_threads or a.threads})" if a.check == "exactness" else
-               f"threads {a.threads}; medians of {a.reps} repetitions, the attention paths taking turns")
+        for weights in csv_items(a.weights) if a.check != "exactness" else csv_items(a.weights)[:1]:
+            model = load_model(path, dtype=dtype, gguf_weights=weights)
+            check = {"exactness": lambda: exactness(model, path, a, dtype), "cost": lambda: cost(model, a, dtype, weights),
+                     "profile": lambda: profile(model, a, dtype, weights)}[a.check]
+            rows += check()
+            del model
+    setting = {"exactness": f"{a.new_tokens} tokens a prompt, verify width {a.width}; threads {a.threads} (verifies: "
+                            f"{a.verify_threads or a.threads}); weights {csv_items(a.weights)[0]}",
+               "cost": f"threads {a.threads}; medians of {a.reps} repetitions, the attention paths taking turns",
+               "profile": f"threads {a.threads}; means of {a.reps} profiled steps; read bandwidth "
+                          f"{getattr(a, 'bandwidth_gbs', 0):.1f} GB/s, measured in this run"}[a.check]
     return {"meta": meta, "check": a.check, "setting": f"model `{path}`; {setting}", "rows": rows}
 
 
 COLUMNS = {"exactness": [("dtype", "dtype", "{}"), ("attention", "attention", "{}"),
                          ("mismatching prompts", lambda x: f"{x['mismatches']}/{x['prompts']} ({x['share']:.1%})"),
                          ("s", "seconds", "{:.0f}"), ("first", lambda x: ", ".join(x["mismatching"][:5]) or "–")],
-           "cost": [("dtype", "dtype", "{}"), ("prompt tokens", "prompt_tokens", "{}"), ("step", "step", "{}"),
-                    ("plain ms", "plain_ms"), ("batch-invariant ms", "invariant_ms"), ("ratio", "ratio", "{:.3f}")]}
+           "cost": [("dtype", "dtype", "{}"), ("weights", "weights", "{}"), ("prompt tokens", "prompt_tokens", "{}"),
+                    ("step", "step", "{}"), ("plain ms", "plain_ms"), ("batch-invariant ms", "invariant_ms"),
+                    ("ratio", "ratio", "{:.3f}"), ("÷ decode (invariant)", "decodes")],
+           "profile": [("dtype", "dtype", "{}"), ("weights", "weights", "{}"), ("prompt tokens", "prompt_tokens", "{}"),
+                       ("step", "step", "{}"), ("wall ms", "wall_ms"), ("matmul", "matmul_ms"),
+                       ("attention", "attention_ms"), ("other ops", "other ops_ms"), ("Python", "python_ms"),
+                       ("weights bound ms", "bound_ms"), ("MB streamed", "mb_streamed", "{:.0f}")]}
 
 
 def markdown(r: dict) -> str:
