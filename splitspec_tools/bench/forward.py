@@ -1,7 +1,8 @@
 """`splitspec bench-forward`: the target's forward in process, no services (docs/speculation.md,
 "Exact at bf16"). `exactness`: per prompt, target-only greedy decoding, then the same prompt
 verified in chains whose drafts are that continuation (a perfect drafter: every verify row is
-compared); a prompt mismatches when a committed token differs. `cost`: forward ms of a decode,
+compared); a prompt mismatches when a committed token differs. `quality`: mean NLL and top-1
+agreement with the float32 dequantized model, beside llama.cpp's on the same file. `cost`: forward ms of a decode,
 verifies of each width and decodes of 8 and 16 sessions, for each weights mode of a GGUF target
 (packed, dequantized), plain and batch-invariant attention taking turns. `profile`: where a
 batch-invariant decode step's time goes (matmuls, attention, the other operators, Python) beside
@@ -11,6 +12,7 @@ the bound the weights' bytes and this machine's measured read bandwidth set.
     splitspec bench-forward exactness --prompts 24 --attention torch-exact --threads 2 --verify-threads 1
     splitspec bench-forward cost --reps 15 --prompt-tokens 128,2000 --weights packed,dequantized
     splitspec bench-forward profile --weights packed,dequantized --prompt-tokens 128
+    splitspec bench-forward quality --dtypes bfloat16,float32 --weights packed,dequantized
 """
 from __future__ import annotations
 
@@ -33,13 +35,14 @@ FLAGS = {
     "--prompt-tokens": ("128,2000", "cost / profile: context lengths"),
     "--weights": ("packed", "cost / profile: a GGUF target's weights modes, comma-separated (packed, dequantized)"),
     "--widths": ("2,4,8,16", "cost: verify widths (root + drafted tokens)"),
+    "--prompt-tokens-quality": (1024, "quality: tokens of held-out text scored"),
     "--streams": ("8,16", "cost / profile: decode batch sizes besides one"),
     "--out": ("bench-out/forward", "folder for results.json and results.md"),
 }
 
 
 def add_flags(a) -> None:
-    a("check", choices=["exactness", "cost", "profile"])
+    a("check", choices=["exactness", "cost", "profile", "quality"])
     a("--model-path", default=None, help="target model (default: SmolLM2-135M-Instruct's GGUF)")
     for flag, (default, what) in FLAGS.items():
         a(flag, type=type(default), default=default, help=what)
@@ -217,6 +220,61 @@ def profile(model, a, dtype: str, weights: str) -> list[dict]:
     return rows
 
 
+def quality_text(tokenizer, tokens: int) -> list[int]:
+    """Held-out text the target never saw as such: the standard library's `json` and `textwrap`
+    sources (the draft's training data, not the bench's prompts), cut to `tokens`."""
+    import inspect
+    import json
+    import textwrap
+    return tokenizer.encode(inspect.getsource(json.decoder) + inspect.getsource(textwrap)).ids[:tokens]
+
+
+def _scores(logits, ids, ref=None) -> dict:
+    import torch
+    lp = torch.log_softmax(logits[:-1].float(), -1)
+    out = {"nll": -lp.gather(-1, torch.tensor(ids[1:])[:, None]).mean().item()}
+    if ref is not None:
+        out["top1_agreement"] = (logits.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    return out
+
+
+def quality(path, a) -> list[dict]:
+    """Mean NLL on held-out text and top-1 agreement with the float32 dequantized model, for each
+    dtype, weights mode and head format, and for llama.cpp's own logits on the same file (the
+    reference implementation of its quant types) where llama-cpp-python is installed."""
+    import torch
+
+    from target_service.engine import forward_sequences, load_model, load_tokenizer
+    ids = quality_text(load_tokenizer(path), a.prompt_tokens_quality)
+    ref = forward_sequences(load_model(path, dtype="float32", gguf_weights="dequantized"), torch.tensor([ids])).logits[0]
+    rows = [{"engine": "splitspec", "dtype": "float32", "weights": "dequantized", "head": "–", **_scores(ref, ids, ref)}]
+    for dtype in csv_items(a.dtypes):
+        for weights in csv_items(a.weights):
+            for head in ("int8", "int4") if weights == "packed" else ("–",):
+                model = load_model(path, dtype=dtype, gguf_weights=weights, gguf_head=head if head != "–" else "int8")
+                got = forward_sequences(model, torch.tensor([ids])).logits[0]
+                rows.append({"engine": "splitspec", "dtype": dtype, "weights": weights, "head": head, **_scores(got, ids, ref)})
+                del model
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        log("llama-cpp-python is not installed: no llama.cpp row")
+    else:
+        from splitspec.models.gguf import source_of
+        llm = Llama(model_path=str(source_of(path) or path), n_ctx=len(ids) + 8, n_batch=512, logits_all=True,
+                    n_threads=a.threads, verbose=False)
+        llm.eval(ids)
+        got = torch.from_numpy(llm.scores[:len(ids)].copy())
+        rows.append({"engine": "llama.cpp", "dtype": "native", "weights": "its own", "head": "its own",
+                     **_scores(got, ids, ref)})
+        llm.close()
+    for r in rows:
+        r["nll_vs_reference"] = r["nll"] / rows[0]["nll"]
+        log(f"{r['engine']} {r['dtype']} {r['weights']} head {r['head']}: NLL {r['nll']:.4f} "
+            f"({r['nll_vs_reference']:.4f}x), top-1 agreement {r['top1_agreement']:.4f}")
+    return rows
+
+
 def bench(a, argv: list[str]) -> dict:
     import torch
 
@@ -226,6 +284,10 @@ def bench(a, argv: list[str]) -> dict:
     torch.set_num_threads(a.threads)
     meta, path = metadata("splitspec bench-forward", argv), model_folder(a.model_path or real_target())
     rows = []
+    if a.check == "quality":
+        rows = quality(path, a)
+        return {"meta": meta, "check": a.check, "rows": rows, "setting": f"model `{path}`; {a.prompt_tokens_quality} "
+                f"tokens of the standard library's json.decoder and textwrap sources, one forward"}
     if a.check == "profile":
         a.bandwidth_gbs = read_bandwidth_gbs(a.threads)
         log(f"read bandwidth {a.bandwidth_gbs:.1f} GB/s ({a.threads} threads)")
@@ -250,6 +312,9 @@ COLUMNS = {"exactness": [("dtype", "dtype", "{}"), ("attention", "attention", "{
            "cost": [("dtype", "dtype", "{}"), ("weights", "weights", "{}"), ("prompt tokens", "prompt_tokens", "{}"),
                     ("step", "step", "{}"), ("plain ms", "plain_ms"), ("batch-invariant ms", "invariant_ms"),
                     ("ratio", "ratio", "{:.3f}"), ("÷ decode (invariant)", "decodes")],
+           "quality": [("engine", "engine", "{}"), ("dtype", "dtype", "{}"), ("weights", "weights", "{}"),
+                       ("head", "head", "{}"), ("mean NLL", "nll", "{:.4f}"), ("÷ reference", "nll_vs_reference", "{:.4f}"),
+                       ("top-1 agreement", "top1_agreement", "{:.4f}")],
            "profile": [("dtype", "dtype", "{}"), ("weights", "weights", "{}"), ("prompt tokens", "prompt_tokens", "{}"),
                        ("step", "step", "{}"), ("wall ms", "wall_ms"), ("matmul", "matmul_ms"),
                        ("attention", "attention_ms"), ("other ops", "other ops_ms"), ("Python", "python_ms"),
