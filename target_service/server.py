@@ -32,8 +32,9 @@ from splitspec.wire import (WireError, check_token_ids, dtype_from_pb, logprob_t
                             tensor_from_pb, tensor_to_pb, tree_from_pb)
 
 from target_service.flashinfer_backend import BackendError, make_verifier
+from splitspec.models.gguf_packed import is_packed
 from splitspec.models.loader import (cpu_has_native_bf16, load_model, model_folder, parse_dtype, resolve_device, resolve_dtype,
-                     tokenizer_hash)
+                                     serves_packed, tokenizer_hash)
 from splitspec.models.config import ConfigError
 from splitspec.models.loader import CheckpointError
 from target_service.scheduler import AdmissionError, ClosedError, ContextError, DrainingError, Scheduler, StaleError, StepFailed
@@ -311,7 +312,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "divided among the targets on this host, see --core-sharing; with --core-sharing off, torch's "
                     "default, one per core)",
                     dtype_help="weights and KV cache dtype (auto: bfloat16 on CUDA and on CPUs with native bf16 "
-                    "(AVX512-BF16 / AMX), float32 on other CPUs)")
+                    "(AVX512-BF16 / AMX), float32 on other CPUs and for a GGUF target whose weights stay packed, "
+                    "where only activations take the dtype)")
     a("--gguf-weights", default="packed", choices=["packed", "dequantized"],
       help="a .gguf target on CPU: packed keeps its Q4_0 / Q4_1 projections 4-bit and multiplies them with torch's "
            "int4 kernel (a third of the bytes a token streams; rows stay bit-identical at every batch size); "
@@ -474,17 +476,21 @@ def attention_mode(args: argparse.Namespace, model) -> str:
     if args.batch_invariant == "on" and not possible:
         raise ConfigError("--batch-invariant on needs --attention-backend torch, one rank and a dense (Llama / Qwen) "
                           "model")
+    # Packed GGUF weights: on at every dtype, as it costs little there (the int4 kernel's rows are
+    # invariant already; attention is one native call a layer).
     on = args.batch_invariant == "on" or (args.batch_invariant == "auto" and possible
-                                          and dtype in (torch.bfloat16, torch.float16))
+                                          and (dtype in (torch.bfloat16, torch.float16) or is_packed(model)))
     logs.get_logger().info("batch_invariant", on=on, requested=args.batch_invariant, dtype=str(dtype))
     return "torch-exact" if on else args.attention_backend
 
 
 def _load(args: argparse.Namespace):
     device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, device)
+    packed = getattr(args, "tensor_parallel_size", 1) == 1 and serves_packed(args.model_path, device,
+                                                                           getattr(args, "gguf_weights", "packed"))
+    dtype = resolve_dtype(args.dtype, device, packed)
     logs.get_logger().info("serving_dtype", dtype=dtype, requested=args.dtype, device=str(device),
-                           cpu_native_bf16=device.type == "cpu" and cpu_has_native_bf16())
+                           cpu_native_bf16=device.type == "cpu" and cpu_has_native_bf16(), packed_weights=packed)
     # Before anything is allocated: refuse a target that cannot fit, with the numbers. Host memory
     # is shared by the ranks of this node only.
     nodes = getattr(args, "nnodes", 1) or 1

@@ -195,3 +195,11 @@ def test_an_unknown_weights_mode_or_head_format_is_refused(q4_file):
         load_model(q4_file, gguf_weights="int3")
     with pytest.raises(ValueError, match="head format 'fp8'"):
         load_model(q4_file, gguf_head="fp8")
+
+
+def test_a_cpu_without_the_kernels_fast_paths_loads_dequantized_and_says_so(q4_file, monkeypatch, capsys):
+    monkeypatch.setattr(gguf_packed, "kernel_available", lambda: False)
+    model = load_model(q4_file, dtype="float32")
+    assert isinstance(model.model.layers[0].self_attn.q_proj, torch.nn.Linear)
+    text = "".join(capsys.readouterr())
+    assert "gguf_weights" in text and "weights=dequantized" in text and "has no AVX2" in text

@@ -40,6 +40,11 @@ def kernel_available() -> bool:
             and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"))
 
 
+def is_packed(model: nn.Module) -> bool:
+    """Whether any of the model's matmuls runs on the packed kernels."""
+    return any(isinstance(m, (Int4Linear, Int8Linear)) for m in model.modules())
+
+
 def packable(qtype: str, out_features: int, in_features: int) -> str | None:
     """Why a tensor cannot go to the int4 kernel as it is stored, or None when it can."""
     if qtype not in Q4_BLOCK_BYTES:

@@ -68,11 +68,27 @@ def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def resolve_dtype(name: str, device: torch.device) -> str:
-    """--dtype auto: bfloat16 on CUDA and on CPUs with native bf16, float32 elsewhere."""
+def resolve_dtype(name: str, device: torch.device, packed: bool = False) -> str:
+    """--dtype auto: bfloat16 on CUDA and on CPUs with native bf16, float32 elsewhere; float32 for
+    a target whose weights stay packed (`serves_packed`): its matmuls cost the same at either
+    dtype (the int4 kernel takes bf16 activations), and a float32 residual stream keeps near-tied
+    logits from being decided by bf16 rounding."""
     if name != "auto":
         return name
+    if packed:
+        return "float32"
     return "bfloat16" if device.type == "cuda" or cpu_has_native_bf16() else "float32"
+
+
+def serves_packed(path, device: torch.device, gguf_weights: str = "packed") -> bool:
+    """Whether `load_model` keeps this checkpoint's projections packed (a GGUF file on a CPU the
+    int4 kernel runs on), before anything is loaded."""
+    if gguf_weights != "packed" or device.type != "cpu" or not gguf_packed.kernel_available():
+        return False
+    try:
+        return gguf.find_gguf(path) is not None or gguf.source_of(path) is not None
+    except (gguf.GGUFError, OSError, ValueError):
+        return False        # load_model reports a bad path with the file and the reason
 
 
 def resolve_device(device: str) -> torch.device:
