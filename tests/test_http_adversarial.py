@@ -17,6 +17,8 @@ import types
 
 import grpc
 import pytest
+import adversarial_bodies
+from adversarial_bodies import MESSAGES, TRICKY
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from service_helpers import FakeTargetServicer
@@ -40,7 +42,6 @@ BOS = 0              # <|endoftext|>: the tokenizer below adds it in front of ev
 # string (a number there is a TypeError inside the render).
 TEMPLATE = ("<|endoftext|>{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
             "{% if suffix is defined %}{{ 'suffix: ' + suffix }}{% endif %}<|assistant|>")
-MESSAGES = [{"role": "user", "content": "hi"}]
 
 
 class FakeTarget(FakeTargetServicer):
@@ -222,8 +223,6 @@ def parsed_depth(value) -> int:
     return 0
 
 
-# Strings made of what confuses a scan for strings: quotes, backslashes, brackets.
-TRICKY = st.text(alphabet='"\\[]{}a', max_size=8)
 JSON_VALUES = st.recursive(st.none() | st.integers() | TRICKY,
                            lambda inner: st.lists(inner, max_size=4) | st.dictionaries(TRICKY, inner, max_size=4),
                            max_leaves=40)
@@ -245,31 +244,6 @@ def test_the_guard_depth_on_bodies_json_refuses():
 
 # --- a bounded fuzz of the same shapes -------------------------------------------------------------
 
-def sized_list(item, most: int):
-    return st.builds(lambda x, n: [x] * n, item, st.integers(0, most))
-
-
-FIELDS = st.fixed_dictionaries({}, optional={
-    "stop": st.one_of(st.text(max_size=300), sized_list(st.text(max_size=300), 8)),
-    "stop_token_ids": sized_list(st.integers(0, 600), MAX_STOP_TOKEN_IDS + 50),
-    "logit_bias": st.builds(lambda n, b: {str(i): b for i in range(n)}, st.integers(0, MAX_LOGIT_BIAS + 50),
-                            st.floats(-100, 100)),
-    "guided_json": st.builds(lambda n, inner: "[" * n + inner + "]" * n, st.integers(0, 2000), TRICKY),
-    "structured_outputs": st.builds(lambda n: {"structural_tag": '{"a": ' * n + "1" + "}" * n}, st.integers(0, 2000)),
-    "chat_template_kwargs": st.dictionaries(st.sampled_from(["bos_token", "enable_thinking", "suffix", "x"]),
-                                            st.none() | st.booleans() | st.integers() | st.text(max_size=5),
-                                            max_size=3),
-})
-PROMPTS = st.one_of(st.text(min_size=1, max_size=50), sized_list(st.just("hi"), 300),
-                    sized_list(st.integers(3, 500), 2000), sized_list(st.just([5, 6]), 300))
-BODIES = st.one_of(
-    st.builds(lambda p, f: ("/v1/completions", {**f, "prompt": p, "max_tokens": 2}), PROMPTS, FIELDS),
-    st.builds(lambda f: ("/v1/chat/completions", {**f, "messages": MESSAGES, "max_tokens": 2}), FIELDS),
-    st.builds(lambda head, run, n: ("/v1/completions", head + b'"' + run * n),
-              st.sampled_from([b"", b'{"prompt": ', b"[" * 70, b'{"messages": [{"role": "user", "content": ']),
-              st.sampled_from([b'\\"', b"\\\\", b"\\", b"[", b'{"', b'"']), st.integers(0, 50_000)))
-
-
 def test_fuzzed_adversarial_bodies_get_no_5xx(tokenizer_json):
     async def main():
         async with stack(tokenizer_json) as (app, _, opens):
@@ -277,7 +251,7 @@ def test_fuzzed_adversarial_bodies_get_no_5xx(tokenizer_json):
 
             @settings(max_examples=80, deadline=None, derandomize=True, database=None,
                       suppress_health_check=list(HealthCheck))
-            @given(BODIES)
+            @given(adversarial_bodies.BODIES)
             def fuzz(case):
                 path, body = case
                 status, raw = asyncio.run_coroutine_threadsafe(post(app, path, body), loop).result(60)
