@@ -68,8 +68,8 @@ from .openai_logprobs import TokenText
 from .openai_mapping import (Wanted, build_request, chat_messages, check_token_ids, choice_seed, parse_options,
                              template_kwargs)
 from .openai_protocol import MAX_CHOICES, ChatCompletionRequest, CompletionRequest, ErrorResponse, Health, ModelList
-from .request import encode
 from .openai_stream import EventStream, events
+from .request import encode
 
 # A refusal of the request itself: the same parameters go to every choice, so the whole
 # request gets the 400 (as vLLM answers a batch); other failures end one choice only.
