@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from . import stack as stack_mod
-from .harness import columns, entry, fmt, header, log, metadata
+from .harness import ROOT, columns, entry, fmt, header, log, metadata
 
 # The pattern the guard cut strings out with before issue 63: each unterminated `"` starts a
 # scan to the end of the body, so its time grows with the square of the body.
@@ -136,7 +136,8 @@ def bench(a, argv: list[str]) -> dict:
         rows = [r for shape, head in SHAPES.items() for r in hostile(port, shape, body(head, size), a.repeats)]
     finally:
         services.stop()
-    return {"meta": meta, "run": {"target": str(target_path), "body_bytes": size, "repeats": a.repeats},
+    shown = target_path.relative_to(ROOT) if target_path.is_relative_to(ROOT) else target_path
+    return {"meta": meta, "run": {"target": str(shown), "body_bytes": size, "repeats": a.repeats},
             "idle_probe_ms": {"median": statistics.median(idle_ms), "max": max(idle_ms)}, "rows": rows,
             "old_pattern": old_pattern([int(x) for x in a.old_pattern_kb.split(",") if x.strip()])}
 
