@@ -136,6 +136,11 @@ class OpenAIApi:
             limit = seconds if limit is None else min(limit, seconds)
         return limit
 
+    async def options(self, body: dict, *, chat: bool) -> Wanted:
+        """The request's options, in a worker thread: checking a request's schemas and tools walks
+        and serializes each of them (up to 128 tools of 64 KB)."""
+        return await asyncio.to_thread(parse_options, body, chat=chat)
+
     async def tokenize(self, prompts: list) -> list:
         """Text prompts as token ids, in a worker thread: a long prompt must not stall the event
         loop that serves every other request. The ids are the ones Generate would make."""
@@ -168,7 +173,7 @@ class OpenAIApi:
     async def completions(self, request: Request, model: CompletionRequest) -> Response:
         body = self.checked(request, model)
         rid = request.headers.get("x-request-id") or f"cmpl-{uuid.uuid4().hex}"
-        wanted = parse_options(body, chat=False)
+        wanted = await self.options(body, chat=False)
         prompt = body["prompt"]
         single = isinstance(prompt, str) or (bool(prompt) and isinstance(prompt[0], int))
         prompts = await self.tokenize([prompt] if single else list(prompt))
@@ -184,7 +189,7 @@ class OpenAIApi:
     async def chat(self, request: Request, model: ChatCompletionRequest) -> Response:
         body = self.checked(request, model)
         rid = request.headers.get("x-request-id") or f"chatcmpl-{uuid.uuid4().hex}"
-        wanted = parse_options(body, chat=True)
+        wanted = await self.options(body, chat=True)
         prompt = await self.chat_prompt(body, wanted)
         job = self._job(body, [prompt], rid, wanted, chat=True, max_tokens_field="max_completion_tokens")
         return await self._respond(request, body, job)
