@@ -1,7 +1,9 @@
 """Fuzzing the HTTP API from its own /openapi.json (issue 54, item 9): schemathesis generates
 valid and invalid bodies for every operation and checks that none is answered with a 5xx and
-that every answer matches the declared response schema. Afterwards the services are still
-SERVING and a greedy request through the gateway (speculating) equals target-only.
+that every answer matches the declared response schema. Bodies built to be costly (issue 63,
+tests/adversarial_bodies.py) are fuzzed too, and sent by the megabyte while /health, gRPC health
+and a completion must still answer. Afterwards the services are still SERVING and a greedy
+request through the gateway (speculating) equals target-only.
 
 The stack is real: the tiny target, the n-gram draft and a gateway with --http-port, as
 separate processes. Examples per operation: SPLITSPEC_FUZZ_EXAMPLES (CI's default keeps the
