@@ -66,6 +66,12 @@ class ChatTemplate:
             return self._compiled.render(**context)
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"the chat template rejected the messages: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - what the request's values make a template do
+            # A template does arithmetic and string work on the messages and kwargs it is given
+            # (a number where it adds strings, a nesting past the stack): a refusal of this
+            # request, not a fault of the server.
+            raise ChatTemplateError(f"the chat template failed on the messages: {type(exc).__name__}: "
+                                    f"{str(exc)[:300]}") from None
 
 
 def _raise(message: str):

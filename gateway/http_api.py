@@ -69,6 +69,7 @@ from .openai_mapping import (Wanted, build_request, chat_messages, check_token_i
                              template_kwargs)
 from .openai_protocol import MAX_CHOICES, ChatCompletionRequest, CompletionRequest, ErrorResponse, Health, ModelList
 from .openai_stream import EventStream, events
+from .request import encode
 
 # A refusal of the request itself: the same parameters go to every choice, so the whole
 # request gets the 400 (as vLLM answers a batch); other failures end one choice only.
@@ -135,45 +136,62 @@ class OpenAIApi:
             limit = seconds if limit is None else min(limit, seconds)
         return limit
 
+    async def options(self, body: dict, *, chat: bool) -> Wanted:
+        """The request's options, in a worker thread: checking a request's schemas and tools walks
+        and serializes each of them (up to 128 tools of 64 KB)."""
+        return await asyncio.to_thread(parse_options, body, chat=chat)
+
     async def tokenize(self, prompts: list) -> list:
         """Text prompts as token ids, in a worker thread: a long prompt must not stall the event
         loop that serves every other request. The ids are the ones Generate would make."""
         tok = self.servicer.backends.tokenizer
 
-        def encode() -> list:
-            return [tok.encode(p, add_special_tokens=True).ids if isinstance(p, str) else p for p in prompts]
+        def ids() -> list:
+            return [encode(tok, p, chat=False) if isinstance(p, str) else p for p in prompts]
         if all(not isinstance(p, str) for p in prompts):
             return prompts
-        return await asyncio.to_thread(encode)
+        return await asyncio.to_thread(ids)
+
+    async def chat_prompt(self, body: dict, wanted: Wanted) -> list[int]:
+        """The messages through the chat template, as token ids: rendered and tokenized in a
+        worker thread, encoded as gRPC chat input is (no special tokens on top of the template's)."""
+        kwargs = template_kwargs(body)
+        template = self.template()
+        tok = self.servicer.backends.tokenizer
+
+        def ids() -> list[int]:
+            text = template.render(chat_messages(body), add_generation_prompt=body.get("add_generation_prompt", True),
+                                   tools=wanted.structured.tools, **kwargs)
+            return encode(tok, text, chat=True)
+        try:
+            prompt = await asyncio.to_thread(ids)
+        except ChatTemplateError as exc:
+            raise bad(str(exc), "messages") from None
+        return prompt
 
     # --- endpoints -------------------------------------------------------------------------
     async def completions(self, request: Request, model: CompletionRequest) -> Response:
         body = self.checked(request, model)
         rid = request.headers.get("x-request-id") or f"cmpl-{uuid.uuid4().hex}"
-        wanted = parse_options(body, chat=False)
+        wanted = await self.options(body, chat=False)
         prompt = body["prompt"]
         single = isinstance(prompt, str) or (bool(prompt) and isinstance(prompt[0], int))
         prompts = await self.tokenize([prompt] if single else list(prompt))
         check_token_ids(prompts, self.info().vocab_size)
         job = self._job(body, prompts, rid, wanted, chat=False, max_tokens_field="max_tokens")
         if wanted.echo:
-            tok = self.servicer.backends.tokenizer
-            job.echo_text = [tok.decode(p, skip_special_tokens=False) for p in prompts]
+            # decode_batch lets go of the GIL (decode does not): a long prompt's text is made
+            # off the event loop
+            job.echo_text = await asyncio.to_thread(self.servicer.backends.tokenizer.decode_batch, prompts,
+                                                    skip_special_tokens=False)
         return await self._respond(request, body, job)
 
     async def chat(self, request: Request, model: ChatCompletionRequest) -> Response:
         body = self.checked(request, model)
         rid = request.headers.get("x-request-id") or f"chatcmpl-{uuid.uuid4().hex}"
-        wanted = parse_options(body, chat=True)
-        kwargs = template_kwargs(body)
-        template = self.template()
-        try:
-            text = await asyncio.to_thread(
-                template.render, chat_messages(body), add_generation_prompt=body.get("add_generation_prompt", True),
-                tools=wanted.structured.tools, **kwargs)
-        except ChatTemplateError as exc:
-            raise bad(str(exc), "messages") from None
-        job = self._job(body, [text], rid, wanted, chat=True, max_tokens_field="max_completion_tokens")
+        wanted = await self.options(body, chat=True)
+        prompt = await self.chat_prompt(body, wanted)
+        job = self._job(body, [prompt], rid, wanted, chat=True, max_tokens_field="max_completion_tokens")
         return await self._respond(request, body, job)
 
     def _job(self, body: dict, prompts: list, rid: str, wanted: Wanted, *, chat: bool,

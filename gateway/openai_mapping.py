@@ -170,12 +170,27 @@ def _template_call(call):
     return call
 
 
+# chat_template_kwargs that chat templates read as a given type: the special tokens the template
+# writes (a number there fails the render or ends up in the prompt as digits), and the switches
+# of the common templates (Qwen3's enable_thinking, ...), whose truthiness a string would invert.
+TEMPLATE_STRINGS = frozenset({"bos_token", "eos_token", "pad_token", "unk_token", "reasoning_effort", "date_string"})
+TEMPLATE_BOOLS = frozenset({"enable_thinking", "thinking", "add_vision_id", "tools_in_user_message"})
+TEMPLATE_RESERVED = frozenset({"messages", "add_generation_prompt", "tools", "raise_exception"})
+
+
 def template_kwargs(body: dict) -> dict:
     kwargs = body.get("chat_template_kwargs") or {}
-    reserved = sorted(set(kwargs) & {"messages", "add_generation_prompt", "tools"})
+    reserved = sorted(set(kwargs) & TEMPLATE_RESERVED)
     if reserved:
-        raise bad(f"chat_template_kwargs cannot set {', '.join(reserved)}: send them as request fields",
-                  "chat_template_kwargs")
+        raise bad(f"chat_template_kwargs cannot set {', '.join(reserved)}: messages, add_generation_prompt and "
+                  f"tools are request fields, raise_exception the template's own", "chat_template_kwargs")
+    for key, value in kwargs.items():
+        if key in TEMPLATE_STRINGS and not isinstance(value, str):
+            raise bad(f"chat_template_kwargs.{key} must be a string, got {type(value).__name__}",
+                      f"chat_template_kwargs.{key}")
+        if key in TEMPLATE_BOOLS and not isinstance(value, bool):
+            raise bad(f"chat_template_kwargs.{key} must be a boolean, got {type(value).__name__}",
+                      f"chat_template_kwargs.{key}")
     return kwargs
 
 

@@ -18,7 +18,8 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
 
-from splitspec.limits import MAX_CACHE_SALT, MAX_LOGPROBS
+from splitspec.limits import (MAX_CACHE_SALT, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_CHARS, MAX_STOP_STRINGS,
+                              MAX_STOP_TOKEN_IDS)
 
 INT32_MAX = 2 ** 31 - 1
 UINT64_MAX = 2 ** 64 - 1
@@ -119,6 +120,38 @@ class _Sampling(_Body):
     functions: Any = None
     function_call: Any = None
 
+    # The lists below are counted before pydantic looks at an entry: a million stop strings or
+    # bias entries cost seconds to validate alone, on the event loop that serves every request.
+    @field_validator("stop", mode="wrap")
+    @classmethod
+    def _stop(cls, value, handler):
+        stops = [value] if isinstance(value, str) else value
+        if isinstance(stops, list):
+            _at_most(stops, MAX_STOP_STRINGS, "stop", "stop strings")
+            for i, stop in enumerate(stops):
+                if isinstance(stop, str) and len(stop) > MAX_STOP_CHARS:
+                    param = "stop" if isinstance(value, str) else f"stop[{i}]"
+                    raise FieldError(f"{param} has {len(stop)} characters; at most {MAX_STOP_CHARS} are accepted",
+                                     param)
+        return handler(value)
+
+    @field_validator("stop_token_ids", mode="wrap")
+    @classmethod
+    def _stop_token_ids(cls, value, handler):
+        _at_most(value, MAX_STOP_TOKEN_IDS, "stop_token_ids", "token ids")
+        return handler(value)
+
+    @field_validator("logit_bias", mode="wrap")
+    @classmethod
+    def _logit_bias(cls, value, handler):
+        _at_most(value, MAX_LOGIT_BIAS, "logit_bias", "entries")
+        return handler(value)
+
+
+def _at_most(value, limit: int, param: str, what: str) -> None:
+    if isinstance(value, (list, dict)) and len(value) > limit:
+        raise FieldError(f"{param} has {len(value)} {what}; at most {limit} are accepted", param)
+
 
 Text = Annotated[str, Field(min_length=1)]
 PromptItem = Union[Text, Annotated[list[TokenId], Field(min_length=1)]]
@@ -133,11 +166,20 @@ class CompletionRequest(_Sampling):
     @field_validator("prompt", mode="wrap")
     @classmethod
     def _prompt(cls, value, handler, info: ValidationInfo):
+        check_batch_size(value)
         try:
             return handler(value)
         except ValueError:
             check_prompt(value)      # raises naming the element; else the union's own error stands
             raise
+
+
+def check_batch_size(prompt) -> None:
+    """A batch of more prompts than a request may have choices is refused before any of them is
+    validated or tokenized. A long list of numbers is one prompt's token ids, not a batch."""
+    if isinstance(prompt, list) and len(prompt) > MAX_CHOICES and not set(map(type, prompt)) <= {int, float}:
+        raise FieldError(f"prompt holds {len(prompt)} prompts; at most {MAX_CHOICES} are accepted (one choice each, "
+                         f"and a request has at most {MAX_CHOICES} choices)", "prompt")
 
 
 def check_prompt(prompt) -> None:

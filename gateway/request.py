@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from splitspec.limits import MAX_CACHE_SALT, MAX_LOGPROBS
+from splitspec.limits import (MAX_CACHE_SALT, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_CHARS, MAX_STOP_STRINGS,
+                              MAX_STOP_TOKEN_IDS)
 from splitspec.v1 import common_pb2, gateway_pb2
 
 from .chat import ChatTemplateError
@@ -68,9 +69,12 @@ def parse_request(req: gateway_pb2.GenerateRequest, cfg: GatewayConfig, limits: 
     if max_new > cfg.max_new_tokens_cap:
         raise RequestError(f"sampling.max_new_tokens = {max_new} is above the gateway's cap of "
                            f"{cfg.max_new_tokens_cap} (--max-new-tokens-cap)")
+    _list_sizes(s)
     for i, stop in enumerate(s.stop):
         if not stop:
             raise RequestError(f"sampling.stop[{i}] is empty")
+        if len(stop) > MAX_STOP_CHARS:
+            raise RequestError(f"sampling.stop[{i}] has {len(stop)} characters; at most {MAX_STOP_CHARS} are accepted")
     for i, t in enumerate(s.stop_token_ids):
         if not 0 <= t < limits.vocab_size:
             raise RequestError(f"sampling.stop_token_ids[{i}] = {t} is outside the vocabulary "
@@ -126,6 +130,15 @@ def parse_request(req: gateway_pb2.GenerateRequest, cfg: GatewayConfig, limits: 
 FORWARDED = ("temperature", "top_p", "top_k", "seed", "repetition_penalty", "logprobs", "prompt_logprobs")
 
 
+def _list_sizes(s: common_pb2.SamplingParams) -> None:
+    """The lists whose entries cost work at every step, counted before any entry is read."""
+    for name, limit in (("stop", MAX_STOP_STRINGS), ("stop_token_ids", MAX_STOP_TOKEN_IDS),
+                        ("logit_bias", MAX_LOGIT_BIAS)):
+        size = len(getattr(s, name))
+        if size > limit:
+            raise RequestError(f"sampling.{name} has {size} entries; at most {limit} are accepted")
+
+
 def _processors(s: common_pb2.SamplingParams, limits: ModelLimits, max_new: int) -> None:
     """The logit processors' and log-probs' ranges (vLLM's), each refusal naming its field."""
     for name in ("presence_penalty", "frequency_penalty"):
@@ -161,18 +174,25 @@ def _render_chat(chat: gateway_pb2.ChatMessages, template) -> str:
         raise RequestError(f"chat: {exc}") from None
 
 
+def encode(tokenizer, text: str, *, chat: bool) -> list[int]:
+    """A prompt's token ids, the same for gRPC and HTTP. A plain text gets the special tokens the
+    tokenizer adds (BOS where the model wants one, as vLLM does); a rendered chat template none,
+    since the template writes them itself (a second BOS would shift every answer). encode_batch,
+    not encode: only the batch call lets go of the GIL, so a long prompt tokenized in a worker
+    thread leaves the event loop free."""
+    return tokenizer.encode_batch([text], add_special_tokens=not chat)[0].ids
+
+
 def _prompt(req: gateway_pb2.GenerateRequest, limits: ModelLimits, tokenizer, template=None) -> list[int]:
     kind = req.WhichOneof("input")
     if kind is None:
         raise RequestError("input is not set: give text or token_ids")
     if kind == "chat":
-        text = _render_chat(req.chat, template)
-        # The template writes the special tokens itself (as vLLM's chat path does, no BOS added on top).
-        return tokenizer.encode(text, add_special_tokens=False).ids
+        return encode(tokenizer, _render_chat(req.chat, template), chat=True)
     if kind == "text":
         if not req.text:
             raise RequestError("text is empty")
-        return tokenizer.encode(req.text, add_special_tokens=True).ids   # BOS where the model wants one, as vLLM does
+        return encode(tokenizer, req.text, chat=False)
     ids = list(req.token_ids.ids)
     if not ids:
         raise RequestError("token_ids.ids is empty")

@@ -263,8 +263,10 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
         await self._ready(context)
         try:
-            req = parse_request(request, self.cfg, self.backends.limits, self.backends.tokenizer,
-                                self.backends.chat_template())
+            # In a worker thread: tokenizing a long text, rendering a chat template and reading a
+            # schema take time that grows with the request, and this loop serves every other one.
+            req = await asyncio.to_thread(parse_request, request, self.cfg, self.backends.limits,
+                                          self.backends.tokenizer, self.backends.chat_template())
             plan = plan_request(req.speculative, request.speculative, has_draft=self.backends.draft is not None,
                                 draft=self.backends.draft_info, target=self.backends.info)
         except RequestError as exc:

@@ -34,8 +34,10 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
-from splitspec.limits import CONSTRAINT_KINDS, MAX_SPEC_BYTES
+from splitspec.limits import CONSTRAINT_KINDS, MAX_JSON_DEPTH, MAX_SPEC_BYTES
 from splitspec.v1 import common_pb2
+
+from .http_guard import json_depth
 
 MAX_STRUCTURAL_TAG_BYTES = MAX_SPEC_BYTES  # a structural tag (tools: all their parameter schemas together)
 MAX_TOOLS = 128                          # OpenAI's limit on functions per request
@@ -209,10 +211,8 @@ def _so_constraint(kind: str, value, param: str) -> common_pb2.Constraint:
     where = f"{param}.{kind}" if param == "structured_outputs" else param
     if kind == "json":
         if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise StructuredError(f"{where} is not valid JSON: {exc}", param) from None
+            _limit(value, where, param)
+            value = _parsed(value, where, param)
         return common_pb2.Constraint(json_schema=json_schema_text(value, where, param))
     if kind == "json_object":
         if value is not True:
@@ -231,18 +231,40 @@ def _so_constraint(kind: str, value, param: str) -> common_pb2.Constraint:
         return common_pb2.Constraint(choice=common_pb2.ChoiceList(choices=value))
     if kind == "structural_tag":
         if isinstance(value, dict):
-            value = json.dumps(value)
+            value = _dumped(value, where, param)
         if not isinstance(value, str) or not value:
             raise StructuredError(f"{where} must be an xgrammar structural tag (a JSON object or its text)", param)
-        try:
-            parsed = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise StructuredError(f"{where} is not valid JSON: {exc}", param) from None
-        if not isinstance(parsed, dict):
-            raise StructuredError(f"{where} must be a JSON object", param)
         _limit(value, where, param, MAX_STRUCTURAL_TAG_BYTES)
+        if not isinstance(_parsed(value, where, param), dict):
+            raise StructuredError(f"{where} must be a JSON object", param)
         return common_pb2.Constraint(structural_tag=value)
     raise AssertionError(kind)
+
+
+def json_text_problem(text: str, where: str) -> tuple[object, str | None]:
+    """(the value of a JSON text held in a string, None), or (None, what is wrong with it). The
+    HTTP guard's depth limit holds inside strings too: json.loads recurses once per level, so a
+    deeply nested text is refused on its brackets, before it can raise RecursionError."""
+    if json_depth(text.encode(), MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
+        return None, f"{where} nests deeper than {MAX_JSON_DEPTH} levels of arrays and objects"
+    try:
+        return json.loads(text), None
+    except (json.JSONDecodeError, RecursionError) as exc:
+        return None, f"{where} is not valid JSON: {exc}"
+
+
+def _parsed(text: str, where: str, param: str):
+    value, problem = json_text_problem(text, where)
+    if problem:
+        raise StructuredError(problem, param)
+    return value
+
+
+def _dumped(value, where: str, param: str) -> str:
+    try:
+        return json.dumps(value, ensure_ascii=False, allow_nan=False)
+    except (ValueError, RecursionError) as exc:       # NaN / Infinity, or nesting past the stack
+        raise StructuredError(f"{where} is not valid JSON: {exc}", param) from None
 
 
 def _limit(text: str, where: str, param: str, limit: int = MAX_SPEC_BYTES) -> None:
@@ -261,10 +283,7 @@ def json_schema_text(schema, where: str, param: str) -> str:
     problem = schema_problem(schema, where)
     if problem:
         raise StructuredError(problem, param)
-    try:
-        text = json.dumps(schema, ensure_ascii=False, allow_nan=False)
-    except ValueError as exc:       # NaN / Infinity: not JSON
-        raise StructuredError(f"{where} is not valid JSON: {exc}", param) from None
+    text = _dumped(schema, where, param)
     _limit(text, where, param)
     return text
 
@@ -462,10 +481,9 @@ def constraint_problem(c: common_pb2.Constraint) -> str | None:
         limit = MAX_SPEC_BYTES if kind == "json_schema" else MAX_STRUCTURAL_TAG_BYTES
         if len(text.encode()) > limit:
             return f"{where} is {len(text.encode())} bytes; at most {limit} bytes ({limit // 1024} KB) are accepted"
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError as exc:
-            return f"{where} is not valid JSON: {exc}"
+        value, problem = json_text_problem(text, where)
+        if problem:
+            return problem
         if not isinstance(value, dict):
             return f"{where} must be a JSON object, got {type(value).__name__}"
         return schema_problem(value, where) if kind == "json_schema" else None
@@ -507,7 +525,7 @@ def _parse_call(inner: str, names: frozenset[str]) -> dict | None:
     if isinstance(args, str):
         try:
             args = json.loads(args)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             return None
     if not isinstance(args, dict):
         return None

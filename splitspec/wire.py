@@ -9,6 +9,7 @@ import warnings
 import numpy as np
 import torch
 
+from splitspec.limits import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
 from splitspec.v1 import common_pb2
 
 from splitspec.engine.sample import SamplingParams
@@ -124,6 +125,10 @@ def sampling_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:
         raise WireError(f"sampling.top_p must be in (0, 1], got {top_p}")
     if top_k < 0:
         raise WireError(f"sampling.top_k must be >= 0 (0 disables it), got {top_k}")
+    # Counted before they are copied: the sampler applies every entry at every step.
+    for name, limit in (("logit_bias", MAX_LOGIT_BIAS), ("stop_token_ids", MAX_STOP_TOKEN_IDS)):
+        if len(getattr(msg, name)) > limit:
+            raise WireError(f"sampling.{name} has {len(getattr(msg, name))} entries; at most {limit} are accepted")
     params = SamplingParams(
         temperature=float(temperature), top_p=float(top_p), top_k=int(top_k), seed=seed,
         presence_penalty=float(msg.presence_penalty), frequency_penalty=float(msg.frequency_penalty),

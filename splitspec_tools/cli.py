@@ -15,6 +15,7 @@
     splitspec bench-trees                       chain vs tree drafts, verify cost by node count (splitspec_tools.bench.trees)
     splitspec bench-auto                        `auto` against target-only cell by cell, and the per-step prices (splitspec_tools.bench.auto)
     splitspec bench-forward exactness|cost      the target's forward in process: exact at bf16, and its cost (splitspec_tools.bench.forward)
+    splitspec bench-guard                       a hostile 1 MB body against the HTTP front, /health probed meanwhile (splitspec_tools.bench.guard)
 """
 from __future__ import annotations
 
@@ -140,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("bench-forward", add_help=False, help="the target's forward in process: greedy speculative = "
                                                          "target-only, and what batch-invariant forwards cost "
                                                          "(see its --help)")
+    sub.add_parser("bench-guard", add_help=False, help="a hostile body (an unterminated 1 MB string) against the "
+                                                       "HTTP front: its 4xx and /health probed meanwhile (see its "
+                                                       "--help)")
     return p
 
 
@@ -329,6 +333,9 @@ def main(argv=None) -> None:
     if argv and argv[0] == "bench-forward":
         from splitspec_tools.bench.forward import cli_main as bench_forward_main
         sys.exit(bench_forward_main(argv[1:]))
+    if argv and argv[0] == "bench-guard":
+        from splitspec_tools.bench.guard import cli_main as bench_guard_main
+        sys.exit(bench_guard_main(argv[1:]))
     args = build_parser().parse_args(argv)
     from splitspec_tools.ops import certs, scaleout
     sys.exit({"up": cmd_up, "generate": cmd_generate, "health": cmd_health,

@@ -261,8 +261,9 @@ class FakeTargetServicer(target_pb2_grpc.TargetServicer):
 
 
 async def asgi_post(app, path: str, body) -> tuple[int, bytes]:
-    """One HTTP request straight into the ASGI app (no server, no socket)."""
-    raw = json.dumps(body).encode()
+    """One HTTP request straight into the ASGI app (no server, no socket); `body` as JSON, or the
+    raw bytes when it is bytes."""
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
     sent, done = [], asyncio.Event()
     messages = [{"type": "http.request", "body": raw, "more_body": False}]
 

@@ -13,6 +13,7 @@ from service_helpers import (SessionStream, collect, garbage_error, gateway_stub
                              target_info, tiny_target_dir)
 from splitspec_tools.client import build_request
 from splitspec_tools.ops.launch import health_status
+from splitspec.limits import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
 from splitspec.v1 import common_pb2, gateway_pb2, target_pb2, target_pb2_grpc
 from splitspec.wire import tensor_to_pb
 
@@ -67,6 +68,9 @@ GATEWAY_CASES = [
     ("num_draft_tokens < 2", req(speculative={"num_draft_tokens": 1}), INVALID, "speculative.num_draft_tokens"),
     ("empty stop string", req(stop=[""]), INVALID, "sampling.stop[0]"),
     ("stop token id out of range", req(stop_token_ids=[9999]), INVALID, "sampling.stop_token_ids[0]"),
+    ("5 stop strings", req(stop=list("abcde")), INVALID, "sampling.stop has 5 entries; at most 4"),
+    ("a long stop string", req(stop=["x" * 257]), INVALID, "sampling.stop[0] has 257 characters; at most 256"),
+    ("too many stop token ids", req(stop_token_ids=[5] * 1025), INVALID, "sampling.stop_token_ids has 1025 entries"),
 ]
 
 
@@ -75,6 +79,8 @@ def sampled(**fields):
     for name, value in fields.items():
         if name == "logit_bias":
             r.sampling.logit_bias.update(value)
+        elif name == "constraint":
+            r.sampling.constraint.CopyFrom(value)
         else:
             setattr(r.sampling, name, value)
     return r
@@ -86,6 +92,10 @@ GATEWAY_CASES += [
     ("repetition_penalty = 0", sampled(repetition_penalty=0.0), INVALID, "sampling.repetition_penalty"),
     ("logit_bias outside the vocab", sampled(logit_bias={9999: 1.0}), INVALID, "sampling.logit_bias"),
     ("logit_bias > 100", sampled(logit_bias={5: 150.0}), INVALID, "sampling.logit_bias[5]"),
+    ("logit_bias over 300 entries", sampled(logit_bias={i: 1.0 for i in range(301)}), INVALID,
+     "sampling.logit_bias has 301 entries; at most 300"),
+    ("json_schema nested in its text", sampled(constraint=common_pb2.Constraint(json_schema="[" * 30_000 + "]" * 30_000)),
+     INVALID, "sampling.constraint.json_schema nests deeper than 64"),
     ("min_tokens > max_new_tokens", sampled(min_tokens=20, max_new_tokens=4), INVALID, "sampling.min_tokens"),
     ("logprobs > 20", sampled(logprobs=21), INVALID, "sampling.logprobs"),
     ("prompt_logprobs < 0", sampled(prompt_logprobs=-1), INVALID, "sampling.prompt_logprobs"),
@@ -152,6 +162,10 @@ TARGET_CASES = [
     ("prompt token out of vocab", [dict(open=open_msg(prompt=(600,)))], INVALID, "open.prompt_token_ids[0]"),
     ("hidden layer out of range", [dict(open=open_msg(hidden_layer_ids=[7]))], INVALID, "open.hidden_layer_ids[0]"),
     ("bad sampling", [dict(open=open_msg(sampling=common_pb2.SamplingParams(top_p=2.0)))], INVALID, "sampling.top_p"),
+    ("too many logit_bias entries", [dict(open=open_msg(sampling=common_pb2.SamplingParams(
+        logit_bias={i: 1.0 for i in range(MAX_LOGIT_BIAS + 1)})))], INVALID, "sampling.logit_bias has 301 entries"),
+    ("too many stop_token_ids", [dict(open=open_msg(sampling=common_pb2.SamplingParams(
+        stop_token_ids=[5] * (MAX_STOP_TOKEN_IDS + 1))))], INVALID, "sampling.stop_token_ids has 1025 entries"),
     ("prompt over context", [dict(open=open_msg(prompt=[5] * CONTEXT))], grpc.StatusCode.OUT_OF_RANGE,
      "open.prompt_token_ids"),
     ("decode n = 0", [dict(open=open_msg()), dict(decode=target_pb2.TargetDecode(n=0))], INVALID, "decode.n"),

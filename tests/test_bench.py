@@ -189,3 +189,18 @@ def test_llamacpp_runs_the_gguf_file_itself():
     finally:
         runner.close()
     assert len(s.tokens) == 4 and s.verify_steps == 3 and s.committed == 3 and len(s.step_times) == 4
+
+
+def test_bench_guard_reports_a_4xx_per_hostile_body_and_the_probes_meanwhile(tmp_path):
+    """`splitspec bench-guard` on the tiny target with small bodies: every body is a 4xx, every
+    health probe counted meanwhile a 200, and the report names its command and machine."""
+    from splitspec_tools.bench.guard import main as guard_main
+    out = tmp_path / "guard"
+    assert guard_main(["--target-model-path", str(tiny_target_dir(256)), "--body-mb", "0.05", "--repeats", "2",
+                       "--idle-probes", "2", "--old-pattern-kb", "1", "--out", str(out)]) == 0
+    r = json.loads((out / "results.json").read_text())
+    md = (out / "results.md").read_text()
+    assert r["meta"]["command"].startswith("splitspec bench-guard") and r["meta"]["command"] in md
+    assert len(r["rows"]) == 4 and all(400 <= row["status"] < 500 for row in r["rows"])
+    assert all(row["probes_ok"] == row["probes"] for row in r["rows"])
+    assert r["old_pattern"][0]["kb"] == 1 and r["meta"]["machine"]["cores"]

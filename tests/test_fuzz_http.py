@@ -1,7 +1,9 @@
 """Fuzzing the HTTP API from its own /openapi.json (issue 54, item 9): schemathesis generates
 valid and invalid bodies for every operation and checks that none is answered with a 5xx and
-that every answer matches the declared response schema. Afterwards the services are still
-SERVING and a greedy request through the gateway (speculating) equals target-only.
+that every answer matches the declared response schema. Bodies built to be costly (issue 63,
+tests/adversarial_bodies.py) are fuzzed too, and sent by the megabyte while /health, gRPC health
+and a completion must still answer. Afterwards the services are still SERVING and a greedy
+request through the gateway (speculating) equals target-only.
 
 The stack is real: the tiny target, the n-gram draft and a gateway with --http-port, as
 separate processes. Examples per operation: SPLITSPEC_FUZZ_EXAMPLES (CI's default keeps the
@@ -13,10 +15,13 @@ import collections
 import http.client
 import json
 import os
+import threading
 import types
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
+import adversarial_bodies
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
@@ -157,8 +162,8 @@ MALFORMED = [
 ]
 
 
-def post(url: str, raw: bytes, headers: dict | None = None) -> tuple[int, dict]:
-    req = urllib.request.Request(f"{url}/v1/completions", data=raw,
+def post(url: str, raw: bytes, headers: dict | None = None, path: str = "/v1/completions") -> tuple[int, dict]:
+    req = urllib.request.Request(f"{url}{path}", data=raw,
                                  headers={"content-type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=60) as resp:
@@ -206,6 +211,68 @@ def test_a_request_past_its_deadline_is_a_504(stack):
     assert status == 400 and body["error"]["param"] == "x-request-timeout"
     status, _ = post(stack["url"], json.dumps({"prompt": "hi", "max_tokens": 2}).encode(), {"x-request-timeout": "60"})
     assert status == 200
+
+
+def get(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=60) as resp:
+            return resp.status
+    except urllib.error.HTTPError as err:
+        return err.code
+
+
+def test_adversarial_bodies_leave_health_and_generation_answering(stack):
+    """Senders post megabyte bodies built to be costly (adversarial_bodies.LARGE), each over and
+    over, while this test probes /health and the gateway's gRPC health and runs a short
+    completion: all answer, every adversarial body gets a 4xx, nothing a 5xx. The probes start
+    once every sender has had an answer, so they run while the senders send their next ones."""
+    url, stop, lock = stack["url"], threading.Event(), threading.Lock()
+    statuses: dict[str, collections.Counter] = {name: collections.Counter() for name in adversarial_bodies.LARGE}
+    answered = threading.Barrier(len(adversarial_bodies.LARGE) + 1)
+
+    def send(name: str, raw: bytes) -> None:
+        first = True
+        while first or not stop.is_set():
+            status, body = post(url, raw)
+            with lock:
+                statuses[name][status] += 1
+            assert 400 <= status < 500 and body["error"]["message"], (name, status, body)
+            if first:
+                answered.wait(120)
+                first = False
+
+    with ThreadPoolExecutor(len(adversarial_bodies.LARGE)) as pool:
+        senders = [pool.submit(send, name, raw) for name, raw in adversarial_bodies.LARGE.items()]
+        try:
+            answered.wait(120)
+            health = [get(f"{url}/health") for _ in range(3)]
+            serving = health_status(stack["gateway"].address)
+            status, got = post(url, json.dumps({"prompt": "def f(x):", "max_tokens": 4, "temperature": 0}).encode())
+        finally:
+            stop.set()
+        for s in senders:
+            s.result(120)
+    assert health == [200] * 3 and serving == SERVING
+    assert status == 200 and got["usage"]["completion_tokens"] == 4, got
+    print({name: dict(c) for name, c in statuses.items()})
+
+
+def test_fuzzed_adversarial_bodies_get_no_5xx(stack):
+    """The in-process fuzz's shapes (tests/test_http_adversarial.py) against the real services."""
+    seen = collections.Counter()
+
+    @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(adversarial_bodies.BODIES)
+    def fuzz(case):
+        path, body = case
+        status, answer = post(stack["url"], body if isinstance(body, bytes) else json.dumps(body).encode(),
+                              path=path)
+        seen[status] += 1
+        assert status < 500, answer
+    fuzz()
+    print(f"adversarial: {dict(sorted(seen.items()))}")
+    assert seen[400]
 
 
 def test_still_serving_and_greedy_equals_target_only(stack):

@@ -72,9 +72,9 @@ def servicer():
     calls = []
 
     class Tok:
-        def encode(self, text, add_special_tokens=True):
+        def encode_batch(self, texts, add_special_tokens=True):
             calls.append(threading.get_ident())
-            return types.SimpleNamespace(ids=[1, 2, 3])
+            return [types.SimpleNamespace(ids=[1, 2, 3]) for _ in texts]
     backends = types.SimpleNamespace(info=info, limits=None, tokenizer=Tok())
     return types.SimpleNamespace(backends=backends, server=types.SimpleNamespace(serving=True)), calls
 
