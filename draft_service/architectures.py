@@ -4,14 +4,17 @@ head. `dflash.py` (the DFlash backbone) and `dflash2.py` (DFlash2, built on it) 
 each other beyond that inheritance; this module is the only one that knows both."""
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
 import structlog
 import torch
+from safetensors import SafetensorError, safe_open
 
 from splitspec.models.config import ConfigError, ModelConfig
-from splitspec.models.loader import load_state, model_folder, open_weights, parse_dtype, resolve_device, weight_files
+from splitspec.models.loader import (CheckpointError, load_state, model_folder, open_weights, parse_dtype,
+                                     resolve_device, weight_files)
 
 from . import vocab
 from .dflash import DFlashConfig, DFlashDraft
@@ -53,12 +56,13 @@ def load_draft(path: str | Path, target_path: str | Path, *, dtype="float32", de
         raise ConfigError(f"draft target_layer_ids {list(cfg.target_layer_ids)} exceed the target's "
                           f"{tcfg.num_hidden_layers} layers")
     dt, dev = parse_dtype(dtype), resolve_device(device)
-    files = weight_files(path)
-    kept = read_vocab_map(files, cfg, path)
-    with torch.device("meta"):
-        model = model_class(cfg)
-    model = model.to_empty(device=dev).to(dt)
-    load_state(model, files, ignored=lambda name: name == vocab.D2T)
+    with readable(path):
+        files = weight_files(path)
+        kept = read_vocab_map(files, cfg, path)
+        with torch.device("meta"):
+            model = model_class(cfg)
+        model = model.to_empty(device=dev).to(dt)
+        load_state(model, files, ignored=lambda name: name == vocab.D2T)
     if kept is not None:
         model.set_vocab(kept)
         log.info("draft_vocab", kept=int(kept.shape[0]), target_vocab=cfg.vocab_size)
@@ -71,6 +75,27 @@ def load_draft(path: str | Path, target_path: str | Path, *, dtype="float32", de
             got[key] = f.get_tensor(tfiles.stored(name)).to(dev, dt)     # a wrapper's prefix put back
     model.attach_target(got["embed"], got["lm_head"])
     return model.eval().requires_grad_(False)
+
+
+@contextlib.contextmanager
+def readable(path: Path):
+    """A weights file safetensors cannot parse (truncated by a copy or a kill mid-write) is
+    refused as a CheckpointError naming the file, which the service reports and exits on."""
+    try:
+        yield
+    except SafetensorError as exc:
+        files = sorted(path.glob("*.safetensors"))
+        bad = [f for f in files if not _parses(f)] or files
+        raise CheckpointError(f"{', '.join(map(str, bad))}: not a readable safetensors file ({exc}); "
+                              f"truncated or corrupt") from None
+
+
+def _parses(file: Path) -> bool:
+    try:
+        with safe_open(str(file), framework="pt"):
+            return True
+    except SafetensorError:
+        return False
 
 
 def read_vocab_map(files, cfg: DFlashConfig, path: Path) -> torch.Tensor | None:
