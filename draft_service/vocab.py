@@ -77,10 +77,13 @@ def t2d_index(target_ids: torch.Tensor, target_vocab: int) -> torch.Tensor:
 
 
 def kept_by_coverage(counts: torch.Tensor, coverage: float, *, max_size: int | None = None,
-                     always: tuple[int, ...] = ()) -> torch.Tensor:
+                     min_size: int = 0, always: tuple[int, ...] = ()) -> torch.Tensor:
     """The smallest set of target ids whose counts hold at least `coverage` of the total (the most
-    counted first), capped at `max_size`, plus `always` (ids the draft must be able to propose
-    however rarely they were counted); sorted ascending."""
+    counted first), grown to `min_size` and capped at `max_size`, plus `always` (ids the draft must
+    be able to propose however rarely they were counted); sorted ascending. Ties, never-counted
+    tokens included, go to the lower id: in a BPE vocabulary the earlier merge, the more frequent
+    token in the tokenizer's own corpus. A small sample's smallest set fits that sample; `min_size`
+    fills the head's budget with the next most likely tokens instead."""
     if not 0 < coverage <= 1:
         raise ValueError(f"coverage {coverage} must be in (0, 1]")
     total = float(counts.sum())
@@ -88,7 +91,7 @@ def kept_by_coverage(counts: torch.Tensor, coverage: float, *, max_size: int | N
         raise ValueError("no tokens were counted")
     values, order = counts.double().sort(descending=True, stable=True)
     held = values.cumsum(0) / total
-    n = min(int((held < coverage - 1e-12).sum()) + 1, int((values > 0).sum()))
+    n = max(min(int((held < coverage - 1e-12).sum()) + 1, int((values > 0).sum())), min_size)
     chosen = order[:n].tolist()
     extra = sorted(set(always) - set(chosen))
     if max_size is not None:

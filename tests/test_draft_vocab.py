@@ -98,6 +98,8 @@ def test_kept_set_is_the_smallest_holding_the_coverage():
     assert vocab.kept_by_coverage(counts, 0.95, always=(6,)).tolist() == [1, 2, 3, 6]
     assert vocab.kept_by_coverage(counts, 0.95, max_size=2).tolist() == [1, 2]
     assert vocab.kept_by_coverage(counts, 0.95, max_size=2, always=(6,)).tolist() == [1, 6]
+    # a floor fills with the next most counted, then the lowest never-counted ids
+    assert vocab.kept_by_coverage(counts, 0.95, min_size=6).tolist() == [0, 1, 2, 3, 4, 5]
     assert vocab.coverage_of(counts, torch.tensor([1, 2, 3])) == pytest.approx(0.95)
     assert vocab.top_k_coverage(counts, [1, 2]) == {1: pytest.approx(0.5), 2: pytest.approx(0.8)}
 

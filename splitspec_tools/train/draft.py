@@ -97,6 +97,9 @@ def parse_args(argv=None) -> argparse.Namespace:
            "frequent greedy tokens holding P of them (e.g. 0.99) over --draft-vocab-seqs continuations of "
            "training prompts; kept in <run-dir>/draft_vocab.safetensors, which a resumed run reuses")
     a("--draft-vocab-max", type=int, default=None, metavar="K", help="cap on the chosen set's size")
+    a("--draft-vocab-min", type=int, default=0, metavar="K",
+      help="floor on the chosen set's size (the next most counted tokens, then the lowest ids): a small "
+           "sample's smallest set fits that sample")
     a("--draft-vocab-seqs", type=int, default=64, help="training prompts the target continues to choose it")
     a("--init", choices=("random", "target", "target-last"), default="random",
       help="draft layers from N(0, 0.02); copied from the target's first layers (which, like the "
@@ -345,7 +348,8 @@ def draft_vocabulary(args, target, run_dir: Path, streams: dict) -> tuple[torch.
               f"training prompts", flush=True)
         got = choose(args.target_model_path, target, streams, num_seqs=args.draft_vocab_seqs,
                      prompt_len=args.prompt_len, new_tokens=args.seq_len - args.prompt_len, batch=args.gen_batch,
-                     coverage=args.draft_vocab_coverage, max_size=args.draft_vocab_max, seed=args.seed)
+                     coverage=args.draft_vocab_coverage, max_size=args.draft_vocab_max,
+                     min_size=args.draft_vocab_min, seed=args.seed)
         vocab.save_vocab(path, got["target_ids"], got["counts"], {"coverage": got["report"]["coverage"]})
     ids, counts = vocab.load_vocab(path, V)
     return ids, vocab_card(ids, counts, V, f"chosen by this run (`--draft-vocab-coverage "

@@ -51,8 +51,8 @@ def training_prompts(streams: dict, split: str, n: int, length: int, seed: int) 
 
 
 def choose(target_path, target, streams: dict, *, num_seqs: int, prompt_len: int, new_tokens: int,
-           batch: int, coverage: float, max_size: int | None, seed: int, heldout_seqs: int = 0,
-           report_sizes=()) -> dict:
+           batch: int, coverage: float, max_size: int | None, seed: int, min_size: int = 0,
+           heldout_seqs: int = 0, report_sizes=()) -> dict:
     """Count the target's greedy tokens on `streams` (`corpus_streams`), choose and report:
     {"target_ids", "counts", "eos", "report"}."""
     tok = target_tokenizer(target_path) if (Path(str(target_path)) / "tokenizer.json").is_file() else None
@@ -60,7 +60,7 @@ def choose(target_path, target, streams: dict, *, num_seqs: int, prompt_len: int
     t0 = time.perf_counter()
     prompts = training_prompts(streams, "train", num_seqs, prompt_len, seed)
     counts = count_greedy(target, prompts, new_tokens, batch, eos)
-    ids = vocab.kept_by_coverage(counts, coverage, max_size=max_size, always=eos)
+    ids = vocab.kept_by_coverage(counts, coverage, max_size=max_size, min_size=min_size, always=eos)
     report = {"counted_tokens": int(counts.sum()), "sequences": num_seqs, "seconds": time.perf_counter() - t0,
               "kept": int(ids.shape[0]), "coverage": vocab.coverage_of(counts, ids),
               "top_k": vocab.top_k_coverage(counts, report_sizes)}
@@ -88,6 +88,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--batch", type=int, default=32, help="rows per batched forward")
     a("--coverage", type=float, default=0.99, help="share of the counted argmax tokens the kept set holds")
     a("--max-size", type=int, default=None, help="cap on the kept set (coverage is then what it holds)")
+    a("--min-size", type=int, default=0,
+      help="floor on the kept set, filled with the next most counted tokens, then the lowest ids: on a small "
+           "sample the smallest set holding --coverage fits that sample (see --heldout-seqs)")
     a("--report-sizes", default="4096,8192,12288,16384", help="K of the top-K sets whose coverage is printed")
     a("--max-files", type=int, default=None, help="a small corpus subset (tests)")
     a("--threads", type=int, default=1)
@@ -105,7 +108,7 @@ def main(argv=None) -> int:
     streams = corpus_streams(args.target_model_path, run_dir, args.max_files, args.data, args.prompt_len)
     got = choose(args.target_model_path, target, streams, num_seqs=args.num_seqs, prompt_len=args.prompt_len,
                  new_tokens=args.new_tokens, batch=args.batch, coverage=args.coverage, max_size=args.max_size,
-                 seed=args.seed, heldout_seqs=args.heldout_seqs, report_sizes=sizes)
+                 min_size=args.min_size, seed=args.seed, heldout_seqs=args.heldout_seqs, report_sizes=sizes)
     r = got["report"]
     vocab.save_vocab(args.out, got["target_ids"], got["counts"],
                      {"target": str(args.target_model_path), "data": args.data, "coverage": r["coverage"],
