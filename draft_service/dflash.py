@@ -21,7 +21,7 @@ q it sends is a target id / a distribution over the target's vocabulary, zero ou
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import structlog
@@ -324,10 +324,9 @@ class DFlashDraft(nn.Module):
     def set_vocab(self, target_ids: torch.Tensor) -> None:
         """Keep only `target_ids` (ascending) in the head; a draft that had the whole vocabulary
         gets the d2t buffer. The target, when attached, is re-read for the new rows."""
-        import dataclasses
         ids = target_ids.long()
         vocab.check_d2t(vocab.d2t_of(ids), self.cfg.vocab_size, None, "the kept set")
-        self.cfg = dataclasses.replace(self.cfg, draft_vocab_size=int(ids.shape[0]))
+        self.cfg = replace(self.cfg, draft_vocab_size=int(ids.shape[0]))
         p = next(self.parameters())
         if hasattr(self, vocab.D2T):
             delattr(self, vocab.D2T)

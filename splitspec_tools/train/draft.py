@@ -397,6 +397,8 @@ def main(argv=None) -> int:
     if args.init_from:        # the warm start's own geometry wins over the flags
         layer_ids, mask_id = tuple(draft.cfg.target_layer_ids), draft.cfg.mask_token_id
         args.layers, args.block_size = draft.cfg.num_hidden_layers, draft.cfg.block_size
+        if vocab_info is None and draft.head_ids() is not None:
+            vocab_info = vocab_card(draft.head_ids().cpu(), None, tcfg.vocab_size, f"kept from `{args.init_from}`")
     opt = make_optimizer(draft, args)
     print(f"target: {args.target_model_path} ({tcfg.num_hidden_layers} layers, hidden {tcfg.hidden_size}, "
           f"vocab {tcfg.vocab_size}); draft: {param_count(draft):,} params, {args.layers} layers, head "

@@ -64,8 +64,9 @@ def main() -> None:
         ratio = {kind: row[kind]["median_ms"] / statistics.median((wall if kind == "wall" else cpu)[full])
                  for kind in ("wall", "cpu")}
         out[k] = {**row, "of_full": ratio}
-        print(f"{k:38s} wall median {row['wall']['median_ms']:8.3f} ms ({row['wall']['q1_ms']:.2f}..{row['wall']['q3_ms']:.2f}), "
-              f"cpu median {row['cpu']['median_ms']:8.3f} ms ({row['cpu']['q1_ms']:.2f}..{row['cpu']['q3_ms']:.2f}); "
+        w, c = row["wall"], row["cpu"]
+        print(f"{k:38s} wall median {w['median_ms']:8.3f} ms ({w['q1_ms']:.2f}..{w['q3_ms']:.2f}), "
+              f"cpu median {c['median_ms']:8.3f} ms ({c['q1_ms']:.2f}..{c['q3_ms']:.2f}); "
               f"of the full head: wall {ratio['wall']:.3f}, cpu {ratio['cpu']:.3f}")
     print(json.dumps(out))
 
