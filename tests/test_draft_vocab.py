@@ -154,6 +154,20 @@ def test_proposals_are_kept_target_ids_and_q_is_a_distribution_over_the_target_v
 
 
 @pytest.mark.parametrize("arch", ["dflash", "dflash2"])
+def test_a_propose_scores_only_the_slots_its_tree_can_reach(target, arch):
+    d = make(target, arch, kept_half(target.cfg.vocab_size))          # block 6: 5 mask slots
+    seen = []
+    head = d.draft_logits
+    d.draft_logits = lambda h: (seen.append(tuple(h.shape)), head(h))[1]
+    seq = TargetSequence(target, [3, 4, 5], max_len=64, hidden_layers=d.cfg.target_layer_ids)
+    first = seq.prefill()
+    prop = DFlashProposer(d, max_len=64, num_draft_tokens=3)            # a chain of 2 drafted tokens
+    prop.open(list(seq.prompt), first.hidden)
+    assert len(prop.propose(seq.length, first.committed, None).tree) == 2
+    assert seen == [(1, 2, target.cfg.hidden_size)]
+
+
+@pytest.mark.parametrize("arch", ["dflash", "dflash2"])
 @pytest.mark.parametrize("width", [2, 6])
 def test_greedy_speculation_with_a_reduced_draft_equals_target_only(target, arch, width):
     V = target.cfg.vocab_size
