@@ -4,16 +4,20 @@ head. `dflash.py` (the DFlash backbone) and `dflash2.py` (DFlash2, built on it) 
 each other beyond that inheritance; this module is the only one that knows both."""
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
 import structlog
 import torch
+from safetensors import SafetensorError, safe_open
 
 from splitspec.models.config import ConfigError, ModelConfig
 from splitspec.models.gguf import release as release_gguf
-from splitspec.models.loader import load_state, model_folder, open_weights, parse_dtype, resolve_device, weight_files
+from splitspec.models.loader import (CheckpointError, load_state, model_folder, open_weights, parse_dtype,
+                                     resolve_device, weight_files)
 
+from . import vocab
 from .dflash import DFlashConfig, DFlashDraft
 from .dflash2 import DFlash2Config, DFlash2Draft
 
@@ -53,10 +57,16 @@ def load_draft(path: str | Path, target_path: str | Path, *, dtype="float32", de
         raise ConfigError(f"draft target_layer_ids {list(cfg.target_layer_ids)} exceed the target's "
                           f"{tcfg.num_hidden_layers} layers")
     dt, dev = parse_dtype(dtype), resolve_device(device)
-    with torch.device("meta"):
-        model = model_class(cfg)
-    model = model.to_empty(device=dev).to(dt)
-    load_state(model, weight_files(path))
+    with readable(path):
+        files = weight_files(path)
+        kept = read_vocab_map(files, cfg, path)
+        with torch.device("meta"):
+            model = model_class(cfg)
+        model = model.to_empty(device=dev).to(dt)
+        load_state(model, files, ignored=lambda name: name == vocab.D2T)
+    if kept is not None:
+        model.set_vocab(kept)
+        log.info("draft_vocab", kept=int(kept.shape[0]), target_vocab=cfg.vocab_size)
     tfiles = weight_files(target_path)
     names = {"embed": "model.embed_tokens.weight",
              "lm_head": "lm_head.weight" if "lm_head.weight" in tfiles else "model.embed_tokens.weight"}
@@ -67,3 +77,42 @@ def load_draft(path: str | Path, target_path: str | Path, *, dtype="float32", de
     release_gguf()
     model.attach_target(got[names["embed"]], got[names["lm_head"]])
     return model.eval().requires_grad_(False)
+
+
+@contextlib.contextmanager
+def readable(path: Path):
+    """A weights file safetensors cannot parse (truncated by a copy or a kill mid-write) is
+    refused as a CheckpointError naming the file, which the service reports and exits on."""
+    try:
+        yield
+    except SafetensorError as exc:
+        files = sorted(path.glob("*.safetensors"))
+        bad = [f for f in files if not _parses(f)] or files
+        raise CheckpointError(f"{', '.join(map(str, bad))}: not a readable safetensors file ({exc}); "
+                              f"truncated or corrupt") from None
+
+
+def _parses(file: Path) -> bool:
+    try:
+        with safe_open(str(file), framework="pt"):
+            return True
+    except SafetensorError:
+        return False
+
+
+def read_vocab_map(files, cfg: DFlashConfig, path: Path) -> torch.Tensor | None:
+    """The kept target ids of a reduced-vocabulary draft (None for a full one), checked against
+    the target's vocabulary and the head's size before anything is built; a mismatch names the
+    file and the field."""
+    where = files.get(vocab.D2T)
+    if cfg.draft_vocab_size is None:
+        if where is not None:
+            raise ConfigError(f"{where}: holds a {vocab.D2T!r} map but {path / 'config.json'} has no "
+                              f"{vocab.SIZE_FIELD}")
+        return None
+    if where is None:
+        raise ConfigError(f"{path}: config.json has {vocab.SIZE_FIELD}={cfg.draft_vocab_size} but no weights "
+                          f"file holds the tensor {vocab.D2T!r}")
+    with open_weights(where) as f:
+        d2t = f.get_tensor(files.stored(vocab.D2T))
+    return vocab.check_d2t(d2t, cfg.vocab_size, cfg.draft_vocab_size, str(where))

@@ -12,11 +12,16 @@ Checkpoint: `config.json` (`architectures: ["DFlashDraftModel"]`, `block_size`,
 `dflash_config: {mask_token_id, target_layer_ids}`, `num_target_layers`, Qwen3 fields) and
 `model.safetensors` with `layers.*`, `fc.weight`, `hidden_norm.weight`, `norm.weight`.
 `embed_tokens` and `lm_head` are read from the target checkpoint.
+
+A draft with a reduced vocabulary (`draft_vocab_size` in config.json, the map `d2t` in
+model.safetensors; `vocab.py`) scores only the kept rows of the target's lm_head, and `logits`
+puts those scores back in the target's vocabulary, -inf elsewhere: every id it proposes and every
+q it sends is a target id / a distribution over the target's vocabulary, zero outside the kept set.
 """
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import structlog
@@ -29,6 +34,8 @@ from splitspec.engine.kv_pool import BlockTable, KVPool
 from splitspec.models.config import ConfigError, ModelConfig, TransformerShape
 from splitspec.models.fused import fused, transposed
 from splitspec.models.dense import MLP, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
+
+from . import vocab
 
 log = structlog.get_logger(__name__)
 
@@ -64,6 +71,7 @@ class DFlashConfig(TransformerShape):
     is_causal: bool | None = None              # explicit; None = causal iff the layer is sliding
     input_embedding_scale: float = 1.0         # block embeddings (anchor and masks) are scaled by it
     aux_hidden_stream: str = ""                # Attention-Residuals targets: "prefix" / "attn_res" taps
+    draft_vocab_size: int | None = None        # rows of the head: kept tokens (vocab.py); None = all
 
     ARCHITECTURE = "DFlashDraftModel"
 
@@ -147,6 +155,10 @@ class DFlashConfig(TransformerShape):
         stream = dcfg.get("aux_hidden_stream", raw.get("aux_hidden_stream", ""))
         if stream not in ("", "prefix", "attn_res"):
             raise ConfigError(f"draft config.json: aux_hidden_stream={stream!r}; expected 'prefix' or 'attn_res'")
+        kept = raw.get(vocab.SIZE_FIELD)
+        if kept is not None and not (isinstance(kept, int) and 0 < kept <= raw["vocab_size"]):
+            raise ConfigError(f"draft config.json: {vocab.SIZE_FIELD}={kept!r}; expected an integer in "
+                              f"1..vocab_size ({raw['vocab_size']})")
         return dict(hidden_size=raw["hidden_size"], intermediate_size=raw["intermediate_size"],
                     num_hidden_layers=layers, num_attention_heads=heads,
                     num_key_value_heads=raw.get("num_key_value_heads") or heads,
@@ -160,7 +172,7 @@ class DFlashConfig(TransformerShape):
                     layer_types=types, sliding_window=int(window) if window else None,
                     is_causal=None if causal is None else bool(causal),
                     input_embedding_scale=float(raw.get("input_embedding_scale") or 1.0),
-                    aux_hidden_stream=stream)
+                    aux_hidden_stream=stream, draft_vocab_size=kept)
 
     def to_dict(self) -> dict:
         """z-lab export format; block_size is written as the verify width."""
@@ -186,7 +198,14 @@ class DFlashConfig(TransformerShape):
             out["input_embedding_scale"] = self.input_embedding_scale
         if self.aux_hidden_stream:
             out["dflash_config"]["aux_hidden_stream"] = self.aux_hidden_stream
+        if self.draft_vocab_size is not None:
+            out[vocab.SIZE_FIELD] = self.draft_vocab_size
         return out
+
+    @property
+    def head_size(self) -> int:
+        """Rows of the head: the kept tokens, or the whole vocabulary."""
+        return self.draft_vocab_size or self.vocab_size
 
 
 class DraftAttention(nn.Module):
@@ -259,7 +278,9 @@ class DraftLayer(nn.Module):
 
 class DFlashDraft(nn.Module):
     """Draft layers + feature fusion. The target's embedding and lm_head are attached with
-    `attach_target` and are not part of this module's state dict (they stay frozen)."""
+    `attach_target` and are not part of this module's state dict (they stay frozen). A reduced
+    vocabulary's map is the buffer `d2t` (saved with the draft); its head is the kept rows of the
+    target's lm_head."""
 
     layer_class = DraftLayer
 
@@ -272,6 +293,8 @@ class DFlashDraft(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self._inv_freq: torch.Tensor | None = None
         self._target: dict[str, torch.Tensor] = {}
+        if cfg.draft_vocab_size is not None:
+            self.register_buffer(vocab.D2T, torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
 
     def attach_target(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
         V, H = self.cfg.vocab_size, self.cfg.hidden_size
@@ -279,10 +302,37 @@ class DFlashDraft(nn.Module):
             if tuple(w.shape) != (V, H):
                 raise ConfigError(f"target {name} has shape {tuple(w.shape)}; the draft expects ({V}, {H})")
         self._target = {"embed": embed_weight.detach(), "lm_head": lm_head_weight.detach()}
-        if lm_head_weight.device.type == "cpu":
+        self._attach_head()
+
+    def _attach_head(self) -> None:
+        """The head's weight: the target's lm_head, or its kept rows (a copy, gathered once)."""
+        w = self._target["lm_head"]
+        ids = self.head_ids()
+        head = w if ids is None else w.index_select(0, ids.to(w.device))
+        self._target["head"] = head
+        self._target.pop("head_t", None)
+        if head.device.type == "cpu":
             # [H, V] contiguous: this CPU's BLAS scores 1-8 rows against it ~1.3x faster than
             # against the [V, H] layout (fused.py); on CUDA the layouts cost the same.
-            self._target["lm_head_t"] = lm_head_weight.detach().t().contiguous()
+            self._target["head_t"] = head.t().contiguous()
+
+    def head_ids(self) -> torch.Tensor | None:
+        """Target id of each head row (draft id), or None when the head is the whole vocabulary."""
+        d2t = getattr(self, vocab.D2T, None)
+        return None if d2t is None else vocab.target_ids_of(d2t)
+
+    def set_vocab(self, target_ids: torch.Tensor) -> None:
+        """Keep only `target_ids` (ascending) in the head; a draft that had the whole vocabulary
+        gets the d2t buffer. The target, when attached, is re-read for the new rows."""
+        ids = target_ids.long()
+        vocab.check_d2t(vocab.d2t_of(ids), self.cfg.vocab_size, None, "the kept set")
+        self.cfg = replace(self.cfg, draft_vocab_size=int(ids.shape[0]))
+        p = next(self.parameters())
+        if hasattr(self, vocab.D2T):
+            delattr(self, vocab.D2T)
+        self.register_buffer(vocab.D2T, vocab.d2t_of(ids).to(p.device))
+        if self._target:
+            self._attach_head()
 
     def rope(self, positions: torch.Tensor, dtype):
         if self._inv_freq is None or self._inv_freq.device != positions.device:
@@ -293,10 +343,25 @@ class DFlashDraft(nn.Module):
         x = F.embedding(ids, self._target["embed"])
         return x if self.cfg.input_embedding_scale == 1.0 else x * self.cfg.input_embedding_scale
 
+    def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The head over draft hidden states h [..., H]: [..., head_size], column d scoring draft
+        id d (target id d for a full-vocabulary draft). Training and the selector work here."""
+        t = self._target.get("head_t")
+        return F.linear(h, self._target["head"]) if t is None else h @ t
+
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """The target's lm_head over draft hidden states h [..., H]."""
-        t = self._target.get("lm_head_t")
-        return F.linear(h, self._target["lm_head"]) if t is None else h @ t
+        """Logits [..., V] over the target's vocabulary: the head's scores at their target ids,
+        -inf at every token outside the kept set, so an argmax, a top-k or a softmax over them
+        (and the q it gives) are already in target ids."""
+        return self.to_target(self.draft_logits(h))
+
+    def to_target(self, z: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary scores [..., head_size] laid out over the target's vocabulary."""
+        ids = self.head_ids()
+        if ids is None:
+            return z
+        out = z.new_full((*z.shape[:-1], self.cfg.vocab_size), float("-inf"))
+        return out.index_copy_(-1, ids.to(z.device), z)
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """Target features [.., len(ids) * H_t] -> context hidden [.., H]."""
@@ -481,8 +546,10 @@ def save_draft(model: DFlashDraft, path: str | Path) -> None:
 
 
 def new_draft(target_cfg: ModelConfig, *, num_layers: int = 1, block_size: int = 8, mask_token_id: int,
-              target_layer_ids=None, intermediate_size: int | None = None, seed: int = 0) -> DFlashDraft:
-    """A randomly initialised draft sized for `target_cfg` (for training or tests)."""
+              target_layer_ids=None, intermediate_size: int | None = None, seed: int = 0,
+              draft_vocab: torch.Tensor | None = None) -> DFlashDraft:
+    """A randomly initialised draft sized for `target_cfg` (for training or tests); with
+    `draft_vocab` (kept target ids, ascending), its head scores only those."""
     ids = tuple(target_layer_ids or default_target_layer_ids(target_cfg.num_hidden_layers, max(num_layers, 1)))
     cfg = DFlashConfig(hidden_size=target_cfg.hidden_size,
                        intermediate_size=intermediate_size or target_cfg.intermediate_size,
@@ -497,4 +564,6 @@ def new_draft(target_cfg: ModelConfig, *, num_layers: int = 1, block_size: int =
     for name, p in model.named_parameters():
         if p.dim() == 2:
             nn.init.normal_(p, std=0.02)
+    if draft_vocab is not None:
+        model.set_vocab(draft_vocab)
     return model

@@ -78,9 +78,9 @@ class DFlash2Config(DFlashConfig):
         if self.hidden_size % self.conv_group_size:
             raise ConfigError(f"draft config.json: dflash_config.conv_group_size={self.conv_group_size} must "
                               f"divide hidden_size={self.hidden_size}")
-        if self.selector_top_k > self.vocab_size:
+        if self.selector_top_k > self.head_size:
             raise ConfigError(f"draft config.json: dflash_config.selector_top_k={self.selector_top_k} exceeds "
-                              f"vocab_size={self.vocab_size}")
+                              f"the head's {self.head_size} tokens")
         if self.output_multiplier <= 0:
             raise ConfigError(f"draft config.json: dflash_config.output_multiplier must be positive, "
                               f"got {self.output_multiplier}")
@@ -176,9 +176,10 @@ class DFlash2Draft(DFlashDraft):
         super().__init__(cfg)
         self.candidate_selector = CandidateSelector(cfg)
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Unary logits: multiplier first, then the soft cap (the reference order)."""
-        z = super().logits(h)
+    def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Unary logits: multiplier first, then the soft cap (the reference order), on the head's
+        own columns, so the tokens a reduced head leaves out stay at -inf in `logits`."""
+        z = super().draft_logits(h)
         if self.cfg.output_multiplier != 1.0:        # a full [rows, V] pass saved when it is 1
             z = z * self.cfg.output_multiplier
         cap = self.cfg.final_logit_softcapping

@@ -250,7 +250,9 @@ def propose_batch(model: DFlashDraft, items: list[tuple]) -> list[Proposal | Exc
             # before this one's window are never read again.
             for i in live:
                 items[i][0].cache.drop_before(items[i][1] - 1 - W + 1)
-        logits = model.logits(hidden).float()
+        # Only the slots a session's tree may reach are scored: the head is most of a Propose.
+        depth = max(items[i][0].shape.depth for i in live)
+        logits = model.logits(hidden[:, :depth].contiguous()).float()
         trees = [items[i][0].finish(hidden[row], logits[row]) for row, i in enumerate(live)]
     ms = (time.perf_counter() - t0) * 1e3
     for (tree, q), i in zip(trees, live):

@@ -8,6 +8,7 @@
     splitspec loadtest --gateway H:P ...      N concurrent streams for T seconds: failures, p50/p99, tokens/s, memory
     splitspec train-target ...                train the default target model (splitspec_tools.train.target)
     splitspec train-draft ...                 train a DFlash or DFlash2 draft for a target (splitspec_tools.train.draft)
+    splitspec draft-vocab --out F ...         a draft's reduced vocabulary from the target's greedy outputs (splitspec_tools.train.draft_vocab)
     splitspec bench ...                       benchmark harness (splitspec_tools.bench; docs/benchmarks.md)
     splitspec ceiling ...                     the accept length the target allows any drafter (splitspec_tools.bench.ceiling)
     splitspec preflight MODEL ...             per-rank memory of a target for a layout and a device (target_service.preflight)
@@ -120,6 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("train-target", add_help=False, help="train the default target model (see its --help)")
     sub.add_parser("train-draft", add_help=False, help="train a DFlash or DFlash2 draft for a target (see its --help)")
+    sub.add_parser("draft-vocab", add_help=False, help="choose a draft's reduced vocabulary from the target's greedy "
+                   "outputs, print its coverage (see its --help)")
     sub.add_parser("bench", add_help=False, help="benchmark the configurations side by side (see its --help)")
     sub.add_parser("ceiling", add_help=False, help="the accept length the target allows a perfect drafter "
                                                    "(see its --help)")
@@ -306,6 +309,9 @@ def main(argv=None) -> None:
     if argv and argv[0] == "train-draft":
         from splitspec_tools.train.draft import main as train_draft_main
         sys.exit(train_draft_main(argv[1:]))
+    if argv and argv[0] == "draft-vocab":
+        from splitspec_tools.train.draft_vocab import main as draft_vocab_main
+        sys.exit(draft_vocab_main(argv[1:]))
     if argv and argv[0] == "bench":
         from splitspec_tools.bench.run import cli_main as bench_main
         sys.exit(bench_main(argv[1:]))

@@ -8,6 +8,10 @@ per-slot decay as the base loss and normalised by its own weights. A gold token 
 top-K missed replaces the weakest candidate, keeping its true unary logit, so every valid slot
 teaches the selector something and the term never rewards pushing gold out of C_k (SpecForge
 PR #772 / speculators / TorchSpec; the alternative of dropping such slots hides them).
+
+With a reduced vocabulary the unary logits, the candidates and the labels are draft ids; the
+codebooks are indexed by target ids (a predecessor may be any committed token, kept or not), so
+candidates are mapped to target ids before the successor codebook is read.
 """
 from __future__ import annotations
 
@@ -29,10 +33,12 @@ class SelectorOut:
 
 
 def selector_term(model: DFlash2Draft, h: torch.Tensor, unary: torch.Tensor, anchor_ids: torch.Tensor,
-                  labels: torch.Tensor, valid: torch.Tensor, weights: torch.Tensor) -> SelectorOut:
-    """h [N, nA, B-1, H] final normed draft hidden of the mask slots; unary [.., V] their unary
-    logits (after multiplier and cap); anchor_ids [N, nA]; labels / valid [N, nA, B-1];
-    weights [B-1]."""
+                  labels: torch.Tensor, valid: torch.Tensor, weights: torch.Tensor,
+                  target_labels: torch.Tensor | None = None) -> SelectorOut:
+    """h [N, nA, B-1, H] final normed draft hidden of the mask slots; unary [.., head_size] their
+    unary logits (after multiplier and cap); anchor_ids [N, nA]; labels / valid [N, nA, B-1]
+    (labels as head ids, valid only where kept); target_labels: the same tokens as target ids
+    (default: labels); weights [B-1]."""
     sel = model.candidate_selector
     K = sel.top_k
     scores_u, cand = unary.topk(K, dim=-1)                                     # [N, nA, B-1, K]
@@ -43,9 +49,12 @@ def selector_term(model: DFlash2Draft, h: torch.Tensor, unary: torch.Tensor, anc
     cand = torch.where(recalled[..., None], cand, torch.cat([cand[..., :-1], labels[..., None]], -1))
     scores_u = torch.where(recalled[..., None], scores_u, torch.cat([scores_u[..., :-1], gold_u], -1))
     target = torch.where(recalled, in_top.float().argmax(-1), torch.full_like(labels, K - 1))
-    pred = torch.cat([anchor_ids[..., None], labels[..., :-1]], -1)            # teacher-forced a
+    gold = labels if target_labels is None else target_labels
+    pred = torch.cat([anchor_ids[..., None], gold[..., :-1]], -1)              # teacher-forced a
     gate = sel.predecessor_codebook[pred] * sel.hidden_projection(h)           # [N, nA, B-1, r]
-    pair = torch.einsum("...r,...kr->...k", gate.float(), sel.successor_codebook[cand].float())
+    head_ids = model.head_ids()
+    succ = cand if head_ids is None else head_ids[cand]
+    pair = torch.einsum("...r,...kr->...k", gate.float(), sel.successor_codebook[succ].float())
     s = scores_u.float() + pair
     ce = F.cross_entropy(s.flatten(0, 2), target.flatten(), reduction="none").view(labels.shape)
     w = weights * valid.float()

@@ -89,6 +89,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--num-taps", type=int, default=None, help="number of target layers to tap (default: --layers)")
     a("--intermediate-size", type=int, default=None, help="draft MLP width (default: the target's)")
     a("--mask-token-id", type=int, default=None, help=f"default: the tokenizer's {MASK_TOKEN}")
+    a("--draft-vocab", default=None, metavar="FILE",
+      help="a reduced vocabulary made by `splitspec draft-vocab`: the draft's head scores only its kept tokens "
+           "(d2t, saved with the draft); proposals and q stay in the target's vocabulary")
+    a("--draft-vocab-coverage", type=float, default=None, metavar="P",
+      help="choose the reduced vocabulary in this run, before training: the smallest set of the target's most "
+           "frequent greedy tokens holding P of them (e.g. 0.99) over --draft-vocab-seqs continuations of "
+           "training prompts; kept in <run-dir>/draft_vocab.safetensors, which a resumed run reuses")
+    a("--draft-vocab-max", type=int, default=None, metavar="K", help="cap on the chosen set's size")
+    a("--draft-vocab-min", type=int, default=0, metavar="K",
+      help="floor on the chosen set's size (the next most counted tokens, then the lowest ids): a small "
+           "sample's smallest set fits that sample")
+    a("--draft-vocab-seqs", type=int, default=64, help="training prompts the target continues to choose it")
     a("--init", choices=("random", "target", "target-last"), default="random",
       help="draft layers from N(0, 0.02); copied from the target's first layers (which, like the "
            "draft's, read token embeddings); or copied from its last layers, with fc and hidden_norm set "
@@ -165,6 +177,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.gamma = 4.0 if args.block_size <= 8 else 7.0
     if not 0 < args.prompt_len < args.seq_len:
         p.error("--prompt-len must be positive and below --seq-len")
+    if args.draft_vocab and args.draft_vocab_coverage is not None:
+        p.error("--draft-vocab and --draft-vocab-coverage both choose the vocabulary; pass one")
+    if args.draft_vocab_coverage is not None and not 0 < args.draft_vocab_coverage <= 1:
+        p.error("--draft-vocab-coverage must be in (0, 1]")
     return args
 
 
@@ -210,12 +226,19 @@ def resolve_mask_id(args, target_path) -> int:
     raise SystemExit(f"the target's tokenizer has no {MASK_TOKEN}; pass --mask-token-id")
 
 
-def build_draft(args, target, layer_ids, mask_id) -> DFlashDraft:
+def build_draft(args, target, layer_ids, mask_id, kept: torch.Tensor | None = None) -> DFlashDraft:
+    """kept: the reduced vocabulary's target ids (ascending), or None for the whole vocabulary."""
     if args.init_from:
         from draft_service.architectures import load_draft
         draft = load_draft(args.init_from, args.target_model_path, device=args.device).requires_grad_(True)
+        own = draft.head_ids()
+        if kept is not None and own is not None and not torch.equal(own.cpu(), kept):
+            raise SystemExit(f"--init-from {args.init_from} has its own reduced vocabulary ({len(own):,} tokens), "
+                             f"not the one asked for ({len(kept):,}); drop the --draft-vocab flags to keep its own")
+        if kept is not None and own is None:
+            draft.set_vocab(kept)
     else:
-        draft = new_backbone(args, target, layer_ids, mask_id)
+        draft = new_backbone(args, target, layer_ids, mask_id, kept)
     if args.arch == "dflash2" and not isinstance(draft, DFlash2Draft):
         draft = new_dflash2(draft, conv_group_size=args.conv_group_size, conv_kernel_size=args.conv_kernel_size,
                             selector_rank=args.selector_rank, selector_top_k=args.selector_top_k,
@@ -225,6 +248,8 @@ def build_draft(args, target, layer_ids, mask_id) -> DFlashDraft:
         raise SystemExit(f"--init-from {args.init_from} is a DFlash2 draft; pass --arch dflash2")
     if args.sliding_window:
         draft = with_window(draft, args.sliding_window)
+    if hasattr(draft.cfg, "check"):
+        draft.cfg.check()
     check_trainable(draft.cfg)
     return draft.to(target.lm_head.weight.device).train()
 
@@ -251,10 +276,11 @@ def check_trainable(cfg) -> None:
                              f"the block's own tokens would not all see each other")
 
 
-def new_backbone(args, target, layer_ids, mask_id) -> DFlashDraft:
+def new_backbone(args, target, layer_ids, mask_id, kept: torch.Tensor | None = None) -> DFlashDraft:
     tcfg = target.cfg
     draft = new_draft(tcfg, num_layers=args.layers, block_size=args.block_size, mask_token_id=mask_id,
-                      target_layer_ids=layer_ids, intermediate_size=args.intermediate_size, seed=args.seed)
+                      target_layer_ids=layer_ids, intermediate_size=args.intermediate_size, seed=args.seed,
+                      draft_vocab=kept)
     if args.init in ("target", "target-last"):
         if getattr(tcfg, "hybrid", None) is not None:
             raise SystemExit(f"--init {args.init} copies the target's dense attention layers; {tcfg.architecture} "
@@ -302,6 +328,41 @@ def param_count(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+VOCAB_FILE = "draft_vocab.safetensors"
+
+
+def draft_vocabulary(args, target, run_dir: Path, streams: dict) -> tuple[torch.Tensor | None, dict | None]:
+    """(kept target ids, what the card says of them) from --draft-vocab, or chosen here for
+    --draft-vocab-coverage (once: a resumed run reads the map its first run saved), or (None, None)."""
+    from draft_service import vocab
+    V = target.cfg.vocab_size
+    if args.draft_vocab:
+        ids, counts = vocab.load_vocab(args.draft_vocab, V)
+        return ids, vocab_card(ids, counts, V, f"`{args.draft_vocab}` (`splitspec draft-vocab`)")
+    if args.draft_vocab_coverage is None:
+        return None, None
+    path = run_dir / VOCAB_FILE
+    if not path.is_file():
+        from .draft_vocab import choose
+        print(f"choosing the draft vocabulary: the target's greedy continuations of {args.draft_vocab_seqs} "
+              f"training prompts", flush=True)
+        got = choose(args.target_model_path, target, streams, num_seqs=args.draft_vocab_seqs,
+                     prompt_len=args.prompt_len, new_tokens=args.seq_len - args.prompt_len, batch=args.gen_batch,
+                     coverage=args.draft_vocab_coverage, max_size=args.draft_vocab_max,
+                     min_size=args.draft_vocab_min, seed=args.seed)
+        vocab.save_vocab(path, got["target_ids"], got["counts"], {"coverage": got["report"]["coverage"]})
+    ids, counts = vocab.load_vocab(path, V)
+    return ids, vocab_card(ids, counts, V, f"chosen by this run (`--draft-vocab-coverage "
+                                          f"{args.draft_vocab_coverage:g}`, {args.draft_vocab_seqs} prompts)")
+
+
+def vocab_card(ids: torch.Tensor, counts: torch.Tensor | None, V: int, source: str) -> dict:
+    from draft_service import vocab
+    return {"kept": int(ids.shape[0]), "target_vocab": V, "source": source,
+            "counted_tokens": None if counts is None else int(counts.sum()),
+            "coverage": None if counts is None else vocab.coverage_of(counts, ids)}
+
+
 # ---------------------------------------------------------------- main
 
 def main(argv=None) -> int:
@@ -329,15 +390,19 @@ def main(argv=None) -> int:
     eos_ids = eos_ids_of(tcfg, tok)
     layer_ids = resolve_layer_ids(args, tcfg)
     mask_id = resolve_mask_id(args, args.target_model_path)
-    draft = build_draft(args, target, layer_ids, mask_id)
+    streams = corpus_streams(args.target_model_path, run_dir, args.max_files, args.data,
+                             max(args.prompt_len, args.eval_prompt_len))
+    kept, vocab_info = draft_vocabulary(args, target, run_dir, streams)
+    draft = build_draft(args, target, layer_ids, mask_id, kept)
     if args.init_from:        # the warm start's own geometry wins over the flags
         layer_ids, mask_id = tuple(draft.cfg.target_layer_ids), draft.cfg.mask_token_id
         args.layers, args.block_size = draft.cfg.num_hidden_layers, draft.cfg.block_size
+        if vocab_info is None and draft.head_ids() is not None:
+            vocab_info = vocab_card(draft.head_ids().cpu(), None, tcfg.vocab_size, f"kept from `{args.init_from}`")
     opt = make_optimizer(draft, args)
-    streams = corpus_streams(args.target_model_path, run_dir, args.max_files, args.data,
-                             max(args.prompt_len, args.eval_prompt_len))
     print(f"target: {args.target_model_path} ({tcfg.num_hidden_layers} layers, hidden {tcfg.hidden_size}, "
-          f"vocab {tcfg.vocab_size}); draft: {param_count(draft):,} params, {args.layers} layers, block "
+          f"vocab {tcfg.vocab_size}); draft: {param_count(draft):,} params, {args.layers} layers, head "
+          f"{draft.cfg.head_size:,} tokens, block "
           f"{args.block_size}, taps {list(layer_ids)}, mask id {mask_id}; corpus {len(streams['train']):,} train "
           f"/ {len(streams['heldout']):,} held-out tokens; trainer threads {threads}", flush=True)
 
@@ -348,8 +413,13 @@ def main(argv=None) -> int:
 
     state = {"step": 0, "train_seconds": 0.0, "consumed": 0, "history": [], "last_eval": None}
     if ckpt_path.is_file():
+        chosen = draft.head_ids()
         state = load_ckpt(ckpt_path, draft, opt, args)
+        if chosen is not None and not torch.equal(draft.head_ids(), chosen):
+            raise SystemExit(f"{ckpt_path}: the checkpoint's draft vocabulary differs from the one this run "
+                             f"chose; use the same map or --fresh")
         print(f"resumed from {ckpt_path} at step {state['step']}", flush=True)
+    state["draft_vocab"] = vocab_info
 
     num_chunks = max(1, math.ceil(args.num_seqs / args.gen_batch))
     produced = produced_layers(layer_ids, tcfg.num_hidden_layers, args.distill)
@@ -396,6 +466,7 @@ def metrics(args, draft, state, info, ev, started, command, layer_ids, tcfg) -> 
             "rates": info.get("rates", {}), "train_acc": info.get("train_acc"),
             "acc_window": info.get("acc_window", 0), "eval": ev,
             "taps_reason": taps_reason(layer_ids, args, tcfg), "history": state["history"],
+            "draft_vocab": state.get("draft_vocab"),
             "target": target_card(args.target_model_path, tcfg), "args": vars(args)}
 
 

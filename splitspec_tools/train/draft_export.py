@@ -15,7 +15,7 @@ from . import checkpoint
 RESUME_KEYS = ("arch", "init_from", "layers", "block_size", "target_layer_ids", "num_taps", "intermediate_size", "init",
                "prompt_len", "seq_len", "num_seqs", "greedy_frac", "regen_temperature", "regen_top_p",
                "raw_frac", "gen_batch", "replay_batch", "max_files", "batch_seqs", "seed", "distill",
-               "replay_kinds", "sliding_window")
+               "replay_kinds", "sliding_window", "draft_vocab", "draft_vocab_coverage", "draft_vocab_max")
 
 
 def save_ckpt(path: Path, draft, opt, state: dict, args) -> None:
@@ -107,6 +107,7 @@ reads at inference exactly what it was trained on. It serves this target only.
 | mask token id | {cfg['dflash_config']['mask_token_id']} (`<\\|mask\\|>`) |
 | target layers tapped | {ids} of {cfg['num_target_layers']} (`fc`: {len(ids)} x {cfg['hidden_size']} -> {cfg['hidden_size']}) |
 | initialisation | {init} |
+| head | {_head_row(m, cfg)} |
 {_dflash2_rows(cfg) if dflash2 else ''}
 Target layer taps: {m['taps_reason']}
 
@@ -174,6 +175,16 @@ def _budget(m: dict, args) -> str:
             f"block tokens); {m['train_seconds'] / 3600 * cores:.2f} CPU-hours ({cores} threads x "
             f"{m['train_seconds'] / 3600:.2f} h)" + (f"; every draft layer slides over {window} positions"
                                                    if window else "") + ".")
+
+
+def _head_row(m: dict, cfg: dict) -> str:
+    v = m.get("draft_vocab")
+    if not v:
+        return f"the target's lm_head, all {cfg['vocab_size']:,} tokens"
+    held = (f", holding {v['coverage']:.2%} of the {v['counted_tokens']:,} greedy tokens of the target they were "
+            f"chosen from" if v.get("coverage") is not None else "")
+    return (f"the target's lm_head rows of {v['kept']:,} kept tokens of {v['target_vocab']:,} "
+            f"({v['kept'] / v['target_vocab']:.1%}: `draft_vocab_size`, map `d2t`), {v['source']}{held}")
 
 
 def _dflash2_rows(cfg: dict) -> str:

@@ -23,6 +23,12 @@ code inference runs), either with one dense block-sparse bool mask over
 in-block part scored separately and soft-maxed jointly (`attention="factored"`), which skips
 the `nA·B × nA·B` block-to-block product of which only the B×B diagonal tiles are live.
 Both equal the cached inference forward (`DraftCache` + `draft_block`) position by position.
+
+A draft with a reduced vocabulary (`draft_service/vocab.py`) is trained over its head's tokens
+only, as SpecForge trains EAGLE-3 drafts: the soft label is the target's distribution restricted
+to the kept set and renormalised, a slot whose data token (hard label) or whose target argmax
+(soft label) is outside the kept set adds no loss, and it counts as a miss in the accuracies,
+since the draft can never propose it.
 """
 from __future__ import annotations
 
@@ -32,6 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from draft_service import vocab
 from draft_service.dflash import DFlashDraft
 from draft_service.dflash2 import DFlash2Draft
 from splitspec.models.dense import apply_rope, repeat_kv
@@ -237,6 +244,14 @@ class Teacher:
     def probs(self, final_hidden: torch.Tensor) -> torch.Tensor:
         return torch.softmax(F.linear(final_hidden, self.lm_head).float(), -1)
 
+    @torch.no_grad()
+    def kept_probs(self, final_hidden: torch.Tensor, head_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(p over the kept tokens [.., K]: the target's distribution restricted to them and
+        renormalised; whether the target's argmax is kept [..])."""
+        z = F.linear(final_hidden, self.lm_head).float()
+        kept = vocab.t2d_mask(head_ids, z.shape[-1])
+        return torch.softmax(z[..., head_ids], -1), kept[z.argmax(-1)]
+
 
 @dataclass
 class LossOut:
@@ -253,12 +268,23 @@ def soft_labels(teacher: Teacher, final_hidden: torch.Tensor, anchors: Anchors, 
     """p_target for every slot: [N, nA, B-1, V] from the target's last-layer taps
     final_hidden [N, C, H] at positions a … a+B-2 (position j predicts token j+1). The head runs once
     per distinct position, not once per slot."""
-    N, C, _ = final_hidden.shape
-    p = teacher.probs(final_hidden)                                               # [N, C, V]
+    return at_slots(teacher.probs(final_hidden), anchors, block_size)
+
+
+def kept_soft_labels(teacher: Teacher, final_hidden: torch.Tensor, anchors: Anchors, block_size: int,
+                     head_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`soft_labels` over a reduced head's tokens: p_target restricted to `head_ids` and
+    renormalised [N, nA, B-1, K], and whether the target's argmax at the slot is kept [N, nA, B-1]."""
+    p, ok = teacher.kept_probs(final_hidden, head_ids)
+    return at_slots(p, anchors, block_size), at_slots(ok[..., None], anchors, block_size)[..., 0]
+
+
+def at_slots(x: torch.Tensor, anchors: Anchors, block_size: int) -> torch.Tensor:
+    """x [N, C, D] per position -> [N, nA, B-1, D] at each slot's predicting position a + k - 1."""
+    N, C, D = x.shape
     pos = anchors.pos[:, :, None] + torch.arange(block_size - 1, device=anchors.pos.device)
     idx = pos.clamp(max=C - 1).flatten(1)                                         # [N, nA*(B-1)]
-    got = p.gather(1, idx[..., None].expand(-1, -1, p.shape[-1]))
-    return got.view(N, *pos.shape[1:], -1)
+    return x.gather(1, idx[..., None].expand(-1, -1, D)).view(N, *pos.shape[1:], D)
 
 
 def objective(model: DFlashDraft, features: torch.Tensor, tokens: torch.Tensor, anchors: Anchors, *,
@@ -270,25 +296,43 @@ def objective(model: DFlashDraft, features: torch.Tensor, tokens: torch.Tensor, 
     `selector_alpha` x its selector term (`dflash2_objective`); its base loss is on the unary
     logits after the multiplier and soft cap, as inference computes them."""
     h, labels, valid = draft_hidden(model, features, tokens, anchors, attention=attention)
-    logits = model.logits(h[:, :, 1:]).float()                         # [N, nA, B-1, V]
-    if teacher is not None and distill > 0:
-        p = soft_labels(teacher, final_hidden, anchors, model.cfg.block_size)
-        ce = -(p * torch.log_softmax(logits, -1)).sum(-1)
-        if distill < 1:
-            hard = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none").view(labels.shape)
-            ce = distill * ce + (1 - distill) * hard
-    else:
-        ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none").view(labels.shape)
+    logits = model.draft_logits(h[:, :, 1:]).float()                   # [N, nA, B-1, head_size]
+    head_ids = model.head_ids()
+    target_labels = labels
+    kept = torch.ones_like(valid)
+    if head_ids is not None:
+        labels = vocab.t2d_index(head_ids, model.cfg.vocab_size)[labels]     # draft ids, -1 if not kept
+        kept = labels >= 0
+        labels = labels.clamp(min=0)
     pw = position_weights(model.cfg.block_size, gamma, logits.device)
     w = pw * valid.float()
-    loss = (ce * w).sum() / w.sum().clamp(min=1e-6)
+
+    def weighted(ce: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
+        ww = w * ok.float()
+        return (ce * ww).sum() / ww.sum().clamp(min=1e-6)
+
+    def hard() -> torch.Tensor:
+        ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none").view(labels.shape)
+        return weighted(ce, kept)
+
+    if teacher is not None and distill > 0:
+        if head_ids is None:
+            p, soft_ok = soft_labels(teacher, final_hidden, anchors, model.cfg.block_size), kept
+        else:
+            p, soft_ok = kept_soft_labels(teacher, final_hidden, anchors, model.cfg.block_size, head_ids)
+        loss = distill * weighted(-(p * torch.log_softmax(logits, -1)).sum(-1), soft_ok)
+        if distill < 1:
+            loss = loss + (1 - distill) * hard()
+    else:
+        loss = hard()
     sel = None
     if isinstance(model, DFlash2Draft):
         anchor_ids = tokens.gather(1, anchors.pos)
-        sel = selector_term(model, h[:, :, 1:], logits, anchor_ids, labels, valid, pw)
+        sel = selector_term(model, h[:, :, 1:], logits, anchor_ids, labels, valid & kept, pw,
+                            target_labels=target_labels)
         loss = loss + selector_alpha * sel.loss
     with torch.no_grad():
-        unary_hit = (logits.argmax(-1) == labels) & valid
+        unary_hit = (logits.argmax(-1) == labels) & valid & kept
         hit = unary_hit if sel is None else sel.hit
         correct = hit.sum((0, 1)).float()
         count = valid.sum((0, 1)).float()
