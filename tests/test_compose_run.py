@@ -244,6 +244,17 @@ def stack(image):
     assert stack.containers("target") == [], "compose down left containers behind"
 
 
+def test_without_a_daemon_it_says_why(monkeypatch):
+    """The skip (or, under SPLITSPEC_REQUIRE_DOCKER=1, the failure) names what is missing."""
+    monkeypatch.setenv("DOCKER_HOST", "unix:///nonexistent/docker.sock")
+    docker_missing.cache_clear()
+    try:
+        reason = docker_missing()
+    finally:
+        docker_missing.cache_clear()
+    assert reason is not None and ("no Docker daemon" in reason or "no docker client" in reason), reason
+
+
 def chat_over_http(base: str, model: str, content: str, max_tokens: int) -> dict:
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": content}],
                        "max_tokens": max_tokens, "temperature": 0}).encode()
