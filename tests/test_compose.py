@@ -212,6 +212,21 @@ def test_runs_on_debian_compose_and_engine():
         assert "start_interval" not in svc["healthcheck"]
 
 
+def test_the_build_needs_no_local_inputs_by_default():
+    """Without build arguments the image builds as a user with Docker Hub and PyTorch's index
+    expects; the offline inputs (a Debian base, a local wheel) are only ever arguments."""
+    import subprocess
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert re.search(r"^ARG BASE_IMAGE=python:3\.11-slim$", dockerfile, re.M)
+    assert re.search(r"^FROM \$\{BASE_IMAGE\} AS python$", dockerfile, re.M)
+    assert re.search(r'^ARG TORCH_FIND_LINKS=""$', dockerfile, re.M)
+    assert re.search(r"^ARG TORCH_CPU_INDEX=https://download\.pytorch\.org/whl/cpu$", dockerfile, re.M)
+    script = ROOT / "deploy" / "docker" / "debian-base.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    # Debian bookworm's python3 is 3.11: the default base's, so the same wheels (torch's cp311) fit.
+    assert "bookworm" in script.read_text() and "python:3.11" in dockerfile
+
+
 @pytest.mark.parametrize("name", sorted(SERVICES))
 def test_restarts_are_bounded(name):
     """A service that cannot start must stay down where `docker compose ps` shows it: no restart

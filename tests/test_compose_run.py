@@ -29,7 +29,6 @@ import time
 import urllib.request
 from pathlib import Path
 
-import grpc
 import pytest
 import yaml
 
@@ -336,7 +335,8 @@ def test_an_unreadable_gguf_stops_the_target_for_good_naming_the_file(image, tmp
         (target,) = stack.containers("target")
         deadline = time.monotonic() + 300
         while not ((state := inspect(target))["State"]["Status"] == "exited" and state["RestartCount"] >= 3):
-            assert time.monotonic() < deadline, f"still {state['State']['Status']} after {state['RestartCount']} restarts"
+            assert time.monotonic() < deadline, \
+                f"still {state['State']['Status']} after {state['RestartCount']} restarts"
             time.sleep(2)
         time.sleep(5)                  # a policy that had not given up would have restarted it by now
         state = inspect(target)
