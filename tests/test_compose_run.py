@@ -77,7 +77,8 @@ def docker_missing() -> str | None:
     proc = subprocess.run(["docker", "info", "--format", "{{.ServerVersion}}"], capture_output=True, text=True,
                           timeout=60)
     if proc.returncode != 0:
-        return f"no Docker daemon reachable ({(proc.stderr or proc.stdout).strip().splitlines()[-1:]})"
+        said = (proc.stderr or proc.stdout).strip().splitlines()
+        return f"no Docker daemon reachable ({said[-1] if said else f'docker info: exit {proc.returncode}'})"
     if compose_command() is None:
         return "no compose: neither `docker compose` nor `docker-compose` runs"
     return None
