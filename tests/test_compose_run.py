@@ -309,8 +309,12 @@ def test_scaled_target_survives_losing_the_replica_serving_a_request(stack):
             time.sleep(5)
         run("docker", "kill", new)
         ids, _, complete = collect(call)
-    assert list(head.chunk.token_ids) + ids == ref
+    got = list(head.chunk.token_ids) + ids
     assert complete.stats.target_failovers == 1, "the killed replica was not the one serving the request"
+    # Bit-exact continuation after a failover is not promised at bfloat16 (docs/speculation.md,
+    # "Not covered": the survivor re-prefills the generated tokens); where it breaks, say where.
+    diverged = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), None)
+    assert got == ref, f"after the failover the answer left the uninterrupted one at token {diverged} of {len(ref)}"
 
 
 def test_an_unreadable_gguf_stops_the_target_for_good_naming_the_file(image, tmp_path):
