@@ -351,6 +351,8 @@ def metrics_state(state: DraftState) -> dict:
 
 def check_args(args: argparse.Namespace) -> None:
     if args.target_model_path:      # a .gguf target: the folder built from its metadata (splitspec/models/gguf.py)
+        if not Path(args.target_model_path).exists():
+            raise SystemExit(f"--target-model-path {args.target_model_path}: no such file or folder")
         try:
             args.target_model_path = str(model_folder(args.target_model_path))
         except CheckpointError as exc:

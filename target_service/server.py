@@ -454,6 +454,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise SystemExit("--tensor-parallel-size > 1 runs --attention-backend torch only")
     if args.tp_timeout_s <= 0:
         raise SystemExit("--tp-timeout-s must be positive")
+    if not Path(args.model_path).exists():
+        raise SystemExit(f"--model-path {args.model_path}: no such file or folder")
     # A .gguf file (or a folder holding one) becomes the folder of JSON files built from its
     # metadata, once, here: everything after reads a folder (splitspec/models/gguf.py).
     try:

