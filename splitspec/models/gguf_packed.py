@@ -45,6 +45,13 @@ def is_packed(model: nn.Module) -> bool:
     return any(isinstance(m, (Int4Linear, Int8Linear)) for m in model.modules())
 
 
+def rows_invariant(model: nn.Module) -> bool:
+    """Whether every matmul of the model's forward runs on a packed kernel, whose rows come out
+    the same at any row count (so a lone row needs no second copy to match a verify's rows,
+    runner.py); set at load, False for any model with a dense projection or head."""
+    return model.__dict__.get("_rows_invariant", False)
+
+
 def packable(qtype: str, out_features: int, in_features: int) -> str | None:
     """Why a tensor cannot go to the int4 kernel as it is stored, or None when it can."""
     if qtype not in Q4_BLOCK_BYTES:
@@ -281,3 +288,4 @@ def attach(model: nn.Module, plan: PackPlan, weights, dtype: torch.dtype) -> Non
         source = HEAD if HEAD in weights.tensors else EMBED
         w = model.model.embed_tokens.dequantized() if source == EMBED and plan.embed else weights.get_tensor(source)
         model.lm_head = head_from(w, plan.head_format)
+    model.__dict__["_rows_invariant"] = not any(isinstance(m, nn.Linear) for m in model.modules())
