@@ -168,10 +168,10 @@ def verify_tree(logits: torch.Tensor, tree: Tree, params: SamplingParams,
         return verify_greedy(logits, tree)
     if generator is None:
         raise ValueError("sampling verification needs a generator")
+    if draft_probs is not None and draft_probs.shape[0] != len(tree):
+        raise ValueError(f"draft_probs has {draft_probs.shape[0]} rows, expected one per node ({len(tree)})")
     if params.coupled:
         if position is None:
             raise ValueError("coupled verification needs the position of the root's next token")
         return verify_coupled(logits, tree, params, generator.initial_seed(), position)
-    if draft_probs is not None and draft_probs.shape[0] != len(tree):
-        raise ValueError(f"draft_probs has {draft_probs.shape[0]} rows, expected one per node ({len(tree)})")
     return verify_sampling(logits, tree, params, generator, draft_probs)
