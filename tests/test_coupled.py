@@ -50,9 +50,8 @@ def test_noise_known_values(seed, position, ids, m, g):
     assert noise_key(0, 0) == 0xA706DD2F4D197E6F
 
 
+@pytest.mark.cuda
 def test_noise_on_cuda_equals_cpu():
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
     ids = torch.arange(151936)
     for seed, position in ((0, 0), (2 ** 64 - 1, 10 ** 6), (12345, 77)):
         assert torch.equal(noise_uniform(seed, position, ids.cuda()).cpu(), noise_uniform(seed, position, ids))
