@@ -118,26 +118,19 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 15)
 
 
-def _word(key: int, w: int, t: torch.Tensor) -> torch.Tensor:
-    """Hashed 32-bit word w of token ids t (int64, >= 0) under a position's key."""
-    k = _splitmix64((key + w) & MASK64)
-    return _mix32(_mix32(t ^ (k & MASK32)) ^ (k >> 32))
-
-
-def _token_ids(token_ids: torch.Tensor) -> torch.Tensor:
-    t = token_ids.to(torch.int64)
-    if t.numel() and int(t.min()) < 0:
-        raise ValueError(f"token ids must be >= 0, got {int(t.min())}")
-    return t
-
-
 def noise_uniform(seed: int, position: int, token_ids: torch.Tensor) -> torch.Tensor:
     """u in (0, 1), float64, one per token id: 52 bits from two hashed 32-bit words. Within a
     position each word is a bijection of the token id (key, mix, key, mix), so no two tokens
     share a u."""
     key = noise_key(seed, position)
-    t = _token_ids(token_ids)
-    m = (_word(key, 0, t) >> 6) * (1 << 26) + (_word(key, 1, t) >> 6)
+    t = token_ids.to(torch.int64)
+    if t.numel() and int(t.min()) < 0:
+        raise ValueError(f"token ids must be >= 0, got {int(t.min())}")
+    keys = [_splitmix64((key + w) & MASK64) for w in (0, 1)]
+    lo = torch.tensor([[k & MASK32] for k in keys], dtype=torch.int64, device=t.device)
+    hi = torch.tensor([[k >> 32] for k in keys], dtype=torch.int64, device=t.device)
+    words = _mix32(_mix32((t & MASK32) ^ lo) ^ hi)                  # [2, n]
+    m = (words[0] >> 6) * (1 << 26) + (words[1] >> 6)
     return (m.double() + 0.5) * 2.0 ** -UNIFORM_BITS
 
 
@@ -146,34 +139,11 @@ def gumbel(seed: int, position: int, token_ids: torch.Tensor) -> torch.Tensor:
     return -torch.log(-torch.log(noise_uniform(seed, position, token_ids)))
 
 
-# Above this many candidates a draw screens with one word first (`_screened_argmax`).
-SCREEN_ABOVE = 2048
-_SCREEN_TOP = 32
-_SCREEN_MARGIN = 1e-5     # far above float32's rounding of u's bound and of the threshold
-
-
-def _screened_argmax(scores: torch.Tensor, t: torch.Tensor, seed: int, position: int) -> int:
-    """The index of max(scores + g) without the full noise of every token: the exact g of the
-    best-scored few gives a bar B; token j can pass it only if g_j > B - s_j, i.e.
-    u_j > exp(-exp(s_j - B)), and u_j < (word0_j >> 6 + 1) / 2^26 bounds it from word 0 alone.
-    The few tokens whose bound clears the bar (less a margin) get their exact g too. The answer
-    is the full argmax's: only tokens that cannot win are skipped."""
-    key = noise_key(seed, position)
-    top = torch.topk(scores, _SCREEN_TOP).indices
-    bar = float((scores[top] + gumbel(seed, position, t[top])).max())
-    u_bound = ((_word(key, 0, t) >> 6) + 1).float() * 2.0 ** -26
-    needed = torch.exp(-torch.exp((scores - bar).float()))
-    cand = torch.cat([top, (u_bound > needed - _SCREEN_MARGIN).nonzero()[:, 0]]).unique()
-    return int(cand[int((scores[cand] + gumbel(seed, position, t[cand])).argmax())])
-
-
 def gumbel_argmax(scores: torch.Tensor, token_ids: torch.Tensor, seed: int, position: int) -> int:
     """The token id among `token_ids` maximising scores + g: an exact draw from softmax(scores)
     over those ids. Scores are log-probabilities up to a constant (logits / T, or log q)."""
-    scores, t = scores.double(), _token_ids(token_ids).to(scores.device)
-    if t.numel() > SCREEN_ABOVE:
-        return int(t[_screened_argmax(scores, t, seed, position)])
-    return int(t[int((scores + gumbel(seed, position, t)).argmax())])
+    noisy = scores.double() + gumbel(seed, position, token_ids).to(scores.device)
+    return int(token_ids[int(noisy.argmax())])
 
 
 def coupled_sample(logits: torch.Tensor, params: SamplingParams, seed: int, position: int) -> int:
