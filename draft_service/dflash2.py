@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splitspec.engine.sample import sample_from_probs
+from splitspec.engine.sample import gumbel, sample_from_probs
 from splitspec.models.config import ConfigError
 
 from .dflash import DFlashConfig, DFlashDraft, DraftLayer, mlp
@@ -186,23 +186,27 @@ class DFlash2Draft(DFlashDraft):
         return z if not cap else cap * torch.tanh(z / cap)
 
     def walk(self, h: torch.Tensor, unary: torch.Tensor, anchor: int, n: int, temperature: float = 0.0,
-             generator: torch.Generator | None = None, guide=None) -> tuple[list[int], torch.Tensor | None]:
+             generator: torch.Generator | None = None, guide=None,
+             noise: tuple[int, int] | None = None) -> tuple[list[int], torch.Tensor | None]:
         """The chain of n tokens one block drafts, and q [n, V] when sampled.
         h [B-1, H] final normed hidden and unary [B-1, V] logits of the mask slots.
         guide: a structured-output grammar (splitspec.grammar.Guide): each position chooses
         among the candidates it allows after the chain so far (q renormalised over them, which is
         what the token is drawn from, so the verifier's test stays exact); the chain stops where
-        none is allowed or the grammar ends. The guide's state is left as it was."""
+        none is allowed or the grammar ends. The guide's state is left as it was.
+        noise: (seed, absolute position of the chain's first token) for coupled sampling: step t
+        takes argmax(log q + g) with g the target's Gumbel noise at that position for each
+        candidate's token id, instead of a draw from the generator."""
         if guide is not None:
             steps = []
             try:
-                return self._walk(h, unary, anchor, n, temperature, generator, guide, steps)
+                return self._walk(h, unary, anchor, n, temperature, generator, guide, steps, noise)
             finally:
                 if steps:
                     guide.matcher.rollback(len(steps))
-        return self._walk(h, unary, anchor, n, temperature, generator, None, [])
+        return self._walk(h, unary, anchor, n, temperature, generator, None, [], noise)
 
-    def _walk(self, h, unary, anchor, n, temperature, generator, guide, steps):
+    def _walk(self, h, unary, anchor, n, temperature, generator, guide, steps, noise=None):
         sel = self.candidate_selector
         cand, u = sel.candidates(unary[:n])                                  # [n, K]
         gate = sel.hidden_projection(h[:n]).float()                          # [n, r]
@@ -218,7 +222,12 @@ class DFlash2Draft(DFlashDraft):
                 s = s.masked_fill(~ok, float("-inf"))
             if temperature > 0:
                 q = torch.softmax(s / temperature, -1)
-                j = sample_from_probs(q, generator)
+                if noise is None:
+                    j = sample_from_probs(q, generator)
+                else:
+                    # A candidate masked out (-inf) stays out: -inf + g never wins.
+                    g = gumbel(noise[0], noise[1] + t, cand[t]).to(s.device)
+                    j = int((s.double() / temperature + g).argmax())
                 qs.append(torch.zeros(unary.shape[-1], device=q.device).index_put_((cand[t],), q))
             else:
                 j = int(torch.argmax(s))

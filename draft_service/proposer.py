@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from splitspec.engine.sample import SamplingParams, make_generator, probs_from_logits, sample_from_probs
+from splitspec.engine.sample import (SamplingParams, draft_stream_seed, gumbel_argmax, make_generator, probs_from_logits,
+                                     sample_from_probs)
 from splitspec.engine.kv_pool import KVPool
 from splitspec.engine.tree import MAX_DRAFT_NODES, Tree
 from splitspec.ngram import NgramIndex, trie_tree
@@ -97,7 +98,11 @@ class DFlashProposer(_Tokens):
         self.model, self.width = model, self.shape.nodes + 1
         self.sampling = sampling if sampling is not None and not sampling.greedy else None
         device = next(model.parameters()).device
-        self.generator = make_generator(sampling.seed if sampling else None, device)
+        seed = sampling.seed if sampling else None
+        # Coupled sampling: the draft proposes argmax(log q + g) with the target's own noise g
+        # (same seed, same positions), the token the target will choose wherever q is close to p.
+        self.coupled = self.sampling is not None and self.sampling.coupled
+        self.generator = make_generator(seed if self.coupled or seed is None else draft_stream_seed(seed), device)
         self.cache = DraftCache(model, max_len, pool)
         self.tokens: list[int] = []
         self.guide = None       # structured output: a splitspec.grammar.Guide over the output so far
@@ -150,15 +155,17 @@ class DFlashProposer(_Tokens):
         if dflash2:
             # The selector's q ignores the request's top-k/top-p (they shape the target's p only).
             temp = 0.0 if self.sampling is None else self.sampling.temperature
+            noise = self._noise()
             spine, q = self.model.walk(hidden, logits, self.tokens[-1], shape.depth, temp, self.generator,
-                                       guide=self.guide)
+                                       guide=self.guide, noise=noise)
             if not spine and self.guide is not None:     # nothing allowed among its candidates
-                spine, q = self.model.walk(hidden, logits, self.tokens[-1], shape.depth, temp, self.generator)
+                spine, q = self.model.walk(hidden, logits, self.tokens[-1], shape.depth, temp, self.generator,
+                                           noise=noise)
         elif self.sampling is None:
             spine, q = logits[:shape.depth].argmax(-1).tolist(), None
         else:
             q = probs_from_logits(logits[:shape.depth], self.sampling)
-            spine = [sample_from_probs(row, self.generator) for row in q]
+            spine = [self._draw(row, t) for t, row in enumerate(q)]
         if shape.topk == 1:
             return Tree.chain(spine[:shape.nodes]), None if q is None else q[:shape.nodes]
         # Greedy drafts: no spine laid first. The argmax walk is every level's best child, so
@@ -176,6 +183,20 @@ class DFlashProposer(_Tokens):
         probs = q.new_zeros(len(tree), q.shape[-1])
         probs[:built.spine] = q[:built.spine]
         return tree, probs
+
+    def _noise(self) -> tuple[int, int] | None:
+        """(seed, absolute position of the first drafted token) when drafts share the target's
+        noise: the block's slot t drafts position len(tokens) + t, as the target's root row
+        predicts position len(tokens)."""
+        return (self.generator.initial_seed(), len(self.tokens)) if self.coupled else None
+
+    def _draw(self, q: torch.Tensor, t: int) -> int:
+        """The sampled draft token of block slot t from its distribution q [V]."""
+        if not self.coupled:
+            return sample_from_probs(q, self.generator)
+        kept = (q > 0).nonzero()[:, 0]
+        seed, position = self._noise()
+        return gumbel_argmax(q[kept].double().log(), kept, seed, position + t)
 
     def _grammar_spine(self, logits: torch.Tensor) -> tuple[list[int], torch.Tensor | None]:
         """A chain that stays inside the request's grammar: position j chooses among the tokens
@@ -195,7 +216,7 @@ class DFlashProposer(_Tokens):
                     q = probs_from_logits(masked, self.sampling)
                     if not bool(torch.isfinite(q).all()) or float(q.sum()) <= 0:
                         break
-                    tok = sample_from_probs(q, self.generator)
+                    tok = self._draw(q, len(spine))
                     rows.append(q)
                 if not g.matcher.accept_token(tok):
                     break

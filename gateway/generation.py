@@ -150,4 +150,4 @@ async def stream_response(req: Request, steps: AsyncIterator[list[int]], tokeniz
         finish_reason=finish,
         usage=gateway_pb2.Usage(prompt_tokens=len(req.prompt_ids), completion_tokens=generated,
                                 cached_tokens=min(stats.cached_tokens, len(req.prompt_ids))),
-        stats=stats.to_pb()))
+        stats=stats.to_pb(), seed=req.sampling.seed))

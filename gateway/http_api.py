@@ -44,6 +44,7 @@ import asyncio
 import contextlib
 import json
 import re
+import secrets
 import time
 import uuid
 
@@ -202,20 +203,25 @@ class OpenAIApi:
                       f"per request", "n")
         vocab = self.info().vocab_size
         requests, choices = [], []
+        # One seed for the whole body, the client's or drawn here (so every choice's seed derives
+        # from it), returned as the answer's "seed": sending it back replays every choice.
+        seed = body.get("seed")
+        if seed is None:
+            seed = secrets.randbits(64)
         for p, prompt in enumerate(prompts):
             base = build_request(body, prompt, rid, max_tokens_field=max_tokens_field, wanted=wanted,
                                  vocab_size=vocab)
+            base.sampling.seed = seed
             for i in range(wanted.n):
                 req = gateway_pb2.GenerateRequest()
                 req.CopyFrom(base)
                 index = p * wanted.n + i
                 if total > 1:
                     req.request_id = f"{rid}-{index}"
-                if req.sampling.HasField("seed"):
-                    req.sampling.seed = choice_seed(base.sampling.seed, i)
+                req.sampling.seed = choice_seed(seed, i)
                 requests.append(req)
                 choices.append(Choice(index, p))
-        head = {"id": rid, "created": int(time.time()), "model": self.info().model_id}
+        head = {"id": rid, "created": int(time.time()), "model": self.info().model_id, "seed": seed}
         return Job(requests, choices, len(prompts), wanted, chat, [], head)
 
     # --- generation ------------------------------------------------------------------------

@@ -4,11 +4,13 @@ longer than the context)."""
 from __future__ import annotations
 
 import math
+import secrets
 import uuid
 from dataclasses import dataclass
 
 import grpc
 
+from splitspec.engine.sample import COUPLED_BY_DEFAULT
 from splitspec.limits import (MAX_CACHE_SALT, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_CHARS, MAX_STOP_STRINGS,
                               MAX_STOP_TOKEN_IDS)
 from splitspec.v1 import common_pb2, gateway_pb2
@@ -62,6 +64,9 @@ def parse_request(req: gateway_pb2.GenerateRequest, cfg: GatewayConfig, limits: 
         raise RequestError(f"sampling.top_p must be in (0, 1], got {s.top_p}")
     if s.HasField("top_k") and s.top_k < 0:
         raise RequestError(f"sampling.top_k must be >= 0 (0 = off), got {s.top_k}")
+    if s.sampler not in common_pb2.Sampler.values():
+        raise RequestError(f"sampling.sampler = {s.sampler} is not a Sampler value "
+                           f"({', '.join(common_pb2.Sampler.keys())})")
     max_new = s.max_new_tokens if s.HasField("max_new_tokens") else cfg.default_max_new_tokens
     if max_new < 0 or (max_new == 0 and not s.HasField("prompt_logprobs")):
         raise RequestError(f"sampling.max_new_tokens must be >= 1 (0 only with prompt_logprobs, to score "
@@ -109,6 +114,12 @@ def parse_request(req: gateway_pb2.GenerateRequest, cfg: GatewayConfig, limits: 
     sampling.presence_penalty, sampling.frequency_penalty = s.presence_penalty, s.frequency_penalty
     sampling.min_tokens, sampling.ignore_eos = s.min_tokens, s.ignore_eos
     sampling.logit_bias.update(s.logit_bias)
+    # Resolved here, so the target and the draft sessions of a request (and those a failover
+    # opens) draw with the same noise whatever their own defaults. An unseeded request gets a
+    # seed of its own, reported in Complete.seed, so any answer can be replayed.
+    sampling.sampler = s.sampler or (common_pb2.SAMPLER_COUPLED if COUPLED_BY_DEFAULT else common_pb2.SAMPLER_STREAM)
+    if not s.HasField("seed"):
+        sampling.seed = secrets.randbits(64)
     if s.HasField("constraint"):
         sampling.constraint.CopyFrom(s.constraint)      # the target (and the draft) constrain with it
     if s.min_tokens:

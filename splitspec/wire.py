@@ -12,7 +12,7 @@ import torch
 from splitspec.limits import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
 from splitspec.v1 import common_pb2
 
-from splitspec.engine.sample import SamplingParams
+from splitspec.engine.sample import COUPLED_BY_DEFAULT, SamplingParams
 from splitspec.engine.tree import Tree
 
 _TO_PB = {torch.float32: common_pb2.DTYPE_F32, torch.float16: common_pb2.DTYPE_F16,
@@ -129,8 +129,12 @@ def sampling_from_pb(msg: common_pb2.SamplingParams) -> SamplingParams:
     for name, limit in (("logit_bias", MAX_LOGIT_BIAS), ("stop_token_ids", MAX_STOP_TOKEN_IDS)):
         if len(getattr(msg, name)) > limit:
             raise WireError(f"sampling.{name} has {len(getattr(msg, name))} entries; at most {limit} are accepted")
+    if msg.sampler not in common_pb2.Sampler.values():
+        raise WireError(f"sampling.sampler = {msg.sampler} is not a Sampler value "
+                        f"({', '.join(common_pb2.Sampler.keys())})")
+    coupled = COUPLED_BY_DEFAULT if msg.sampler == common_pb2.SAMPLER_UNSPECIFIED else msg.sampler == common_pb2.SAMPLER_COUPLED
     params = SamplingParams(
-        temperature=float(temperature), top_p=float(top_p), top_k=int(top_k), seed=seed,
+        temperature=float(temperature), top_p=float(top_p), top_k=int(top_k), seed=seed, coupled=coupled,
         presence_penalty=float(msg.presence_penalty), frequency_penalty=float(msg.frequency_penalty),
         repetition_penalty=float(msg.repetition_penalty) if msg.HasField("repetition_penalty") else 1.0,
         logit_bias=tuple(sorted((int(t), float(b)) for t, b in msg.logit_bias.items())),
@@ -147,6 +151,7 @@ def sampling_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
     msg = common_pb2.SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k)
     if p.seed is not None:
         msg.seed = p.seed
+    msg.sampler = common_pb2.SAMPLER_COUPLED if p.coupled else common_pb2.SAMPLER_STREAM
     return msg
 
 

@@ -30,10 +30,12 @@ class FlashInferVerifier:
         self._fis = fis
 
     def verify(self, logits: torch.Tensor, tree: Tree, params: SamplingParams,
-               generator: torch.Generator | None, draft_probs: torch.Tensor | None) -> VerifyResult:
+               generator: torch.Generator | None, draft_probs: torch.Tensor | None,
+               position: int | None = None) -> VerifyResult:
         is_chain = list(tree.parents) == list(range(-1, len(tree) - 1))
-        if params.greedy or not is_chain or len(tree) == 0:
-            return verify_tree(logits, tree, params, generator, draft_probs)
+        # Coupled sampling draws no coins: the walk costs one Gumbel-argmax per accepted row.
+        if params.greedy or params.coupled or not is_chain or len(tree) == 0:
+            return verify_tree(logits, tree, params, generator, draft_probs, position)
         ids = torch.tensor([tree.token_ids], device=logits.device, dtype=torch.int32)
         target_probs = probs_from_logits(logits, params)[None]            # [1, n+1, V]
         if draft_probs is None:

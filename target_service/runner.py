@@ -260,13 +260,13 @@ def _finish(step, logits: torch.Tensor, feats: torch.Tensor | None, verifier) ->
         if not step.last:
             return StepOutput([], feats)
         scored = seq.processed(logits[-1:])
-        first = sample(scored[0], seq.params, seq.generator)
+        first = sample(scored[0], seq.params, seq.generator, seq.length)
         seq.commit([first])
         return StepOutput([first], feats, logprobs=None if want is None else token_logprobs(logits[-1:], [first], want),
                           logits=scored if seq.keep_logits else None)
     if isinstance(step, Decode):
         scored = seq.processed(logits[:1])
-        tok = sample(scored[0], seq.params, seq.generator)
+        tok = sample(scored[0], seq.params, seq.generator, seq.length)
         table.length += 1
         seq.commit([tok])
         return StepOutput([tok], feats, logprobs=None if want is None else token_logprobs(logits[:1], [tok], want),
@@ -274,7 +274,7 @@ def _finish(step, logits: torch.Tensor, feats: torch.Tensor | None, verifier) ->
     base = table.length
     probs = None if step.draft_probs is None else step.draft_probs.to(logits.device)
     scored = seq.processed(logits, path_tokens(step.tree.token_ids, step.tree.parents), step.tree)
-    result = verifier.verify(scored, step.tree, seq.params, seq.generator, probs)
+    result = verifier.verify(scored, step.tree, seq.params, seq.generator, probs, position=seq.length)
     keep = [0] + [node + 1 for node in result.accepted]
     if keep != list(range(len(keep))):         # a tree branch: compact the path in place
         table.move([base + r for r in keep], base)

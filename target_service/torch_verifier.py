@@ -10,5 +10,5 @@ from target_service.verify import VerifyResult, verify_tree
 class TorchVerifier:
     name = "torch"
 
-    def verify(self, logits, tree, params, generator, draft_probs) -> VerifyResult:
-        return verify_tree(logits, tree, params, generator, draft_probs)
+    def verify(self, logits, tree, params, generator, draft_probs, position=None) -> VerifyResult:
+        return verify_tree(logits, tree, params, generator, draft_probs, position)

@@ -13,7 +13,14 @@ exactly the target's (DESIGN §3):
   rejection p' <- norm(max(p' - q, 0)) (Leviathan et al.; for siblings drawn i.i.d. from
   the same q this is SpecInfer's multi-draft rule).
 
-A tree may mix the two kinds: a node whose row of `draft_probs` is all zero was chosen
+With coupled sampling (`SamplingParams.coupled`, the default) none of those coins is drawn:
+at every node on the way down the target computes its own token, the Gumbel-argmax keyed by
+(seed, that token's absolute position) over its processed row, accepts the child carrying it,
+and at the first node with no such child commits it as the bonus. The committed tokens are then
+exactly those target-only sampling with that seed emits, whatever was drafted, for chains and
+trees alike; q plays no part (a draft that shares the noise just proposes those tokens more often).
+
+In the other modes a tree may mix the two kinds: a node whose row of `draft_probs` is all zero was chosen
 deterministically and is tested by the target-only rule. Each test, of either kind, emits a
 token distributed exactly as the p' it starts from (accepted, or drawn later from the residual
 it leaves), whatever the order of the siblings and however the deterministic ones were chosen,
@@ -26,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from splitspec.engine.sample import SamplingParams, probs_from_logits, sample_from_probs
+from splitspec.engine.sample import SamplingParams, coupled_sample, probs_from_logits, sample_from_probs
 from splitspec.engine.tree import Tree
 
 
@@ -90,16 +97,29 @@ def _uniform(generator: torch.Generator, device) -> float:
     return float(torch.rand((), generator=generator, device=device, dtype=torch.float64))
 
 
-def verify_greedy(logits: torch.Tensor, tree: Tree) -> VerifyResult:
-    argmax = logits.argmax(-1).tolist()
+def _follow(tree: Tree, target_token) -> VerifyResult:
+    """Walk down the tree taking the child equal to the target's own token at each node;
+    target_token(row, depth) is that token for logits row `row` at depth `depth` (0: the root)."""
     node, path = -1, []
     while True:
-        target = argmax[node + 1]
+        target = target_token(node + 1, len(path))
         nxt = next((c for c in tree.children(node) if tree.token_ids[c] == target), None)
         if nxt is None:
             return VerifyResult(path, target)
         path.append(nxt)
         node = nxt
+
+
+def verify_greedy(logits: torch.Tensor, tree: Tree) -> VerifyResult:
+    argmax = logits.argmax(-1).tolist()
+    return _follow(tree, lambda row, depth: argmax[row])
+
+
+def verify_coupled(logits: torch.Tensor, tree: Tree, params: SamplingParams, seed: int,
+                   position: int) -> VerifyResult:
+    """position: the absolute position of the token the root's row predicts (the committed
+    length); a node at depth d predicts position + d. Only rows on the accepted path are sampled."""
+    return _follow(tree, lambda row, depth: coupled_sample(logits[row], params, seed, position + depth))
 
 
 def verify_sampling(logits: torch.Tensor, tree: Tree, params: SamplingParams,
@@ -139,7 +159,9 @@ def verify_sampling(logits: torch.Tensor, tree: Tree, params: SamplingParams,
 
 def verify_tree(logits: torch.Tensor, tree: Tree, params: SamplingParams,
                 generator: torch.Generator | None = None,
-                draft_probs: torch.Tensor | None = None) -> VerifyResult:
+                draft_probs: torch.Tensor | None = None, position: int | None = None) -> VerifyResult:
+    """position: the absolute position the root's row predicts (coupled sampling keys its noise
+    by it, and by the generator's seed)."""
     if logits.shape[0] != len(tree) + 1:
         raise ValueError(f"need {len(tree) + 1} rows of logits (root + nodes), got {logits.shape[0]}")
     if params.greedy:
@@ -148,4 +170,8 @@ def verify_tree(logits: torch.Tensor, tree: Tree, params: SamplingParams,
         raise ValueError("sampling verification needs a generator")
     if draft_probs is not None and draft_probs.shape[0] != len(tree):
         raise ValueError(f"draft_probs has {draft_probs.shape[0]} rows, expected one per node ({len(tree)})")
+    if params.coupled:
+        if position is None:
+            raise ValueError("coupled verification needs the position of the root's next token")
+        return verify_coupled(logits, tree, params, generator.initial_seed(), position)
     return verify_sampling(logits, tree, params, generator, draft_probs)

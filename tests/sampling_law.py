@@ -80,3 +80,27 @@ def dflash_law(stub, model, samples: int, *, prompt=(7, 8, 9, 7, 8), n: int = 3,
     assert all(st.draft_fallbacks == 0 for _, st in results)
     assert_follows([ids for ids, _ in results], joint, samples)
     return [st for _, st in results]
+
+
+def g_test_pvalue(counts, probs, total) -> float:
+    """The G-test (log-likelihood ratio) of observed `counts` against exact `probs` (dicts keyed
+    alike), cells with expected count < 5 pooled into one; 0.0 if anything landed outside the
+    support."""
+    if any(key not in probs and c for key, c in counts.items()):
+        return 0.0
+    obs, exp, rest_o, rest_e = [], [], 0.0, 0.0
+    for key, p in probs.items():
+        e = p * total
+        if e < 5:
+            rest_o += counts.get(key, 0)
+            rest_e += e
+        else:
+            obs.append(counts.get(key, 0))
+            exp.append(e)
+    if rest_e > 0:
+        obs.append(rest_o)
+        exp.append(rest_e)
+    if len(obs) < 2:
+        return 1.0
+    scale = sum(obs) / sum(exp)
+    return float(sstats.power_divergence(obs, [e * scale for e in exp], lambda_="log-likelihood").pvalue)

@@ -46,9 +46,9 @@ class _Capture:
     def __init__(self):
         self.inner, self.seen = TorchVerifier(), []
 
-    def verify(self, logits, tree, params, generator, probs):
+    def verify(self, logits, tree, params, generator, probs, position=None):
         self.seen.append(logits.clone())
-        return self.inner.verify(logits, tree, params, generator, probs)
+        return self.inner.verify(logits, tree, params, generator, probs, position)
 
 
 @pytest.mark.parametrize("variant", ["llama-sharded", "qwen2-bias", "qwen3-qknorm", "llama3-tied"])

@@ -46,9 +46,9 @@ class Spy(TorchVerifier):
     """Records the logits the verifier was given."""
     seen: list[torch.Tensor] = []
 
-    def verify(self, logits, tree, params, generator, draft_probs):
+    def verify(self, logits, tree, params, generator, draft_probs, position=None):
         self.seen.append(logits.clone())
-        return super().verify(logits, tree, params, generator, draft_probs)
+        return super().verify(logits, tree, params, generator, draft_probs, position)
 
 
 def test_path_tokens_follow_each_nodes_own_branch():

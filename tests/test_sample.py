@@ -34,7 +34,7 @@ def _logits(seed: int, v: int = V, scale: float = 1.5) -> torch.Tensor:
 
 
 def _params(d) -> SamplingParams:
-    return SamplingParams(temperature=d["temperature"], top_k=d.get("top_k", 0), top_p=d.get("top_p", 1.0))
+    return SamplingParams(coupled=False, temperature=d["temperature"], top_k=d.get("top_k", 0), top_p=d.get("top_p", 1.0))
 
 
 def _ref(stat_ref, logits, d):
@@ -58,7 +58,7 @@ def test_harness_detects_a_wrong_distribution(stat_ref):
     so the tests above can fail."""
     logits = _logits(7)
     gen = make_generator(99)
-    draws = [sample(logits, SamplingParams(temperature=1.0), gen) for _ in range(N_DRAWS)]
+    draws = [sample(logits, SamplingParams(coupled=False, temperature=1.0), gen) for _ in range(N_DRAWS)]
     counts = np.bincount(draws, minlength=V)
     assert stat_ref.chi2(counts, _ref(stat_ref, logits, dict(temperature=0.8))) < 1e-6
     assert stat_ref.chi2(counts, _ref(stat_ref, logits, dict(temperature=1.0, top_p=0.9))) == 0.0
@@ -72,7 +72,7 @@ def test_harness_detects_a_wrong_distribution(stat_ref):
        top_p=st.sampled_from([1.0, 0.95, 0.8, 0.5, 0.2, 0.01]))
 def test_probs_from_logits_equals_reference(seed, v, temperature, top_k, top_p, stat_ref):
     logits = _logits(seed, v, scale=2.0)
-    got = probs_from_logits(logits, SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p))
+    got = probs_from_logits(logits, SamplingParams(coupled=False, temperature=temperature, top_k=top_k, top_p=top_p))
     want = stat_ref.probs(logits.numpy(), temperature, top_k, top_p)
     assert got.dtype == torch.float32 and got.shape == (v,)
     np.testing.assert_allclose(got.numpy(), want, atol=2e-6)
@@ -82,7 +82,7 @@ def test_probs_from_logits_equals_reference(seed, v, temperature, top_k, top_p, 
 
 def test_probs_from_logits_batched_rows():
     logits = torch.randn(3, 5, V, generator=torch.Generator().manual_seed(3))
-    params = SamplingParams(temperature=0.9, top_k=7, top_p=0.8)
+    params = SamplingParams(coupled=False, temperature=0.9, top_k=7, top_p=0.8)
     batched = probs_from_logits(logits, params)
     for i in range(3):
         for j in range(5):
@@ -100,7 +100,7 @@ def test_greedy_is_argmax_and_one_hot():
 
 def test_same_seed_same_sequence_and_different_seed_differs():
     logits = _logits(5)
-    params = SamplingParams(temperature=1.0, top_p=0.95)
+    params = SamplingParams(coupled=False, temperature=1.0, top_p=0.95)
 
     def run(seed):
         gen = make_generator(seed)
@@ -112,11 +112,11 @@ def test_same_seed_same_sequence_and_different_seed_differs():
 
 
 def test_seeded_generation_reproduces(tiny_qwen3_model):
-    params = SamplingParams(temperature=1.0, top_k=20, seed=7)
+    params = SamplingParams(coupled=False, temperature=1.0, top_k=20, seed=7)
     prompt = [3, 14, 15, 92, 65]
     a = generate(tiny_qwen3_model, prompt, 16, params=params)
     b = generate(tiny_qwen3_model, prompt, 16, params=params)
-    c = generate(tiny_qwen3_model, prompt, 16, params=SamplingParams(temperature=1.0, top_k=20, seed=8))
+    c = generate(tiny_qwen3_model, prompt, 16, params=SamplingParams(coupled=False, temperature=1.0, top_k=20, seed=8))
     assert a == b
     assert a != c
     greedy = generate(tiny_qwen3_model, prompt, 16)

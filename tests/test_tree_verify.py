@@ -73,7 +73,7 @@ def speculative_first_two(prompt: tuple[int, ...], params: SamplingParams, mode:
 
 
 @pytest.mark.parametrize("mode", ["deterministic", "sampled"])
-@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_p=0.9)],
+@pytest.mark.parametrize("params", [SamplingParams(coupled=False, temperature=1.0), SamplingParams(coupled=False, temperature=0.7, top_p=0.9)],
                          ids=["T1", "T0.7-top_p0.9"])
 def test_tree_verification_samples_the_target_distribution(mode, params):
     prompt = (1, 2)
@@ -106,5 +106,5 @@ def test_a_sampled_spine_is_tried_by_its_q_and_the_side_nodes_by_p():
     probs[1] = torch.tensor([0.5, 0.5, 0.0, 0.0])
     g = torch.Generator().manual_seed(0)
     for _ in range(50):
-        res = verify_tree(logits, tree, SamplingParams(temperature=1.0), g, probs)
+        res = verify_tree(logits, tree, SamplingParams(coupled=False, temperature=1.0), g, probs)
         assert res.accepted == [1]

@@ -39,10 +39,10 @@ SHAPES = {
     "tree": (-1, -1, 0, 0, 1, 3),
 }
 SETTINGS = {
-    "T1": SamplingParams(temperature=1.0),
-    "T0.7-p0.9": SamplingParams(temperature=0.7, top_p=0.9),
-    "T1.3-k4": SamplingParams(temperature=1.3, top_k=4),
-    "T1-k5-p0.8": SamplingParams(temperature=1.0, top_k=5, top_p=0.8),
+    "T1": SamplingParams(coupled=False, temperature=1.0),
+    "T0.7-p0.9": SamplingParams(coupled=False, temperature=0.7, top_p=0.9),
+    "T1.3-k4": SamplingParams(coupled=False, temperature=1.3, top_k=4),
+    "T1-k5-p0.8": SamplingParams(coupled=False, temperature=1.0, top_k=5, top_p=0.8),
 }
 
 
@@ -216,7 +216,7 @@ def _peaked(rows: list[int], v: int = V, margin: float = 60.0) -> torch.Tensor:
 def test_certain_tokens_are_always_accepted_and_impossible_ones_never():
     tree = Tree.chain([3, 5, 1])
     logits = _peaked([3, 5, 1, 6])
-    params = SamplingParams(temperature=1.0)
+    params = SamplingParams(coupled=False, temperature=1.0)
     gen = make_generator(0)
     for q in (None, torch.full((3, V), 1.0 / V)):
         for _ in range(50):
@@ -227,7 +227,7 @@ def test_certain_tokens_are_always_accepted_and_impossible_ones_never():
     top = logits.argmax(-1).tolist()
     wrong = Tree.chain([(top[0] + 1) % V, 0, 0])
     for _ in range(50):
-        r = verify_tree(logits, wrong, SamplingParams(temperature=2.0, top_k=1), gen)
+        r = verify_tree(logits, wrong, SamplingParams(coupled=False, temperature=2.0, top_k=1), gen)
         assert r.accepted == [] and r.bonus == top[0]
 
 
@@ -238,7 +238,7 @@ def test_target_only_rejected_sibling_is_never_resampled():
     gen = make_generator(1)
     seen = {}
     for _ in range(3000):
-        r = verify_tree(logits, tree, SamplingParams(temperature=1.0), gen)
+        r = verify_tree(logits, tree, SamplingParams(coupled=False, temperature=1.0), gen)
         key = tuple(r.committed(tree))
         seen[key] = seen.get(key, 0) + 1
     # possible outcomes: accept 0 (+bonus), accept 1 (+bonus), or bonus in {2, 3}
@@ -254,7 +254,7 @@ def test_target_only_rejected_sibling_is_never_resampled():
 def test_q_equal_to_p_accepts_everything():
     g = torch.Generator().manual_seed(4)
     logits = torch.randn(4, V, generator=g)
-    params = SamplingParams(temperature=0.9, top_p=0.95)
+    params = SamplingParams(coupled=False, temperature=0.9, top_p=0.95)
     from splitspec.engine.sample import probs_from_logits
     q = probs_from_logits(logits[:3], params)
     gen = make_generator(2)
@@ -276,7 +276,7 @@ def test_same_seed_same_verification():
 
 def test_verify_tree_argument_errors():
     tree = Tree.chain([1, 2])
-    params = SamplingParams(temperature=1.0)
+    params = SamplingParams(coupled=False, temperature=1.0)
     with pytest.raises(ValueError, match=r"need 3 rows of logits \(root \+ nodes\), got 2"):
         verify_tree(torch.zeros(2, V), tree, params, make_generator(0))
     with pytest.raises(ValueError, match="generator"):

@@ -151,14 +151,16 @@ class SpeculativeStep(_message.Message):
     def __init__(self, method: _Optional[str] = ..., k: _Optional[int] = ..., accepted: _Optional[int] = ..., depth: _Optional[int] = ...) -> None: ...
 
 class Complete(_message.Message):
-    __slots__ = ("finish_reason", "usage", "stats")
+    __slots__ = ("finish_reason", "usage", "stats", "seed")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
     finish_reason: str
     usage: Usage
     stats: SpeculativeStats
-    def __init__(self, finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., stats: _Optional[_Union[SpeculativeStats, _Mapping]] = ...) -> None: ...
+    seed: int
+    def __init__(self, finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., stats: _Optional[_Union[SpeculativeStats, _Mapping]] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("chunk", "complete")
