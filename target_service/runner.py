@@ -171,6 +171,11 @@ def run_batch(model: CausalLM, pool: KVPool, verifier, steps: list,
         ids, positions = ids * 2, positions * 2
         plan.slot_mapping = plan.slot_mapping.repeat(2)
         plan.exact.append((1, 2, *plan.exact[0][2:]))
+    if attention == "torch-exact" and len(index) == 1:
+        # lm_head's GEMM takes the one-row kernel too (at hidden 1,536 its last bits differ from the
+        # same row among 2+), so a lone logits row (a decode, a prompt's last chunk) is computed
+        # twice, as a verify's rows are computed among others; the second copy is never read.
+        index = index.repeat(2)
     states = None
     if pool.states is not None:
         states = StatePlan(pool.states, [_state_row(steps[i], start, q) for i, start, q in live], pool.states.rollback)

@@ -28,6 +28,32 @@ def model(tmp_path_factory):
     return load_model(path, dtype="bfloat16")
 
 
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    """A random Qwen2 of Qwen2-1.5B's width (hidden 1,536, tied embeddings), 2 layers and a 4,096
+    vocabulary to stay fast: at K = 1,536 and N >= 2,048 this CPU's bf16 GEMM gives a lone row other
+    last bits than the same row among 2+, in lm_head as in the body. Real-model-sized weights
+    (initializer 0.02) keep the logits close enough for a flipped bit to matter."""
+    path = save_tiny_model(tmp_path_factory.mktemp("wide"), "qwen2", vocab_size=4096, hidden_size=1536,
+                           intermediate_size=2048, num_layers=2, num_heads=12, num_kv_heads=2,
+                           tie_word_embeddings=True, initializer_range=0.02, seed=63)
+    return load_model(path, dtype="bfloat16")
+
+
+def _lm_head_outputs(model):
+    """Hook lm_head: the logits it returns (every row) and the row count each call multiplied."""
+    got, counts = [], []
+    orig = model.lm_head.forward
+
+    def hook(x):
+        out = orig(x)
+        counts.append(x.reshape(-1, x.shape[-1]).shape[0])
+        got.append(out.detach().reshape(-1, out.shape[-1]).clone())
+        return out
+    model.lm_head.forward = hook
+    return got, counts, lambda: setattr(model.lm_head, "forward", orig)
+
+
 def _lm_head_inputs(model):
     rows = []
     orig = model.lm_head.forward
@@ -213,3 +239,74 @@ def test_sessions_whose_blocks_interleave_decode_the_bits_of_a_session_alone(mod
             assert torch.equal(x, y)
     finally:
         restore()
+
+
+@pytest.mark.parametrize("attention,least", [("torch-exact", 2), ("torch", 1)])
+def test_lm_head_never_multiplies_a_lone_row_in_exact_mode(model, attention, least):
+    """A prompt's last chunk and a decode alone have one logits row; the exact path hands lm_head
+    two (the plain path, which does not, shows the hook sees the count)."""
+    got, counts, restore = _lm_head_outputs(model)
+    try:
+        s = TargetSequence(model, PROMPTS[0], max_len=len(PROMPTS[0]) + 8, attention=attention)
+        s.prefill()
+        for _ in range(3):
+            s.decode()
+    finally:
+        restore()
+    assert len(counts) == 4 and min(counts) == least
+
+
+def test_a_verify_rows_logits_are_the_decode_logits_at_hidden_1536(wide):
+    """lm_head's output, not just its input: each token's logits are the same bits decoded alone
+    and verified as a row of a chain, on a target wide enough for the one-row GEMM to differ."""
+    prompt = [(11 * j) % 4000 + 7 for j in range(45)]
+    got, _, restore = _lm_head_outputs(wide)
+    try:
+        ref = TargetSequence(wide, prompt, max_len=len(prompt) + 24, attention="torch-exact")
+        greedy = [ref.prefill().committed[0]]
+        got.clear()
+        for _ in range(8):
+            greedy.append(ref.decode().committed[0])
+        decoded = torch.cat([g[:1] for g in got])
+        spec = TargetSequence(wide, prompt, max_len=len(prompt) + 24, attention="torch-exact")
+        spec.prefill()
+        got.clear()
+        out = spec.verify(Tree.chain(greedy[1:8]))
+    finally:
+        restore()
+    assert out.committed == greedy[1:9]
+    assert torch.equal(got[-1], decoded)
+
+
+def _wide_prompts(n: int, longest: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1536)
+    return [torch.randint(3, 4096, (int(torch.randint(8, longest, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def _diverging(model, prompts, new_tokens: int, width: int = 6) -> list[int]:
+    """Indices of the prompts whose greedy speculation (a perfect drafter: chains of target-only's
+    own continuation, every verify row compared) leaves target-only decoding."""
+    bad = []
+    for i, prompt in enumerate(prompts):
+        max_len = len(prompt) + new_tokens + width + 2
+        ref = TargetSequence(model, prompt, max_len=max_len, attention="torch-exact")
+        greedy = [ref.prefill().committed[0]]
+        while len(greedy) < new_tokens:
+            greedy.append(ref.decode().committed[0])
+        spec = TargetSequence(model, prompt, max_len=max_len, attention="torch-exact")
+        got = [spec.prefill().committed[0]]
+        while len(got) < new_tokens and got == greedy[:len(got)]:
+            got += spec.verify(Tree.chain(greedy[len(got):len(got) + width - 1])).committed
+        if got[:new_tokens] != greedy[:len(got[:new_tokens])]:
+            bad.append(i)
+    return bad
+
+
+def test_greedy_speculation_equals_target_only_at_hidden_1536(wide):
+    assert _diverging(wide, _wide_prompts(20, 64), new_tokens=16) == []
+
+
+@pytest.mark.slow
+def test_greedy_speculation_equals_target_only_at_hidden_1536_on_200_prompts(wide):
+    assert _diverging(wide, _wide_prompts(200, 160), new_tokens=32) == []
