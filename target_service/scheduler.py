@@ -279,7 +279,8 @@ class Scheduler:
         if not isinstance(cache_salt, str):
             raise ValueError(f"open.cache_salt must be a string, got {type(cache_salt).__name__}")
         session.prefix = prefix.track(self.pool, session.seq, model_id=self.model_id, salt=cache_salt,
-                                      hidden_last=hidden_last, needs_rows=session.ships_hidden)
+                                      hidden_last=hidden_last, needs_rows=session.ships_hidden,
+                                      prefill_only=self.attention == "torch-exact")
         with self.lock:
             self.waiting.append(session)
             self._admit()
