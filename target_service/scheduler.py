@@ -145,15 +145,44 @@ class Session:
 
 
 def exact_chunk_end(prefilled: int, n: int, prompt_len: int, span: int = 16) -> int:
-    """Batch-invariant prefill chunks end on multiples of `span`, the KV block size (or at the
-    prompt's end), where `attention.exact_queries` cuts its spans: a chunk ending mid-span
-    would compute that span's tokens in two calls, and differ in the last bit from a prefill
-    that ran them in one (as a later prefix-cache hit, always whole blocks, would)."""
+    """Where a batch-invariant prefill chunk of at most `n` tokens from `prefilled` ends: on a
+    multiple of `span`, the KV block size (or at the prompt's end), where
+    `attention.exact_queries` cuts its spans. A chunk ending mid-span would compute that span's
+    tokens in two calls, and differ in the last bit from a prefill that ran them in one (as a
+    later prefix-cache hit, always whole blocks, would). `prefilled` when no boundary lies
+    within the n tokens: the chunk waits for a larger share rather than run past its budget."""
     end = prefilled + n
     if end >= prompt_len:
         return prompt_len
-    aligned = end // span * span
-    return aligned if aligned > prefilled else min(prompt_len, (prefilled // span + 1) * span)
+    return max(prefilled, end // span * span)
+
+
+# Rows of one bf16 GEMM over which this CPU gave a row the same bits whatever the others were
+# (docs/speculation.md, "Exact at bf16"): a batch-invariant target's forwards stay inside it.
+EXACT_MAX_ROWS = 512
+# Nodes a grammar's forced chain may add to a verify tree (grammar.rewrite_tree's room).
+FORCED_ROOM = 16
+
+
+def exact_budgets(max_batched_tokens: int, chunked_prefill_size: int, block_size: int) -> tuple[int, int]:
+    """(--max-num-batched-tokens, --chunked-prefill-size) a batch-invariant target runs with:
+    forwards of at most EXACT_MAX_ROWS query rows, and prefill shares of at least one KV block
+    (its chunks end on block boundaries, so a smaller share would never run). Each change is
+    logged; a block too large for the row range is refused (ValueError)."""
+    if block_size > EXACT_MAX_ROWS:
+        raise ValueError(f"--kv-block-size {block_size}: a batch-invariant target prefills whole blocks in "
+                         f"forwards of at most {EXACT_MAX_ROWS} rows; use a block of at most {EXACT_MAX_ROWS} "
+                         "tokens or --batch-invariant off")
+    budget = min(max(max_batched_tokens, block_size), EXACT_MAX_ROWS)
+    if budget != max_batched_tokens:
+        log.warning("max_num_batched_tokens_clamped", requested=max_batched_tokens, used=budget,
+                    why=f"batch-invariant forwards stay within {block_size}..{EXACT_MAX_ROWS} rows: the range where "
+                        "a row's bf16 GEMM bits were measured not to depend on the other rows")
+    chunk = max(chunked_prefill_size, block_size)
+    if chunk != chunked_prefill_size:
+        log.warning("chunked_prefill_size_raised", requested=chunked_prefill_size, used=chunk,
+                    why=f"batch-invariant prefill chunks end on {block_size}-token KV block boundaries")
+    return budget, chunk
 
 
 class Scheduler:
@@ -162,6 +191,9 @@ class Scheduler:
                  attention: str = "torch", verify_threads: int = 0, model_id: str = ""):
         self.model, self.cfg, self.verifier, self.pool = model, model.cfg, verifier, pool
         self.max_running, self.max_queued = max_running, max_queued
+        if attention == "torch-exact":
+            max_batched_tokens, chunked_prefill_size = exact_budgets(max_batched_tokens, chunked_prefill_size,
+                                                                     pool.block_size)
         self.max_batched_tokens, self.chunked_prefill_size = max_batched_tokens, chunked_prefill_size
         self.max_context = max_context
         self.engine = engine
@@ -197,6 +229,7 @@ class Scheduler:
         # Called on the engine thread after each forward ([(session id, kind, tokens)], start,
         # end) when tracing is on (splitspec/tracing.py forward); None costs nothing.
         self.on_batch = None
+        self.hook_failures: dict[str, int] = {}     # failures of each hook above, by name ("metrics", "tracing")
         self.lookahead = Lookahead()
         engine.attach(self)
 
@@ -419,7 +452,13 @@ class Scheduler:
             return prefix.prefill_stop(self.pool, session.seq, session.prefix) - session.seq.prefilled, True
         if w.kind == "decode":
             return 1, False
-        return len(w.tree) + 1, False
+        forced = FORCED_ROOM if session.seq.guide is not None and w.first_added is None else 0
+        return len(w.tree) + 1 + forced, False
+
+    def _fit(self, session: Session, n: int) -> int:
+        """Prompt tokens of the n offered a batch-invariant prefill chunk runs (exact_chunk_end)."""
+        seq = session.seq
+        return exact_chunk_end(seq.prefilled, n, len(seq.prompt), self.pool.block_size) - seq.prefilled
 
     def _prefill_share(self) -> int:
         """Prompt tokens the next forward may run, all prompts together. Alone, prompts take the
@@ -455,7 +494,8 @@ class Scheduler:
             if not pending:
                 return
             chunk = self._prefill_share()
-            for session, n in take_fifo(pending, self._demand, budget=self.max_batched_tokens, chunk=chunk):
+            fit = self._fit if self.attention == "torch-exact" else None
+            for session, n in take_fifo(pending, self._demand, budget=self.max_batched_tokens, chunk=chunk, fit=fit):
                 session.in_flight = True
                 rows.append(Row(session, n, session.work, session.seq.table.length))
             for r in rows:
@@ -497,17 +537,28 @@ class Scheduler:
                 self._guarded(done, session, "delivering its step", self._finish_row, done, r, out, start, end,
                               forward_ms, len(live), tokens, verify_rows)
         if self.on_forward is not None:
-            self.on_forward(step_kind(r.work.kind for r in live), len(live), tokens, forward_ms)
+            self._hook("metrics", self.on_forward, step_kind(r.work.kind for r in live), len(live), tokens,
+                       forward_ms)
         if self.on_batch is not None:
-            self.on_batch([(r.session.session_id, r.work.kind, r.n) for r in live], start, end)
+            self._hook("tracing", self.on_batch, [(r.session.session_id, r.work.kind, r.n) for r in live], start, end)
+
+    def _hook(self, name: str, fn, *args) -> None:
+        """A metrics or tracing hook after delivery: every step it reports on is already
+        delivered, so its failure fails no session and stops no other hook; it is logged, on
+        the 1st, 2nd, 4th, 8th... failure of that hook, so a hook failing on every forward
+        cannot flood the log."""
+        try:
+            fn(*args)
+        except Exception as exc:  # noqa: BLE001 - observability must never stop the engine
+            failures = self.hook_failures[name] = self.hook_failures.get(name, 0) + 1
+            if failures & (failures - 1) == 0:
+                log.error("forward_hook_failed", hook=name, failures=failures, error=f"{type(exc).__name__}: {exc}",
+                          exc_info=exc)
 
     def _plan_step(self, r: Row) -> None:
         """The runner's step for one picked session (lock held)."""
         session, w = r.session, r.work
         if w.kind == "prefill":
-            if self.attention == "torch-exact":
-                r.n = exact_chunk_end(session.seq.prefilled, r.n, len(session.seq.prompt),
-                                      self.pool.block_size) - session.seq.prefilled
             r.step = Prefill(session.seq, session.seq.prefilled + r.n)
         elif w.kind == "decode":
             r.step = Decode(session.seq)
@@ -515,7 +566,7 @@ class Scheduler:
             if session.seq.guide is not None and w.first_added is None:
                 # On the engine thread, like every torch op: the grammar prunes and extends
                 # the tree (grammar.rewrite_tree) once, against the committed state.
-                room = min(session.max_len - session.length, len(w.tree) + 16)
+                room = min(session.max_len - session.length, len(w.tree) + FORCED_ROOM)
                 w.tree, w.draft_probs, added = rewrite_tree(session.seq.guide, w.tree, w.draft_probs, room)
                 w.first_added = len(w.tree) - added
             r.step = Verify(session.seq, w.tree, w.draft_probs)

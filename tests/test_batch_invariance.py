@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from splitspec.engine.sample import SamplingParams
 from splitspec.engine.tree import Tree
@@ -77,7 +78,7 @@ def test_a_verify_row_is_the_decode_row_bit_for_bit(model, prompt):
         rows.clear()
         for _ in range(8):
             greedy.append(ref.decode().committed[0])
-        decoded = torch.cat(rows[:8])
+        decoded = torch.cat([r[:1] for r in rows[:8]])     # a lone row is multiplied twice; the first is read
         spec = TargetSequence(model, prompt, max_len=len(prompt) + 40, attention="torch-exact")
         spec.prefill()
         rows.clear()
@@ -145,7 +146,7 @@ def test_prefill_chunking_does_not_change_a_bit(model):
             s = TargetSequence(model, prompt, max_len=len(prompt) + 20, attention="torch-exact", prefill_chunk=chunk)
             rows.clear()
             tokens = [s.prefill().committed[0]] + [s.decode().committed[0] for _ in range(6)]
-            seen.append((tokens, torch.cat(rows)[-7:]))
+            seen.append((tokens, torch.cat([r[-2:-1] for r in rows])))
         for tokens, bits in seen[1:]:
             assert tokens == seen[0][0] and torch.equal(bits, seen[0][1])
     finally:
@@ -153,11 +154,72 @@ def test_prefill_chunking_does_not_change_a_bit(model):
 
 
 @pytest.mark.parametrize("prefilled,n,prompt_len,end", [
-    (0, 512, 1000, 512), (0, 500, 1000, 496), (0, 1000, 150, 150), (96, 10, 150, 112), (100, 10, 150, 112),
-    (100, 30, 150, 128), (144, 3, 150, 150), (0, 7, 150, 16)])
+    (0, 512, 1000, 512), (0, 500, 1000, 496), (0, 1000, 150, 150), (96, 10, 150, 96), (96, 16, 150, 112),
+    (100, 30, 150, 128), (144, 6, 150, 150), (144, 3, 150, 144), (0, 7, 150, 0)])
 def test_exact_prefill_chunks_end_on_span_boundaries(prefilled, n, prompt_len, end):
     from target_service.scheduler import exact_chunk_end
     assert exact_chunk_end(prefilled, n, prompt_len) == end
+
+
+@settings(max_examples=400, deadline=None)
+@given(blocks=st.integers(0, 64), n=st.integers(1, 600), extra=st.integers(1, 700),
+       span=st.sampled_from([1, 4, 16, 32]))
+def test_an_exact_prefill_chunk_never_runs_past_its_budget(blocks, n, extra, span):
+    """Property: from a block boundary (where every chunk and every cache hit ends) a chunk ends
+    on a boundary or the prompt's end, within the n tokens it was given, as far as it can, and
+    moves on whenever it was given a span or the rest of the prompt."""
+    from target_service.scheduler import exact_chunk_end
+    prefilled = blocks * span
+    prompt_len = prefilled + extra
+    end = exact_chunk_end(prefilled, n, prompt_len, span)
+    assert prefilled <= end <= min(prefilled + n, prompt_len)
+    assert end == prompt_len or end % span == 0
+    assert end == prompt_len or end + span > prefilled + n          # no further boundary was within reach
+    if n >= span or prefilled + n >= prompt_len:
+        assert end > prefilled
+
+
+def test_a_batch_invariant_target_keeps_its_forwards_in_the_measured_row_range(model):
+    """--max-num-batched-tokens above the 512 rows measured row-invariant is clamped at start-up,
+    a prefill share below one KV block raised to one, each saying so; a scheduled forward then
+    never holds more query rows than the budget, even where prompts arriving together get shares
+    smaller than a block."""
+    from structlog.testing import capture_logs
+
+    from scheduler_helpers import run_scheduler
+    from target_service.scheduler import exact_budgets
+
+    with capture_logs() as logs:
+        assert exact_budgets(4096, 8, 16) == (512, 16)
+        assert exact_budgets(512, 128, 16) == (512, 128)
+    assert [e["event"] for e in logs] == ["max_num_batched_tokens_clamped", "chunked_prefill_size_raised"]
+    assert logs[0]["used"] == 512 and logs[0]["requested"] == 4096
+    with pytest.raises(ValueError, match="kv-block-size 1024"):
+        exact_budgets(4096, 128, 1024)
+
+    seen = []
+    orig = model.forward_batch
+
+    def spy(input_ids, positions, batch, **kw):
+        seen.append(len(input_ids))
+        return orig(input_ids, positions, batch, **kw)
+
+    async def body(sched):
+        import asyncio
+        from splitspec.engine.sample import SamplingParams
+        opens = [sched.open(str(i), p, SamplingParams(), max_new_tokens=4) for i, p in enumerate(PROMPTS[:4])]
+        await asyncio.gather(*opens)
+        return sched.max_batched_tokens, sched.chunked_prefill_size
+
+    model.forward_batch = spy
+    try:
+        budget, chunk = run_scheduler(model, body, pool=make_pool(model, num_blocks=128, block_size=4),
+                                      attention="torch-exact", max_batched_tokens=37, chunked_prefill_size=3,
+                                      max_context=512)
+    finally:
+        del model.forward_batch
+    assert (budget, chunk) == (37, 4)
+    assert seen and max(seen) <= budget
 
 
 def test_sampled_speculation_follows_the_target_law_in_exact_mode(model):
@@ -231,7 +293,7 @@ def test_sessions_whose_blocks_interleave_decode_the_bits_of_a_session_alone(mod
             together.append((torch.cat(rows), [o.committed for o in outs]))
             rows.clear()
             outs = [s.decode().committed for s in alone]
-            apart.append((torch.cat(rows), outs))
+            apart.append((torch.cat([r[:1] for r in rows]), outs))
         blocks = mixed[0].seq.table.blocks
         assert blocks != list(range(blocks[0], blocks[0] + len(blocks)))       # the gathered path ran
         for (x, a), (y, b) in zip(together, apart):
