@@ -31,7 +31,7 @@ import asyncio
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import AsyncIterator
 
 import structlog
@@ -51,6 +51,7 @@ from target_service.lookahead import Lookahead, SessionLookahead
 from splitspec.models.dense import CausalLM
 from target_service.parallel import TensorParallelError
 from target_service.runner import Decode, Prefill, Sequence, StepOutput, Verify, check_hidden_stream, run_batch
+from target_service.verify import DraftProbsError, check_draft_probs
 
 log = structlog.get_logger(__name__)
 
@@ -106,6 +107,7 @@ class Work:
     draft_probs: torch.Tensor | None = None
     hidden: list = field(default_factory=list)   # prefill features, chunk by chunk
     first_added: int | None = None     # verify: the first tree node the grammar's forced tokens added
+    q_checked: bool = False            # verify: draft_probs checked and cast (check_draft_probs)
     forward_ms: float = 0.0
     queue_ms: float = 0.0
 
@@ -264,9 +266,10 @@ class Scheduler:
     async def open(self, session_id: str, prompt: list[int], params: SamplingParams, *,
                    hidden_layers: tuple[int, ...] = (), max_new_tokens: int = 0,
                    hidden_stream: str = "", generated_tokens: int = 0, cache_salt: str = "",
-                   hidden_last: int = 0, guide=None) -> tuple[Session, Step]:
+                   hidden_last: int = 0, guide=None, wire_dtype: torch.dtype | None = None) -> tuple[Session, Step]:
         """hidden_last: how many trailing prompt positions' features the caller reads (0: all);
-        a prefix-cache hit must still return those."""
+        a prefix-cache hit must still return those. wire_dtype: the dtype its features are
+        delivered in (None: the model's)."""
         if not self.accepting:
             raise DrainingError("the target is draining (shutting down); open the session on another replica")
         if len(prompt) >= self.max_context:
@@ -294,7 +297,7 @@ class Scheduler:
             raise AdmissionError(f"this session needs {need} KV blocks ({max_len} tokens) but the whole pool holds "
                                  f"{self.pool.capacity_blocks} (--kv-cache-budget-mb); lower max_new_tokens")
         loop = asyncio.get_running_loop()
-        session = Session(session_id, len(prompt), max_len, need)
+        session = Session(session_id, len(prompt), max_len, need, wire_dtype=wire_dtype)
         session.work = Work("prefill", loop, time.perf_counter(), future=loop.create_future())
         taps, stream = tuple(hidden_layers), hidden_stream
         session.ships_hidden = bool(taps)
@@ -380,6 +383,9 @@ class Scheduler:
 
     async def verify(self, session: Session, base_len: int, tree: Tree,
                      draft_probs: torch.Tensor | None) -> Step:
+        """draft_probs: as they came (any float dtype, a read-only view will do); checked and
+        cast on the engine thread, and a bad q refused there (DraftProbsError) with the session
+        left as it was."""
         if base_len != session.length:
             raise StaleError(f"verify.base_len = {base_len} but the session has {session.length} committed "
                              f"tokens; the tree was drafted on a stale state")
@@ -499,7 +505,7 @@ class Scheduler:
                 session.in_flight = True
                 rows.append(Row(session, n, session.work, session.seq.table.length))
             for r in rows:
-                self._guarded(done, r.session, "the tree rewrite", self._plan_step, r)
+                self._guarded(done, r.session, "the tree rewrite", self._plan_step, done, r)
             self._look_ahead(done, [r for r in rows if r.session.in_flight])
         live = [r for r in rows if r.session.in_flight]
         if not live:
@@ -555,9 +561,15 @@ class Scheduler:
                 log.error("forward_hook_failed", hook=name, failures=failures, error=f"{type(exc).__name__}: {exc}",
                           exc_info=exc)
 
-    def _plan_step(self, r: Row) -> None:
+    def _plan_step(self, done: Deliveries, r: Row) -> None:
         """The runner's step for one picked session (lock held)."""
         session, w = r.session, r.work
+        if w.kind == "verify" and w.draft_probs is not None and not w.q_checked:
+            try:
+                w.draft_probs, w.q_checked = check_draft_probs(w.draft_probs, w.tree), True
+            except DraftProbsError as exc:
+                self._refuse(done, session, exc)
+                return
         if w.kind == "prefill":
             r.step = Prefill(session.seq, session.seq.prefilled + r.n)
         elif w.kind == "decode":
@@ -580,6 +592,13 @@ class Scheduler:
         if session.work is not r.work:
             return          # its waiter left while the step ran (a Decode stream stopped early)
         self._deliver(done, session, out, start, end, forward_ms, rows, tokens, verify_rows)
+
+    def _refuse(self, done: Deliveries, session: Session, exc: Exception) -> None:
+        """Refuse a picked step for what its request carried, before it runs (lock held): its
+        waiter gets `exc` (INVALID_ARGUMENT), the session stays as it was."""
+        w = session.work
+        session.work, session.in_flight = None, False
+        done.resolve(w.loop, w.future, error=exc)
 
     def _guarded(self, done: Deliveries, session: Session, where: str, fn, *args) -> None:
         """fn(*args), work that belongs to `session` alone: a fault in it fails that session only."""
@@ -706,11 +725,21 @@ class Scheduler:
             s.work.hidden.extend(rows)
         return prefix.next_key(self.pool, s.seq, s.prefix)
 
+    @staticmethod
+    def _shipped(session: Session, hidden: torch.Tensor) -> torch.Tensor:
+        """Features in the dtype the session's caller takes them in, cast here on the engine
+        thread: the server only copies their bytes out (a torch op on its event loop would start
+        a second OpenMP team there, which slowed forwards 2.8x)."""
+        wire = session.wire_dtype
+        return hidden if wire is None or hidden.dtype == wire else hidden.to(wire)
+
     def _deliver(self, done: Deliveries, session: Session, out: StepOutput, start: float, end: float,
                  forward_ms: float, rows: int, tokens: int, verify_rows: int = 0) -> None:
         w = session.work
         if not session.ships_hidden and out.hidden is not None:
             out = StepOutput(out.committed, None, out.result, out.logprobs, out.logits)     # computed for the cache only
+        elif out.hidden is not None and w.kind != "prefill":
+            out = replace(out, hidden=self._shipped(session, out.hidden))
         w.queue_ms += (start - w.ready_at) * 1e3
         w.forward_ms += forward_ms
         if w.kind == "decode":
@@ -732,7 +761,8 @@ class Scheduler:
             if not out.committed:
                 w.ready_at = end        # the next chunk queues from here
                 return
-            out = StepOutput(out.committed, torch.cat(w.hidden) if w.hidden else None, logprobs=out.logprobs)
+            out = StepOutput(out.committed, self._shipped(session, torch.cat(w.hidden)) if w.hidden else None,
+                             logprobs=out.logprobs)
             cached = session.prefix.cached_tokens if session.prefix is not None else 0
             self.prefix_queries += session.prompt_len
             self.prefix_hits += cached
