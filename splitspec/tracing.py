@@ -43,8 +43,14 @@ _bound: contextvars.ContextVar[list | None] = contextvars.ContextVar("splitspec_
 def add_flags(parser) -> None:
     parser.add_argument("--otlp-traces-endpoint", default=None, help=ENDPOINT_HELP)
     parser.add_argument("--otlp-traces-sample-ratio", type=float, default=1.0,
-                        help="share of new traces recorded (0..1); a request arriving with a traceparent "
-                             "follows its sampled flag, and the target and draft follow the gateway")
+                        help="share of new traces recorded (0..1); a request arriving with a traceparent joins "
+                             "its trace, and follows its sampled flag where the caller is trusted (see "
+                             "--otlp-traces-trust-remote-sampling)")
+    parser.add_argument("--otlp-traces-trust-remote-sampling", action="store_true",
+                        help="follow the sampled flag of every caller's traceparent; without it the flag is "
+                             "followed only where callers authenticate (gateway: --api-key; target and draft: "
+                             "--tls-ca, mTLS), and other callers' traces are sampled at the ratio, so an "
+                             "anonymous client cannot force every request to be traced")
 
 
 def enabled() -> bool:
@@ -80,8 +86,13 @@ def configure(service: str, args, log=None) -> bool:
     except ImportError as exc:
         raise SystemExit(f"--otlp-traces-endpoint needs OpenTelemetry: pip install 'splitspec[otel]' ({exc})") from None
     _api = _Api()
-    provider = TracerProvider(resource=Resource.create({"service.name": f"splitspec-{service}"}),
-                              sampler=ParentBased(TraceIdRatioBased(ratio)))
+    trusted = trusts_remote_sampling(args)
+    ratio_sampler = TraceIdRatioBased(ratio)
+    # Untrusted: a remote parent's trace id is kept, its sampled flag is not; the ratio decides on
+    # the trace id, so services sampling at one ratio still keep or drop a trace together.
+    sampler = (ParentBased(ratio_sampler) if trusted else
+               ParentBased(ratio_sampler, remote_parent_sampled=ratio_sampler, remote_parent_not_sampled=ratio_sampler))
+    provider = TracerProvider(resource=Resource.create({"service.name": f"splitspec-{service}"}), sampler=sampler)
     # Plain text unless the endpoint says https: a collector beside the services (compose, a pod's
     # sidecar) listens without TLS.
     exporter = OTLPSpanExporter(endpoint=endpoint, insecure=not endpoint.startswith("https://"), timeout=5)
@@ -89,8 +100,17 @@ def configure(service: str, args, log=None) -> bool:
     provider.add_span_processor(_processor)
     _tracer = provider.get_tracer("splitspec")
     if log is not None:
-        log.info("tracing_on", endpoint=endpoint, sample_ratio=ratio)
+        log.info("tracing_on", endpoint=endpoint, sample_ratio=ratio,
+                 remote_sampled_flag="followed" if trusted else "ignored: sampled at the ratio")
     return True
+
+
+def trusts_remote_sampling(args) -> bool:
+    """Whether a caller's traceparent decides if its request is traced: when asked for, or when
+    every caller has authenticated (the gateway checks API keys on every RPC and HTTP route it
+    serves work on; the target and draft require CA-signed client certificates with --tls-ca)."""
+    return bool(getattr(args, "otlp_traces_trust_remote_sampling", False) or getattr(args, "api_key", None)
+                or getattr(args, "api_key_file", None) or getattr(args, "tls_ca", None))
 
 
 def shutdown(timeout_s: float = 2.0) -> None:
@@ -121,6 +141,9 @@ class BoundedExport:
         self.exporter, self.log = exporter, log
         self.max_queue, self.batch, self.interval_s = max_queue, batch, interval_s
         self.queue: collections.deque = collections.deque()
+        # Spans end on any thread (the event loop, the engine thread, gRPC's) while the export
+        # thread counts too: the counts change under this lock only.
+        self._count_lock = threading.Lock()
         self.dropped = 0
         self.exported = 0
         self._reported = 0          # drops already logged
@@ -137,9 +160,14 @@ class BoundedExport:
     def _on_ending(self, span) -> None:
         pass
 
+    def _count(self, dropped: int = 0, exported: int = 0) -> None:
+        with self._count_lock:
+            self.dropped += dropped
+            self.exported += exported
+
     def on_end(self, span) -> None:
         if len(self.queue) >= self.max_queue:
-            self.dropped += 1
+            self._count(dropped=1)
             return
         self.queue.append(span)
         if len(self.queue) >= self.batch:
@@ -161,9 +189,9 @@ class BoundedExport:
             except Exception:  # noqa: BLE001 - an exporter bug must not stop tracing's thread
                 ok = False
             if ok:
-                self.exported += len(batch)
+                self._count(exported=len(batch))
             else:
-                self.dropped += len(batch)
+                self._count(dropped=len(batch))
         self._idle.set()
         if self.dropped > self._reported and self.log is not None:
             self.log.warning("trace_spans_dropped", dropped=self.dropped, exported=self.exported)

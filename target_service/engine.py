@@ -186,7 +186,7 @@ class TargetSequence:
             raise ValueError(f"draft_probs has shape {tuple(draft_probs.shape)}, expected "
                              f"({len(tree)}, {vocab}): one row per tree node over the vocabulary")
         if draft_probs is not None:
-            check_draft_probs(draft_probs, tree, "draft_probs")
+            draft_probs = check_draft_probs(draft_probs, tree, "draft_probs")
         self._check_room(len(tree) + 1)
         return self._run(Verify(self.seq, tree, draft_probs))
 

@@ -64,8 +64,8 @@ def make_pool(model, *, block_size: int = 16, num_blocks: int | None = None, bud
         pool.cache = PrefixCache(block_size, feature_budget_bytes=feature_budget_bytes, state_slots=slots)
         # Cached blocks nobody holds beyond this reserve are reused before never-touched blocks
         # (kv_pool.py), so the touched memory stays within the most blocks held at once plus the
-        # reserve. No touch-ahead (prefault.py) any more: new sessions meet first touches only
-        # while that grows, as without the cache (issue 54).
+        # reserve. Nothing maps blocks ahead of use: new sessions meet first touches only while
+        # that grows, as without the cache.
         pool.cache_reserve = cache_reserve_bytes // pool.bytes_per_block
     if hasattr(model, "attach_pool"):       # tensor parallel: the workers build the same blocks
         model.attach_pool(pool)

@@ -9,7 +9,11 @@ A hit is taken only where the session can go on exactly as if it had computed it
 - for a session whose drafter reads the prompt's tap rows (`hidden_layers`), only where every
   row the Open must return was stored with the cached blocks, by a session with the same taps.
   The drafter thus gets the very rows it would have got without the cache, never fewer.
-- never for a request that wants prompt log-probs (they need logits of every prompt row)."""
+- never for a request that wants prompt log-probs (they need logits of every prompt row).
+
+A batch-invariant target publishes only the blocks its prefills wrote (`Track.prefill_only`):
+their bits are what any block-aligned prefill of those tokens computes, so a later turn's
+output does not depend on what the cache held."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -32,19 +36,25 @@ class Track:
     feat_from: int = 0               # position of the first buffered tap row
     feats: list = field(default_factory=list)     # tap rows of positions [feat_from, table.length)
     rows_missing: bool = False       # a hit was cut short because cached blocks lacked this session's tap rows
+    # Publish only blocks a prefill wrote (batch-invariant targets): a decode or verify computes
+    # a token's K/V in another call than a prefill span does, so a later prompt taking those
+    # blocks would not be computing what a fresh prefill of the same tokens computes.
+    prefill_only: bool = False
 
     @property
     def buffered(self) -> int:
         return sum(f.shape[0] for f in self.feats)
 
 
-def track(pool, seq: Sequence, *, model_id: str, salt: str, hidden_last: int, needs_rows: bool = True) -> Track | None:
+def track(pool, seq: Sequence, *, model_id: str, salt: str, hidden_last: int, needs_rows: bool = True,
+          prefill_only: bool = False) -> Track | None:
     if pool.cache is None:
         return None
     n = len(seq.prompt)
     root = namespace_key(model_id, salt)
     return Track(root, block_keys(root, seq.prompt, pool.block_size),
-                 need_from=0 if hidden_last <= 0 else max(0, n - hidden_last), needs_rows=needs_rows)
+                 need_from=0 if hidden_last <= 0 else max(0, n - hidden_last), needs_rows=needs_rows,
+                 prefill_only=prefill_only)
 
 
 def _tap(seq: Sequence):
@@ -134,7 +144,7 @@ def publish(pool, seq: Sequence, tr: Track | None, old_len: int, hidden: torch.T
     """After a step grew the table from old_len to table.length committed tokens: make its newly
     full blocks findable, with their tap rows, and (recurrent targets, prefill) checkpoint the
     state on a block boundary."""
-    if tr is None:
+    if tr is None or (tr.prefill_only and not prefill):
         return
     table, bs, cache = seq.table, pool.block_size, pool.cache
     new_len = table.length

@@ -21,6 +21,7 @@ from splitspec.engine.tree import Tree
 
 from splitspec.grammar import mask_rows
 from splitspec.models.dense import CausalLM, PagedBatch
+from splitspec.models.gguf_packed import rows_invariant
 from target_service.parallel import TensorParallelError
 from splitspec.engine.state_pool import StatePlan, StateRow
 from target_service.verify import VerifyResult
@@ -163,13 +164,22 @@ def run_batch(model: CausalLM, pool: KVPool, verifier, steps: list,
                                 for i, *_ in live for layer in steps[i].seq.hidden_layers))
     index = torch.tensor([r for rs in logit_rows for r in rs], dtype=torch.long, device=device)
     plan = plan_attention(rows, device, groups=attention in ("torch", "torch-exact"), exact=attention == "torch-exact")
-    if attention == "torch-exact" and n == 1:
+    # A model whose every matmul is a packed kernel (gguf_packed.rows_invariant) computes a lone
+    # row as it computes it among others, and exact attention attends each decode and verify token
+    # alone anyway: it needs neither second copy below.
+    copies = attention == "torch-exact" and not rows_invariant(model)
+    if copies and n == 1:
         # A one-token forward (one session decoding alone) runs as two copies of that token: the
         # BLAS takes another kernel for a single row (for SmolLM2's down projection its rows
         # differ in the last bit from the same rows among 2..24), and a decode must compute what
         # that token's row of a verify computes. Both copies write the same K/V to one slot.
         ids, positions = ids * 2, positions * 2
         plan.repeat_first_token()
+    if copies and len(index) == 1:
+        # lm_head's GEMM takes the one-row kernel too (at hidden 1,536 its last bits differ from the
+        # same row among 2+), so a lone logits row (a decode, a prompt's last chunk) is computed
+        # twice, as a verify's rows are computed among others; the second copy is never read.
+        index = index.repeat(2)
     states = None
     if pool.states is not None:
         states = StatePlan(pool.states, [_state_row(steps[i], start, q) for i, start, q in live], pool.states.rollback)

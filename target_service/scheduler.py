@@ -31,7 +31,7 @@ import asyncio
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import AsyncIterator
 
 import structlog
@@ -51,6 +51,7 @@ from target_service.lookahead import Lookahead, SessionLookahead
 from splitspec.models.dense import CausalLM
 from target_service.parallel import TensorParallelError
 from target_service.runner import Decode, Prefill, Sequence, StepOutput, Verify, check_hidden_stream, run_batch
+from target_service.verify import DraftProbsError, check_draft_probs
 
 log = structlog.get_logger(__name__)
 
@@ -106,6 +107,7 @@ class Work:
     draft_probs: torch.Tensor | None = None
     hidden: list = field(default_factory=list)   # prefill features, chunk by chunk
     first_added: int | None = None     # verify: the first tree node the grammar's forced tokens added
+    q_checked: bool = False            # verify: draft_probs checked and cast (check_draft_probs)
     forward_ms: float = 0.0
     queue_ms: float = 0.0
 
@@ -145,15 +147,44 @@ class Session:
 
 
 def exact_chunk_end(prefilled: int, n: int, prompt_len: int, span: int = 16) -> int:
-    """Batch-invariant prefill chunks end on multiples of `span`, the KV block size (or at the
-    prompt's end), where `attention.exact_queries` cuts its spans: a chunk ending mid-span
-    would compute that span's tokens in two calls, and differ in the last bit from a prefill
-    that ran them in one (as a later prefix-cache hit, always whole blocks, would)."""
+    """Where a batch-invariant prefill chunk of at most `n` tokens from `prefilled` ends: on a
+    multiple of `span`, the KV block size (or at the prompt's end), where
+    `attention.exact_queries` cuts its spans. A chunk ending mid-span would compute that span's
+    tokens in two calls, and differ in the last bit from a prefill that ran them in one (as a
+    later prefix-cache hit, always whole blocks, would). `prefilled` when no boundary lies
+    within the n tokens: the chunk waits for a larger share rather than run past its budget."""
     end = prefilled + n
     if end >= prompt_len:
         return prompt_len
-    aligned = end // span * span
-    return aligned if aligned > prefilled else min(prompt_len, (prefilled // span + 1) * span)
+    return max(prefilled, end // span * span)
+
+
+# Rows of one bf16 GEMM over which this CPU gave a row the same bits whatever the others were
+# (docs/speculation.md, "Exact at bf16"): a batch-invariant target's forwards stay inside it.
+EXACT_MAX_ROWS = 512
+# Nodes a grammar's forced chain may add to a verify tree (grammar.rewrite_tree's room).
+FORCED_ROOM = 16
+
+
+def exact_budgets(max_batched_tokens: int, chunked_prefill_size: int, block_size: int) -> tuple[int, int]:
+    """(--max-num-batched-tokens, --chunked-prefill-size) a batch-invariant target runs with:
+    forwards of at most EXACT_MAX_ROWS query rows, and prefill shares of at least one KV block
+    (its chunks end on block boundaries, so a smaller share would never run). Each change is
+    logged; a block too large for the row range is refused (ValueError)."""
+    if block_size > EXACT_MAX_ROWS:
+        raise ValueError(f"--kv-block-size {block_size}: a batch-invariant target prefills whole blocks in "
+                         f"forwards of at most {EXACT_MAX_ROWS} rows; use a block of at most {EXACT_MAX_ROWS} "
+                         "tokens or --batch-invariant off")
+    budget = min(max(max_batched_tokens, block_size), EXACT_MAX_ROWS)
+    if budget != max_batched_tokens:
+        log.warning("max_num_batched_tokens_clamped", requested=max_batched_tokens, used=budget,
+                    why=f"batch-invariant forwards stay within {block_size}..{EXACT_MAX_ROWS} rows: the range where "
+                        "a row's bf16 GEMM bits were measured not to depend on the other rows")
+    chunk = max(chunked_prefill_size, block_size)
+    if chunk != chunked_prefill_size:
+        log.warning("chunked_prefill_size_raised", requested=chunked_prefill_size, used=chunk,
+                    why=f"batch-invariant prefill chunks end on {block_size}-token KV block boundaries")
+    return budget, chunk
 
 
 class Scheduler:
@@ -162,6 +193,9 @@ class Scheduler:
                  attention: str = "torch", verify_threads: int = 0, model_id: str = ""):
         self.model, self.cfg, self.verifier, self.pool = model, model.cfg, verifier, pool
         self.max_running, self.max_queued = max_running, max_queued
+        if attention == "torch-exact":
+            max_batched_tokens, chunked_prefill_size = exact_budgets(max_batched_tokens, chunked_prefill_size,
+                                                                     pool.block_size)
         self.max_batched_tokens, self.chunked_prefill_size = max_batched_tokens, chunked_prefill_size
         self.max_context = max_context
         self.engine = engine
@@ -197,6 +231,7 @@ class Scheduler:
         # Called on the engine thread after each forward ([(session id, kind, tokens)], start,
         # end) when tracing is on (splitspec/tracing.py forward); None costs nothing.
         self.on_batch = None
+        self.hook_failures: dict[str, int] = {}     # failures of each hook above, by name ("metrics", "tracing")
         self.lookahead = Lookahead()
         engine.attach(self)
 
@@ -231,9 +266,10 @@ class Scheduler:
     async def open(self, session_id: str, prompt: list[int], params: SamplingParams, *,
                    hidden_layers: tuple[int, ...] = (), max_new_tokens: int = 0,
                    hidden_stream: str = "", generated_tokens: int = 0, cache_salt: str = "",
-                   hidden_last: int = 0, guide=None) -> tuple[Session, Step]:
+                   hidden_last: int = 0, guide=None, wire_dtype: torch.dtype | None = None) -> tuple[Session, Step]:
         """hidden_last: how many trailing prompt positions' features the caller reads (0: all);
-        a prefix-cache hit must still return those."""
+        a prefix-cache hit must still return those. wire_dtype: the dtype its features are
+        delivered in (None: the model's)."""
         if not self.accepting:
             raise DrainingError("the target is draining (shutting down); open the session on another replica")
         if len(prompt) >= self.max_context:
@@ -261,7 +297,7 @@ class Scheduler:
             raise AdmissionError(f"this session needs {need} KV blocks ({max_len} tokens) but the whole pool holds "
                                  f"{self.pool.capacity_blocks} (--kv-cache-budget-mb); lower max_new_tokens")
         loop = asyncio.get_running_loop()
-        session = Session(session_id, len(prompt), max_len, need)
+        session = Session(session_id, len(prompt), max_len, need, wire_dtype=wire_dtype)
         session.work = Work("prefill", loop, time.perf_counter(), future=loop.create_future())
         taps, stream = tuple(hidden_layers), hidden_stream
         session.ships_hidden = bool(taps)
@@ -279,7 +315,8 @@ class Scheduler:
         if not isinstance(cache_salt, str):
             raise ValueError(f"open.cache_salt must be a string, got {type(cache_salt).__name__}")
         session.prefix = prefix.track(self.pool, session.seq, model_id=self.model_id, salt=cache_salt,
-                                      hidden_last=hidden_last, needs_rows=session.ships_hidden)
+                                      hidden_last=hidden_last, needs_rows=session.ships_hidden,
+                                      prefill_only=self.attention == "torch-exact")
         with self.lock:
             self.waiting.append(session)
             self._admit()
@@ -346,6 +383,9 @@ class Scheduler:
 
     async def verify(self, session: Session, base_len: int, tree: Tree,
                      draft_probs: torch.Tensor | None) -> Step:
+        """draft_probs: as they came (any float dtype, a read-only view will do); checked and
+        cast on the engine thread, and a bad q refused there (DraftProbsError) with the session
+        left as it was."""
         if base_len != session.length:
             raise StaleError(f"verify.base_len = {base_len} but the session has {session.length} committed "
                              f"tokens; the tree was drafted on a stale state")
@@ -418,7 +458,13 @@ class Scheduler:
             return prefix.prefill_stop(self.pool, session.seq, session.prefix) - session.seq.prefilled, True
         if w.kind == "decode":
             return 1, False
-        return len(w.tree) + 1, False
+        forced = FORCED_ROOM if session.seq.guide is not None and w.first_added is None else 0
+        return len(w.tree) + 1 + forced, False
+
+    def _fit(self, session: Session, n: int) -> int:
+        """Prompt tokens of the n offered a batch-invariant prefill chunk runs (exact_chunk_end)."""
+        seq = session.seq
+        return exact_chunk_end(seq.prefilled, n, len(seq.prompt), self.pool.block_size) - seq.prefilled
 
     def _prefill_share(self) -> int:
         """Prompt tokens the next forward may run, all prompts together. Alone, prompts take the
@@ -454,11 +500,12 @@ class Scheduler:
             if not pending:
                 return
             chunk = self._prefill_share()
-            for session, n in take_fifo(pending, self._demand, budget=self.max_batched_tokens, chunk=chunk):
+            fit = self._fit if self.attention == "torch-exact" else None
+            for session, n in take_fifo(pending, self._demand, budget=self.max_batched_tokens, chunk=chunk, fit=fit):
                 session.in_flight = True
                 rows.append(Row(session, n, session.work, session.seq.table.length))
             for r in rows:
-                self._guarded(done, r.session, "the tree rewrite", self._plan_step, r)
+                self._guarded(done, r.session, "the tree rewrite", self._plan_step, done, r)
             self._look_ahead(done, [r for r in rows if r.session.in_flight])
         live = [r for r in rows if r.session.in_flight]
         if not live:
@@ -496,17 +543,34 @@ class Scheduler:
                 self._guarded(done, session, "delivering its step", self._finish_row, done, r, out, start, end,
                               forward_ms, len(live), tokens, verify_rows)
         if self.on_forward is not None:
-            self.on_forward(step_kind(r.work.kind for r in live), len(live), tokens, forward_ms)
+            self._hook("metrics", self.on_forward, step_kind(r.work.kind for r in live), len(live), tokens,
+                       forward_ms)
         if self.on_batch is not None:
-            self.on_batch([(r.session.session_id, r.work.kind, r.n) for r in live], start, end)
+            self._hook("tracing", self.on_batch, [(r.session.session_id, r.work.kind, r.n) for r in live], start, end)
 
-    def _plan_step(self, r: Row) -> None:
+    def _hook(self, name: str, fn, *args) -> None:
+        """A metrics or tracing hook after delivery: every step it reports on is already
+        delivered, so its failure fails no session and stops no other hook; it is logged, on
+        the 1st, 2nd, 4th, 8th... failure of that hook, so a hook failing on every forward
+        cannot flood the log."""
+        try:
+            fn(*args)
+        except Exception as exc:  # noqa: BLE001 - observability must never stop the engine
+            failures = self.hook_failures[name] = self.hook_failures.get(name, 0) + 1
+            if failures & (failures - 1) == 0:
+                log.error("forward_hook_failed", hook=name, failures=failures, error=f"{type(exc).__name__}: {exc}",
+                          exc_info=exc)
+
+    def _plan_step(self, done: Deliveries, r: Row) -> None:
         """The runner's step for one picked session (lock held)."""
         session, w = r.session, r.work
+        if w.kind == "verify" and w.draft_probs is not None and not w.q_checked:
+            try:
+                w.draft_probs, w.q_checked = check_draft_probs(w.draft_probs, w.tree), True
+            except DraftProbsError as exc:
+                self._refuse(done, session, exc)
+                return
         if w.kind == "prefill":
-            if self.attention == "torch-exact":
-                r.n = exact_chunk_end(session.seq.prefilled, r.n, len(session.seq.prompt),
-                                      self.pool.block_size) - session.seq.prefilled
             r.step = Prefill(session.seq, session.seq.prefilled + r.n)
         elif w.kind == "decode":
             r.step = Decode(session.seq)
@@ -514,7 +578,7 @@ class Scheduler:
             if session.seq.guide is not None and w.first_added is None:
                 # On the engine thread, like every torch op: the grammar prunes and extends
                 # the tree (grammar.rewrite_tree) once, against the committed state.
-                room = min(session.max_len - session.length, len(w.tree) + 16)
+                room = min(session.max_len - session.length, len(w.tree) + FORCED_ROOM)
                 w.tree, w.draft_probs, added = rewrite_tree(session.seq.guide, w.tree, w.draft_probs, room)
                 w.first_added = len(w.tree) - added
             r.step = Verify(session.seq, w.tree, w.draft_probs)
@@ -528,6 +592,13 @@ class Scheduler:
         if session.work is not r.work:
             return          # its waiter left while the step ran (a Decode stream stopped early)
         self._deliver(done, session, out, start, end, forward_ms, rows, tokens, verify_rows)
+
+    def _refuse(self, done: Deliveries, session: Session, exc: Exception) -> None:
+        """Refuse a picked step for what its request carried, before it runs (lock held): its
+        waiter gets `exc` (INVALID_ARGUMENT), the session stays as it was."""
+        w = session.work
+        session.work, session.in_flight = None, False
+        done.resolve(w.loop, w.future, error=exc)
 
     def _guarded(self, done: Deliveries, session: Session, where: str, fn, *args) -> None:
         """fn(*args), work that belongs to `session` alone: a fault in it fails that session only."""
@@ -654,11 +725,21 @@ class Scheduler:
             s.work.hidden.extend(rows)
         return prefix.next_key(self.pool, s.seq, s.prefix)
 
+    @staticmethod
+    def _shipped(session: Session, hidden: torch.Tensor) -> torch.Tensor:
+        """Features in the dtype the session's caller takes them in, cast here on the engine
+        thread: the server only copies their bytes out (a torch op on its event loop would start
+        a second OpenMP team there, which slowed forwards 2.8x)."""
+        wire = session.wire_dtype
+        return hidden if wire is None or hidden.dtype == wire else hidden.to(wire)
+
     def _deliver(self, done: Deliveries, session: Session, out: StepOutput, start: float, end: float,
                  forward_ms: float, rows: int, tokens: int, verify_rows: int = 0) -> None:
         w = session.work
         if not session.ships_hidden and out.hidden is not None:
             out = StepOutput(out.committed, None, out.result, out.logprobs, out.logits)     # computed for the cache only
+        elif out.hidden is not None and w.kind != "prefill":
+            out = replace(out, hidden=self._shipped(session, out.hidden))
         w.queue_ms += (start - w.ready_at) * 1e3
         w.forward_ms += forward_ms
         if w.kind == "decode":
@@ -680,7 +761,8 @@ class Scheduler:
             if not out.committed:
                 w.ready_at = end        # the next chunk queues from here
                 return
-            out = StepOutput(out.committed, torch.cat(w.hidden) if w.hidden else None, logprobs=out.logprobs)
+            out = StepOutput(out.committed, self._shipped(session, torch.cat(w.hidden)) if w.hidden else None,
+                             logprobs=out.logprobs)
             cached = session.prefix.cached_tokens if session.prefix is not None else 0
             self.prefix_queries += session.prompt_len
             self.prefix_hits += cached

@@ -42,7 +42,6 @@ from splitspec.engine.flashinfer_attention import AttentionBackendError
 from splitspec.engine.flashinfer_attention import check_available as check_attention_backend
 from target_service import preflight
 from splitspec.grammar import GrammarBusy, Grammars, Guide
-from target_service.verify import check_draft_probs
 from target_service.pools import make_pool
 from target_service.parallel import TensorParallelError
 from splitspec.engine.loop import EngineLoop
@@ -237,8 +236,8 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
                                         hidden_layers=tuple(msg.hidden_layer_ids),
                                         max_new_tokens=msg.max_new_tokens,
                                         hidden_stream=msg.hidden_stream, generated_tokens=msg.generated_tokens,
-                                        cache_salt=msg.cache_salt, hidden_last=msg.hidden_last, guide=guide)
-        session.wire_dtype = wire_dtype
+                                        cache_salt=msg.cache_salt, hidden_last=msg.hidden_last, guide=guide,
+                                        wire_dtype=wire_dtype)
         # Built inside the response: a TargetOpened wrapped afterwards would copy the prompt's
         # hidden states (the largest message of a session) once more.
         resp = target_pb2.TargetResponse()
@@ -284,9 +283,10 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
         tree = tree_from_pb(msg.tree, sched.cfg.vocab_size, MAX_TREE_NODES)
         draft_probs = None
         if msg.HasField("draft_probs"):
+            # A view over the message's bytes: the scheduler checks and casts it on the engine thread
+            # (torch work on this event loop's thread would start a second OpenMP team here).
             draft_probs = tensor_from_pb(msg.draft_probs, field="verify.draft_probs",
-                                         shape=(len(tree), sched.cfg.vocab_size), writable=True)
-            check_draft_probs(draft_probs, tree)
+                                         shape=(len(tree), sched.cfg.vocab_size))
         step = await sched.verify(session, msg.base_len, tree, draft_probs)
         resp = target_pb2.TargetResponse()      # filled in place: no copy of the hidden states
         verified = resp.verified

@@ -38,6 +38,7 @@ import multiprocessing as mp
 import multiprocessing.connection
 import os
 import pickle
+import socket
 import threading
 import time
 from datetime import timedelta
@@ -62,6 +63,9 @@ READY_TIMEOUT_S = 600.0     # a worker loads its shard in this long, or start-up
 PUBLIC_KEY = "splitspec"
 MIN_KEY_BYTES = 16
 HELLO_MAX_BYTES = 64        # an authenticated peer's hello ({"rank": r}); anything longer is dropped
+HANDSHAKE_TIMEOUT_S = 10.0  # a peer proves the secret and says its hello within this, or is hung up on
+MAX_HANDSHAKES = 64         # connections proving the secret at once; more are hung up on at once
+ACCEPT_POLL_S = 0.5         # how often the accept loop looks whether start-up gave up
 
 
 def auth_key(key: str | None, key_file: str | None, nnodes: int) -> bytes:
@@ -433,9 +437,9 @@ def start(model_path: str, world: int, *, dtype: torch.dtype, device: torch.devi
                 torch_threads=torch_threads, host=host)
     listener, accepted, closed = None, {}, threading.Event()
     if nnodes > 1:
-        listener = multiprocessing.connection.Listener((host, port + 1), authkey=auth_key)
-        threading.Thread(target=_accept, args=(listener, range(local, world), accepted, closed), daemon=True,
-                         name="tp-accept").start()
+        listener = control_listener(host, port + 1)
+        threading.Thread(target=_accept, args=(listener, auth_key, range(local, world), accepted, closed),
+                         daemon=True, name="tp-accept").start()
     procs, conns = [], []
     for rank in range(1, local):
         parent, child = ctx.Pipe()
@@ -501,30 +505,79 @@ def split_addr(addr: str | None) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def _accept(listener, ranks: range, into: dict, closed: threading.Event) -> None:
+def control_listener(host: str, port: int) -> socket.socket:
+    """Node 0's control port: a listening socket whose accept returns every ACCEPT_POLL_S, so
+    the accept loop sees when start-up gave up."""
+    listener = socket.create_server((host, port))
+    listener.settimeout(ACCEPT_POLL_S)
+    return listener
+
+
+def _accept(listener: socket.socket, key: bytes, ranks: range, into: dict, closed: threading.Event,
+            timeout_s: float = HANDSHAKE_TIMEOUT_S) -> None:
     """Node 0: accept the control connections of the ranks on other nodes (`ranks`), keyed by
-    rank. `listener.accept()` runs the HMAC challenge both ways before it returns, reading
-    nothing but the peer's digest (bounded), so a peer without the secret is dropped before any
-    of its data is read; an authenticated peer's hello is a few bytes of JSON, its rank checked."""
-    while len(into) < len(ranks):
+    rank. Each connection proves the secret and says its hello on a thread of its own within
+    timeout_s (`_handshake`), so a peer that connects and says nothing holds up neither
+    start-up nor the ranks that dial after it."""
+    lock, slots = threading.Lock(), threading.BoundedSemaphore(MAX_HANDSHAKES)
+    while len(into) < len(ranks) and not closed.is_set():
         try:
-            conn = listener.accept()
-        except (OSError, EOFError, multiprocessing.AuthenticationError) as exc:
-            if closed.is_set():                 # start-up gave up
+            sock, _ = listener.accept()
+        except TimeoutError:
+            continue
+        except OSError as exc:
+            if closed.is_set() or listener.fileno() < 0:        # start-up gave up, or the driver closed
                 return
             log.warning("tensor_parallel_control_refused", reason=f"{type(exc).__name__}: {exc}")
             continue
-        try:
-            rank = _recv_json(conn, HELLO_MAX_BYTES).get("rank")
-        except (OSError, EOFError, ValueError, AttributeError) as exc:
-            log.warning("tensor_parallel_control_refused", reason=f"bad hello: {type(exc).__name__}: {exc}")
-            conn.close()
+        if not slots.acquire(blocking=False):
+            log.warning("tensor_parallel_control_refused", reason=f"{MAX_HANDSHAKES} handshakes already under way")
+            sock.close()
             continue
+        sock.settimeout(None)
+        threading.Thread(target=_handshake, args=(sock, key, ranks, into, lock, slots, timeout_s), daemon=True,
+                         name="tp-handshake").start()
+
+
+def _handshake(sock: socket.socket, key: bytes, ranks: range, into: dict, lock: threading.Lock,
+               slots: threading.BoundedSemaphore, timeout_s: float) -> None:
+    """One control connection: the HMAC challenge both ways, then the hello, within timeout_s
+    (at the deadline the socket is shut down, which ends a read waiting on a silent peer). The
+    challenge reads nothing but the peer's digest (bounded), so a peer without the secret is
+    dropped before any of its data is read; an authenticated peer's hello is a few bytes of
+    JSON, its rank checked."""
+    conn = multiprocessing.connection.Connection(os.dup(sock.fileno()))
+    settled = threading.Lock()      # taken by whichever comes first: the hello or the deadline
+
+    def cut():
+        if settled.acquire(blocking=False):
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+    timer = threading.Timer(timeout_s, cut)
+    timer.daemon = True
+    timer.start()
+    try:
+        multiprocessing.connection.deliver_challenge(conn, key)
+        multiprocessing.connection.answer_challenge(conn, key)
+        rank = _recv_json(conn, HELLO_MAX_BYTES).get("rank")
+        if not settled.acquire(blocking=False):
+            raise TimeoutError(f"no hello within {timeout_s:g} s")
+    except (OSError, EOFError, ValueError, AttributeError, multiprocessing.AuthenticationError) as exc:
+        log.warning("tensor_parallel_control_refused", reason=f"{type(exc).__name__}: {exc}")
+        conn.close()
+        return
+    finally:
+        timer.cancel()
+        sock.close()            # conn keeps its own descriptor of the connection
+        slots.release()
+    with lock:
         if type(rank) is not int or rank not in ranks or rank in into:
             log.warning("tensor_parallel_control_refused", reason=f"rank {rank!r} is not one of the other nodes' "
                         f"ranks {ranks.start}..{ranks.stop - 1} still missing")
             conn.close()
-            continue
+            return
         into[rank] = conn
 
 

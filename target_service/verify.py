@@ -37,23 +37,31 @@ from splitspec.engine.sample import SamplingParams, coupled_sample, probs_from_l
 from splitspec.engine.tree import Tree
 
 
-# How far a sampled row of q may sum from 1: float32 rounding over a 150k vocabulary stays far
-# inside it, a bf16 / f16 row too (each entry within 2^-9 of its value); a row off by more was
-# not a distribution the draft sampled from.
-Q_SUM_TOLERANCE = 1e-2
+# How far a sampled row of q may sum from 1, beyond the rounding of the dtype it came in: a row
+# rounded entry by entry to bf16 / f16 sums to within that dtype's unit roundoff (2^-8, 2^-11) of
+# the float32 row the draft sampled from, which sums to 1 within float32 rounding, far inside
+# this. A row off by more (0.991) was not a distribution the draft sampled from; a row within it
+# is renormalised, so the verifier tests the distribution the rounding came from.
+Q_SUM_TOLERANCE = 1e-4
+
+
+def q_sum_tolerance(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).eps / 2 + Q_SUM_TOLERANCE
 
 
 class DraftProbsError(ValueError):
     """Draft probabilities the rules above cannot stand on (INVALID_ARGUMENT, naming the node)."""
 
 
-def check_draft_probs(draft_probs: torch.Tensor, tree: Tree, field: str = "verify.draft_probs") -> None:
-    """Refuse a q that would bias the output silently instead of being tested: NaN or infinite
-    entries, negative ones, a row that is neither all zero (a deterministic node) nor sums to 1,
-    or q(x) = 0 for a node whose row says it was sampled (its acceptance ratio p/q would be
-    infinite, so the node would pass whatever the target thinks of it). Names the first bad
-    node. Cheap next to the forward: a few passes over [nodes, vocab]."""
-    q = draft_probs.float()
+def check_draft_probs(draft_probs: torch.Tensor, tree: Tree, field: str = "verify.draft_probs") -> torch.Tensor:
+    """q as the verifier takes it: float32, each sampled row renormalised to sum to 1. Refuses a
+    q that would bias the output silently instead of being tested: NaN or infinite entries,
+    negative ones, a row that is neither all zero (a deterministic node) nor sums to 1 within
+    its dtype's rounding (`q_sum_tolerance`), or q(x) = 0 for a node whose row says it was
+    sampled (its acceptance ratio p/q would be infinite, so the node would pass whatever the
+    target thinks of it). Names the first bad node. Cheap next to the forward: a few passes over
+    [nodes, vocab]; run it on the engine thread, as the forward."""
+    q = draft_probs.to(torch.float32, copy=True)
     checks = (
         (~torch.isfinite(q)).any(-1), "has a NaN or infinite entry",
         (q < 0).any(-1), "has a negative entry",
@@ -65,11 +73,13 @@ def check_draft_probs(draft_probs: torch.Tensor, tree: Tree, field: str = "verif
             raise DraftProbsError(f"{field}[{node}] (tree node {node}) {checks[i + 1]}: q must be a distribution")
     sums = q.sum(-1)
     sampled = sums > 0
-    off = (sampled & ((sums - 1).abs() > Q_SUM_TOLERANCE)).nonzero()
+    tolerance = q_sum_tolerance(draft_probs.dtype)
+    off = (sampled & ((sums - 1).abs() > tolerance)).nonzero()
     if len(off):
         node = int(off[0])
         raise DraftProbsError(f"{field}[{node}] (tree node {node}) sums to {float(sums[node]):.6g}; a sampled node's "
-                              f"row must sum to 1 (within {Q_SUM_TOLERANCE:g}), a deterministic node's be all zero")
+                              f"row must sum to 1 (within {tolerance:.3g} at {str(draft_probs.dtype).removeprefix('torch.')}), "
+                              "a deterministic node's be all zero")
     if len(tree):
         ids = torch.tensor(tree.token_ids, dtype=torch.long, device=q.device)
         q_x = q.gather(1, ids[:, None])[:, 0]
@@ -78,6 +88,8 @@ def check_draft_probs(draft_probs: torch.Tensor, tree: Tree, field: str = "verif
             node = int(zero[0])
             raise DraftProbsError(f"{field}[{node}] (tree node {node}) gives its own token {tree.token_ids[node]} "
                                   "probability 0: the draft cannot have sampled it from that row")
+    q[sampled] /= sums[sampled, None]
+    return q
 
 
 @dataclass

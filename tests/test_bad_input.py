@@ -149,6 +149,31 @@ def q_zero_at_its_token(r):
     return r
 
 
+def bf16_q(total: float) -> common_pb2.Tensor:
+    """CHAIN's q at bf16, node 0's row summing to `total` (past bf16's rounding of a true q)."""
+    q = torch.zeros(2, 512)
+    q[0, 5], q[0, 6] = 0.5, total - 0.5
+    return tensor_to_pb(q, torch.bfloat16)
+
+
+def test_q_is_renormalised_within_its_dtypes_rounding_and_refused_past_it():
+    """A q rounded to bf16 sums to 1 within 2^-8, a float32 one within float32 rounding: within
+    that (plus 1e-4) the row is renormalised, past it (0.991, or 1.001 at float32) refused."""
+    from splitspec.engine.tree import Tree
+    from target_service.verify import DraftProbsError, check_draft_probs
+    tree = Tree((5, 6), (-1, 0))
+    for dtype, total in ((torch.bfloat16, 1 - 2 ** -9), (torch.float16, 1 + 2 ** -12), (torch.float32, 1 + 5e-5)):
+        q = torch.zeros(2, 512)
+        q[0, 5], q[0, 6] = 0.5, total - 0.5
+        got = check_draft_probs(q.to(dtype), tree)
+        assert got.dtype == torch.float32 and abs(float(got[0].sum()) - 1) < 1e-6 and not got[1].any()
+    for dtype, total in ((torch.bfloat16, 0.991), (torch.float16, 0.995), (torch.float32, 1.001)):
+        q = torch.zeros(2, 512)
+        q[0, 5], q[0, 6] = 0.5, total - 0.5
+        with pytest.raises(DraftProbsError, match=r"draft_probs\[0\] \(tree node 0\) sums to"):
+            check_draft_probs(q.to(dtype), tree)
+
+
 def bad_q(q):
     return [dict(open=open_msg()), dict(verify=target_pb2.TargetVerify(base_len=4, tree=CHAIN, draft_probs=q))]
 
@@ -191,6 +216,10 @@ TARGET_CASES = [
      "verify.draft_probs[1] (tree node 1) has a negative"),
     ("draft probs unnormalised", bad_q(chain_q(1, lambda r: r * 0.5)), INVALID,
      "verify.draft_probs[1] (tree node 1) sums to 0.5"),
+    ("draft probs summing to 0.991", bad_q(chain_q(0, lambda r: r * 0.991)), INVALID,
+     "verify.draft_probs[0] (tree node 0) sums to 0.991"),
+    ("draft probs summing to 0.991 at bf16", bad_q(bf16_q(0.991)), INVALID,
+     "verify.draft_probs[0] (tree node 0) sums to 0.99"),
     ("draft probs zero at a sampled token", bad_q(chain_q(0, q_zero_at_its_token)), INVALID,
      "verify.draft_probs[0] (tree node 0) gives its own token 5 probability 0"),
     ("tree with a cycle", [dict(open=open_msg()), dict(verify=target_pb2.TargetVerify(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from splitspec.engine.sample import SamplingParams
 from splitspec.engine.tree import Tree
@@ -26,6 +27,32 @@ def model(tmp_path_factory):
     path = save_tiny_model(tmp_path_factory.mktemp("bi"), "llama", vocab_size=512, hidden_size=256,
                            intermediate_size=1536, num_layers=2, num_heads=4, num_kv_heads=2, seed=21)
     return load_model(path, dtype="bfloat16")
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    """A random Qwen2 of Qwen2-1.5B's width (hidden 1,536, tied embeddings), 2 layers and a 4,096
+    vocabulary to stay fast: at K = 1,536 and N >= 2,048 this CPU's bf16 GEMM gives a lone row other
+    last bits than the same row among 2+, in lm_head as in the body. Real-model-sized weights
+    (initializer 0.02) keep the logits close enough for a flipped bit to matter."""
+    path = save_tiny_model(tmp_path_factory.mktemp("wide"), "qwen2", vocab_size=4096, hidden_size=1536,
+                           intermediate_size=2048, num_layers=2, num_heads=12, num_kv_heads=2,
+                           tie_word_embeddings=True, initializer_range=0.02, seed=63)
+    return load_model(path, dtype="bfloat16")
+
+
+def _lm_head_outputs(model):
+    """Hook lm_head: the logits it returns (every row) and the row count each call multiplied."""
+    got, counts = [], []
+    orig = model.lm_head.forward
+
+    def hook(x):
+        out = orig(x)
+        counts.append(x.reshape(-1, x.shape[-1]).shape[0])
+        got.append(out.detach().reshape(-1, out.shape[-1]).clone())
+        return out
+    model.lm_head.forward = hook
+    return got, counts, lambda: setattr(model.lm_head, "forward", orig)
 
 
 def _lm_head_inputs(model):
@@ -51,7 +78,7 @@ def test_a_verify_row_is_the_decode_row_bit_for_bit(model, prompt):
         rows.clear()
         for _ in range(8):
             greedy.append(ref.decode().committed[0])
-        decoded = torch.cat(rows[:8])
+        decoded = torch.cat([r[:1] for r in rows[:8]])     # a lone row is multiplied twice; the first is read
         spec = TargetSequence(model, prompt, max_len=len(prompt) + 40, attention="torch-exact")
         spec.prefill()
         rows.clear()
@@ -119,7 +146,7 @@ def test_prefill_chunking_does_not_change_a_bit(model):
             s = TargetSequence(model, prompt, max_len=len(prompt) + 20, attention="torch-exact", prefill_chunk=chunk)
             rows.clear()
             tokens = [s.prefill().committed[0]] + [s.decode().committed[0] for _ in range(6)]
-            seen.append((tokens, torch.cat(rows)[-7:]))
+            seen.append((tokens, torch.cat([r[-2:-1] for r in rows])))
         for tokens, bits in seen[1:]:
             assert tokens == seen[0][0] and torch.equal(bits, seen[0][1])
     finally:
@@ -127,11 +154,72 @@ def test_prefill_chunking_does_not_change_a_bit(model):
 
 
 @pytest.mark.parametrize("prefilled,n,prompt_len,end", [
-    (0, 512, 1000, 512), (0, 500, 1000, 496), (0, 1000, 150, 150), (96, 10, 150, 112), (100, 10, 150, 112),
-    (100, 30, 150, 128), (144, 3, 150, 150), (0, 7, 150, 16)])
+    (0, 512, 1000, 512), (0, 500, 1000, 496), (0, 1000, 150, 150), (96, 10, 150, 96), (96, 16, 150, 112),
+    (100, 30, 150, 128), (144, 6, 150, 150), (144, 3, 150, 144), (0, 7, 150, 0)])
 def test_exact_prefill_chunks_end_on_span_boundaries(prefilled, n, prompt_len, end):
     from target_service.scheduler import exact_chunk_end
     assert exact_chunk_end(prefilled, n, prompt_len) == end
+
+
+@settings(max_examples=400, deadline=None)
+@given(blocks=st.integers(0, 64), n=st.integers(1, 600), extra=st.integers(1, 700),
+       span=st.sampled_from([1, 4, 16, 32]))
+def test_an_exact_prefill_chunk_never_runs_past_its_budget(blocks, n, extra, span):
+    """Property: from a block boundary (where every chunk and every cache hit ends) a chunk ends
+    on a boundary or the prompt's end, within the n tokens it was given, as far as it can, and
+    moves on whenever it was given a span or the rest of the prompt."""
+    from target_service.scheduler import exact_chunk_end
+    prefilled = blocks * span
+    prompt_len = prefilled + extra
+    end = exact_chunk_end(prefilled, n, prompt_len, span)
+    assert prefilled <= end <= min(prefilled + n, prompt_len)
+    assert end == prompt_len or end % span == 0
+    assert end == prompt_len or end + span > prefilled + n          # no further boundary was within reach
+    if n >= span or prefilled + n >= prompt_len:
+        assert end > prefilled
+
+
+def test_a_batch_invariant_target_keeps_its_forwards_in_the_measured_row_range(model):
+    """--max-num-batched-tokens above the 512 rows measured row-invariant is clamped at start-up,
+    a prefill share below one KV block raised to one, each saying so; a scheduled forward then
+    never holds more query rows than the budget, even where prompts arriving together get shares
+    smaller than a block."""
+    from structlog.testing import capture_logs
+
+    from scheduler_helpers import run_scheduler
+    from target_service.scheduler import exact_budgets
+
+    with capture_logs() as logs:
+        assert exact_budgets(4096, 8, 16) == (512, 16)
+        assert exact_budgets(512, 128, 16) == (512, 128)
+    assert [e["event"] for e in logs] == ["max_num_batched_tokens_clamped", "chunked_prefill_size_raised"]
+    assert logs[0]["used"] == 512 and logs[0]["requested"] == 4096
+    with pytest.raises(ValueError, match="kv-block-size 1024"):
+        exact_budgets(4096, 128, 1024)
+
+    seen = []
+    orig = model.forward_batch
+
+    def spy(input_ids, positions, batch, **kw):
+        seen.append(len(input_ids))
+        return orig(input_ids, positions, batch, **kw)
+
+    async def body(sched):
+        import asyncio
+        from splitspec.engine.sample import SamplingParams
+        opens = [sched.open(str(i), p, SamplingParams(), max_new_tokens=4) for i, p in enumerate(PROMPTS[:4])]
+        await asyncio.gather(*opens)
+        return sched.max_batched_tokens, sched.chunked_prefill_size
+
+    model.forward_batch = spy
+    try:
+        budget, chunk = run_scheduler(model, body, pool=make_pool(model, num_blocks=128, block_size=4),
+                                      attention="torch-exact", max_batched_tokens=37, chunked_prefill_size=3,
+                                      max_context=512)
+    finally:
+        del model.forward_batch
+    assert (budget, chunk) == (37, 4)
+    assert seen and max(seen) <= budget
 
 
 def test_sampled_speculation_follows_the_target_law_in_exact_mode(model):
@@ -205,7 +293,7 @@ def test_sessions_whose_blocks_interleave_decode_the_bits_of_a_session_alone(mod
             together.append((torch.cat(rows), [o.committed for o in outs]))
             rows.clear()
             outs = [s.decode().committed for s in alone]
-            apart.append((torch.cat(rows), outs))
+            apart.append((torch.cat([r[:1] for r in rows]), outs))
         blocks = mixed[0].seq.table.blocks
         assert blocks != list(range(blocks[0], blocks[0] + len(blocks)))       # the gathered path ran
         for (x, a), (y, b) in zip(together, apart):
@@ -213,3 +301,74 @@ def test_sessions_whose_blocks_interleave_decode_the_bits_of_a_session_alone(mod
             assert torch.equal(x, y)
     finally:
         restore()
+
+
+@pytest.mark.parametrize("attention,least", [("torch-exact", 2), ("torch", 1)])
+def test_lm_head_never_multiplies_a_lone_row_in_exact_mode(model, attention, least):
+    """A prompt's last chunk and a decode alone have one logits row; the exact path hands lm_head
+    two (the plain path, which does not, shows the hook sees the count)."""
+    got, counts, restore = _lm_head_outputs(model)
+    try:
+        s = TargetSequence(model, PROMPTS[0], max_len=len(PROMPTS[0]) + 8, attention=attention)
+        s.prefill()
+        for _ in range(3):
+            s.decode()
+    finally:
+        restore()
+    assert len(counts) == 4 and min(counts) == least
+
+
+def test_a_verify_rows_logits_are_the_decode_logits_at_hidden_1536(wide):
+    """lm_head's output, not just its input: each token's logits are the same bits decoded alone
+    and verified as a row of a chain, on a target wide enough for the one-row GEMM to differ."""
+    prompt = [(11 * j) % 4000 + 7 for j in range(45)]
+    got, _, restore = _lm_head_outputs(wide)
+    try:
+        ref = TargetSequence(wide, prompt, max_len=len(prompt) + 24, attention="torch-exact")
+        greedy = [ref.prefill().committed[0]]
+        got.clear()
+        for _ in range(8):
+            greedy.append(ref.decode().committed[0])
+        decoded = torch.cat([g[:1] for g in got])
+        spec = TargetSequence(wide, prompt, max_len=len(prompt) + 24, attention="torch-exact")
+        spec.prefill()
+        got.clear()
+        out = spec.verify(Tree.chain(greedy[1:8]))
+    finally:
+        restore()
+    assert out.committed == greedy[1:9]
+    assert torch.equal(got[-1], decoded)
+
+
+def _wide_prompts(n: int, longest: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1536)
+    return [torch.randint(3, 4096, (int(torch.randint(8, longest, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def _diverging(model, prompts, new_tokens: int, width: int = 6) -> list[int]:
+    """Indices of the prompts whose greedy speculation (a perfect drafter: chains of target-only's
+    own continuation, every verify row compared) leaves target-only decoding."""
+    bad = []
+    for i, prompt in enumerate(prompts):
+        max_len = len(prompt) + new_tokens + width + 2
+        ref = TargetSequence(model, prompt, max_len=max_len, attention="torch-exact")
+        greedy = [ref.prefill().committed[0]]
+        while len(greedy) < new_tokens:
+            greedy.append(ref.decode().committed[0])
+        spec = TargetSequence(model, prompt, max_len=max_len, attention="torch-exact")
+        got = [spec.prefill().committed[0]]
+        while len(got) < new_tokens and got == greedy[:len(got)]:
+            got += spec.verify(Tree.chain(greedy[len(got):len(got) + width - 1])).committed
+        if got[:new_tokens] != greedy[:len(got[:new_tokens])]:
+            bad.append(i)
+    return bad
+
+
+def test_greedy_speculation_equals_target_only_at_hidden_1536(wide):
+    assert _diverging(wide, _wide_prompts(20, 64), new_tokens=16) == []
+
+
+@pytest.mark.slow
+def test_greedy_speculation_equals_target_only_at_hidden_1536_on_200_prompts(wide):
+    assert _diverging(wide, _wide_prompts(200, 160), new_tokens=32) == []

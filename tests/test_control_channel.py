@@ -1,8 +1,9 @@
-"""The multi-node control channel no stranger can drive (issue 54, item 3): with --nnodes > 1
-the target refuses to start on the old public default, an empty or a short secret (flag,
+"""The multi-node control channel no stranger can drive or stall: with --nnodes > 1 the target
+refuses to start on the old public default, an empty or a short secret (flag,
 SPLITSPEC_DIST_AUTH_KEY or --dist-auth-key-file); node 0's listener drops a peer with the wrong
 secret before reading any of its data, reads an authenticated peer's hello as bounded JSON and
-range-checks its rank; a worker unpickles nothing but plain data and numpy arrays."""
+range-checks its rank, and hangs up on a peer that says nothing in time while the others join;
+a worker unpickles nothing but plain data and numpy arrays."""
 from __future__ import annotations
 
 import multiprocessing.connection
@@ -68,17 +69,27 @@ def test_the_secret_comes_from_the_flag_the_environment_or_a_file(monkeypatch, t
     server.check_args(one)
 
 
+def accepting(timeout_s: float = tp_worker.HANDSHAKE_TIMEOUT_S, ranks: range = range(1, 2)):
+    """Node 0's control listener with its accept thread: (port, accepted, thread, stop)."""
+    port = free_port()
+    lst = tp_worker.control_listener("127.0.0.1", port)
+    accepted, closed = {}, threading.Event()
+    t = threading.Thread(target=tp_worker._accept, args=(lst, SECRET.encode(), ranks, accepted, closed, timeout_s),
+                         daemon=True)
+    t.start()
+
+    def stop():
+        closed.set()
+        lst.close()
+    return port, accepted, t, stop
+
+
 @pytest.fixture
 def listener():
-    """Node 0's control listener with its accept thread, expecting rank 1 of 2."""
-    port = free_port()
-    lst = multiprocessing.connection.Listener(("127.0.0.1", port), authkey=SECRET.encode())
-    accepted, closed = {}, threading.Event()
-    t = threading.Thread(target=tp_worker._accept, args=(lst, range(1, 2), accepted, closed), daemon=True)
-    t.start()
+    """Expecting rank 1 of 2."""
+    port, accepted, t, stop = accepting()
     yield port, accepted, t
-    closed.set()
-    lst.close()
+    stop()
 
 
 def refused(port, send) -> None:
@@ -111,6 +122,52 @@ def test_a_wrong_secret_is_dropped_before_any_data_is_read(listener, tmp_path):
     thread.join(10)
     assert list(accepted) == [1]
     ok.close()
+
+
+def dial_in(port: int, rank: int) -> threading.Thread:
+    """A rank dialling node 0 (as `tp_worker.dial`), on a thread: a stalled listener would hold it."""
+    def run():
+        conn = multiprocessing.connection.Client(("127.0.0.1", port), authkey=SECRET.encode())
+        tp_worker._send_json(conn, {"rank": rank})
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def test_a_silent_connection_holds_up_no_rank_dialling_after_it():
+    """A peer that connects and says nothing (a port scanner, a half-open connection) waits out
+    its own handshake deadline, here longer than the test's bounds, while the ranks dialling
+    after it join."""
+    port, accepted, thread, stop = accepting(timeout_s=600, ranks=range(1, 3))
+    try:
+        silent = [socket.create_connection(("127.0.0.1", port)) for _ in range(3)]
+        dials = [dial_in(port, 1), dial_in(port, 2)]
+        for d in dials:
+            d.join(60)                          # bounds on a broken test, not measures
+        thread.join(60)
+        assert sorted(accepted) == [1, 2] and not thread.is_alive()
+        for s in silent:
+            s.close()
+    finally:
+        stop()
+
+
+def test_a_silent_connection_is_hung_up_on_at_its_deadline():
+    port, accepted, thread, stop = accepting(timeout_s=0.5)
+    try:
+        with socket.create_connection(("127.0.0.1", port)) as silent:
+            silent.settimeout(60)               # a bound on a broken test, not a measure
+            got = b""
+            while chunk := silent.recv(4096):   # node 0's challenge, then end of stream
+                got += chunk
+            assert got                          # it was challenged, then hung up on
+        assert not accepted and thread.is_alive()
+        d = dial_in(port, 1)
+        d.join(30)
+        thread.join(30)
+        assert list(accepted) == [1]
+    finally:
+        stop()
 
 
 def test_a_worker_unpickles_plain_data_and_arrays_only(tmp_path):

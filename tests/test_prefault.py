@@ -1,5 +1,5 @@
-"""The KV pool's touch-ahead (splitspec/engine/prefault.py): pages get mapped ahead of the
-blocks handed out, without changing a byte of what is already there."""
+"""`populate` (splitspec/engine/prefault.py), which maps the prefix cache's tap-row arena: it maps
+the pages asked for and no others, without changing a byte of what is already there."""
 import ctypes
 import mmap
 
@@ -63,41 +63,3 @@ def test_populate_maps_pages_and_keeps_their_contents():
     assert torch.all(p.k[:, 40 * 16:41 * 16] == 7.0)
     # Only what was asked: block 60 stays untouched.
     assert not any(resident(p.k, 0, 60 * 16, 61 * 16))
-
-
-def test_the_pool_maps_blocks_ahead_of_the_highest_one_handed_out():
-    p = pool()
-    if not populate(p.k, 0, 0):
-        pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux < 5.14)")
-    evict(p.v, 64 * 16, 65 * 16)
-    evict(p.k, 120 * 16, 121 * 16)
-    p.prefault_ahead(8 * p.bytes_per_block)
-    assert p.prefault.wait(30) and p.prefault.done >= 9
-    assert all(resident(p.v, 1, 16, 9 * 16))
-    assert not any(resident(p.v, 1, 64 * 16, 65 * 16))
-    got = p.allocate(40)                   # blocks 1..40: the thread moves on to 48
-    assert max(got) == 40
-    assert p.prefault.wait(30) and p.prefault.done >= 49
-    assert all(resident(p.k, 0, 40 * 16, 49 * 16)) and all(resident(p.v, 1, 40 * 16, 49 * 16))
-    assert not any(resident(p.k, 0, 120 * 16, 121 * 16))
-
-
-def test_no_served_pool_maps_ahead(model):
-    """A prefix-cache pool reuses touched blocks first (kv_pool.py), so it meets first touches only
-    as a plain pool does; mapping ahead would only add resident memory (issue 54)."""
-    from target_service.pools import make_pool
-    assert make_pool(model, num_blocks=32, prefix_cache=True).prefault is None
-    assert make_pool(model, num_blocks=32, prefix_cache=False).prefault is None
-
-
-def test_a_pool_nobody_holds_any_more_is_freed():
-    import gc
-    import weakref
-    p = pool()
-    p.prefault_ahead(8 * p.bytes_per_block)
-    p.allocate(20)
-    p.prefault.wait(30)
-    k = weakref.ref(p.k)
-    del p
-    gc.collect()
-    assert k() is None

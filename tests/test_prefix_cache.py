@@ -382,3 +382,48 @@ def test_undrafted_sessions_stop_storing_taps_when_no_drafted_hit_needs_them(mod
         return before, sched.pool.cache.feature_bytes
     before, after = run(model, body)
     assert after == before
+
+
+def test_a_batch_invariant_second_turn_is_the_same_with_its_first_turn_cached_or_not(model):
+    """A batch-invariant target shares only the blocks its prefills wrote: a decode computes a
+    token's K/V in another attention call than a prefill span, so a second turn taking the first
+    turn's answer from the cache would compute other bits than one that finds the cache cold.
+    Each turn's logits (every lm_head row) are compared bit for bit, cache warm against cold."""
+    bf16 = load_model(tiny_target_dir(), dtype="bfloat16")
+    first = PREFIX[:22]
+    logits = []
+    orig = bf16.lm_head.forward
+
+    def hook(x):
+        out = orig(x)
+        logits.append(out.detach().reshape(-1, out.shape[-1]).clone())
+        return out
+
+    async def turns(sched, warm: bool):
+        if warm:
+            s, step = await sched.open("t1", first, SamplingParams(), max_new_tokens=40)
+            answer = [step.out.committed[0]]
+            v = await sched.verify(s, s.length, Tree.chain([answer[0]] * 4), None)
+            answer += v.out.committed
+            async for t in sched.decode(s, 20 - len(answer)):
+                answer.append(t.out.committed[0])
+            sched.close(s)
+        else:
+            answer = warm_answer
+        logits.clear()
+        second = first + answer + [90, 91, 92]
+        out, step = await complete(sched, "t2", second, 6)
+        return answer, out, step.cached_tokens, list(logits)
+
+    bf16.lm_head.forward = hook
+    try:
+        warm_answer, warm_out, warm_cached, warm_logits = run(
+            bf16, lambda sched: turns(sched, True), attention="torch-exact")
+        _, cold_out, cold_cached, cold_logits = run(bf16, lambda sched: turns(sched, False), attention="torch-exact")
+    finally:
+        bf16.lm_head.forward = orig
+    # The first prompt's 5 full blocks only: the answer's blocks were written by decodes.
+    assert (warm_cached, cold_cached) == (20, 0)
+    assert warm_out == cold_out
+    assert len(warm_logits) == len(cold_logits)
+    assert all(torch.equal(a, b) for a, b in zip(warm_logits, cold_logits))

@@ -206,3 +206,29 @@ def test_the_gateway_resumes_requests_whose_forward_failed(faulty_target, model,
         assert first + ids == ref
     assert sum(complete.stats.target_failovers for _, _, complete in results) >= 1
     assert target_info(address).kv_blocks_free == free_at_start
+
+
+def test_a_failing_metrics_hook_is_logged_and_tracing_still_runs(model):
+    """The hooks run after delivery: a metrics hook that raises on every forward fails no
+    session, does not stop the tracing hook after it, and is logged (its 1st, 2nd, 4th...
+    failure, so the log is not flooded)."""
+    from structlog.testing import capture_logs
+    traced = []
+
+    def broken(*args):
+        raise RuntimeError("injected metrics fault")
+
+    async def body(sched):
+        sched.on_forward = broken
+        sched.on_batch = lambda items, start, end: traced.append([kind for _, kind, _ in items])
+        session, step = await sched.open("s", prompt_for(0), SamplingParams(), max_new_tokens=N)
+        out = await decode_all(sched, session, step.out.committed[0])
+        sched.close(session)
+        return out, sched.forwards, dict(sched.hook_failures)
+
+    with capture_logs() as logs:
+        out, forwards, failures = run(model, body)
+    assert out == generate(model, prompt_for(0), N)
+    assert len(traced) == forwards == failures["metrics"] and "tracing" not in failures
+    logged = [e["failures"] for e in logs if e["event"] == "forward_hook_failed"]
+    assert logged == [n for n in (1, 2, 4, 8, 16, 32) if n <= forwards] and forwards > 4

@@ -281,3 +281,48 @@ def test_off_is_a_no_op():
     assert tracing.log_ids(None, None, event) == {"event": "x"}
     tracing.bind_session("s")
     tracing.forward([("s", "prefill", 4)], 0.0, 1.0)       # nothing bound, nothing made
+
+
+@pytest.mark.parametrize("trust,followed", [
+    ({}, False),
+    ({"otlp_traces_trust_remote_sampling": True}, True),
+    ({"api_key": ["a-key"]}, True),                 # the gateway checks every caller's key
+    ({"tls_ca": "ca.pem"}, True),                   # the target and draft require client certificates
+])
+def test_a_callers_sampled_flag_is_followed_only_from_trusted_callers(trust, followed):
+    """At ratio 0 nothing new is traced: a `-01` traceparent from an anonymous caller joins its
+    trace id but is not recorded (it cannot force tracing on); from a trusted one it is."""
+    import argparse
+
+    from gateway.generation import Stats
+    args = argparse.Namespace(otlp_traces_endpoint=f"http://127.0.0.1:{free_port()}", otlp_traces_sample_ratio=0.0,
+                              **trust)
+    assert tracing.configure("test", args)
+    try:
+        trace = tracing.start_request((("traceparent", f"00-{TRACE_ID}-{PARENT_ID}-01"),), "r1")
+        assert trace.recording is followed
+        assert format(trace.span.get_span_context().trace_id, "032x") == TRACE_ID
+        trace.end(Stats(trace=trace), model="m", prompt_tokens=1)
+        fresh = tracing.start_request((), "r2")
+        assert not fresh.recording
+        fresh.end(Stats(trace=fresh), model="m", prompt_tokens=1)
+    finally:
+        tracing.shutdown(timeout_s=0.5)
+
+
+def test_the_span_counts_add_up_across_threads():
+    """Spans end on many threads at once (event loop, engine thread, gRPC's) while the export
+    thread counts too: no count is lost."""
+    proc = tracing.BoundedExport(_Unreachable(), max_queue=64, batch=16, interval_s=0.001)
+    per_thread, threads = 20000, 8
+    try:
+        workers = [threading.Thread(target=lambda: [proc.on_end(object()) for _ in range(per_thread)])
+                   for _ in range(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        assert proc.force_flush(10000)
+        assert proc.dropped + proc.exported == per_thread * threads and proc.exported == 0
+    finally:
+        proc.stop(1.0)

@@ -14,10 +14,13 @@ T = TypeVar("T")
 
 
 def take_fifo(pending: Iterable[T], demand: Callable[[T], tuple[int, bool]], *, budget: int,
-              chunk: int, max_rows: int | None = None) -> list[tuple[T, int]]:
+              chunk: int, max_rows: int | None = None,
+              fit: Callable[[T, int], int] | None = None) -> list[tuple[T, int]]:
     """[(step, tokens it runs)] for the next forward. demand(step) -> (tokens wanted, splittable).
     The oldest step always goes in, even over the budget, so a budget smaller than one step
-    slows the engine down but never stalls it."""
+    slows the engine down but never stalls it. fit(step, n) -> how many of the n tokens a
+    splittable step may give it may run (fewer where its chunks must end on boundaries; 0 sits
+    this forward out)."""
     picked: list[tuple[T, int]] = []
     used = split_used = 0
     for step in pending:
@@ -27,6 +30,8 @@ def take_fifo(pending: Iterable[T], demand: Callable[[T], tuple[int, bool]], *, 
         if splittable:
             room = max(budget, 1) if not picked else budget - used
             want = min(want, chunk - split_used, room)
+            if fit is not None and want > 0:
+                want = min(want, fit(step, want))
             if want <= 0:
                 continue
             split_used += want

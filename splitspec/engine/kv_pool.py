@@ -74,7 +74,6 @@ class KVPool:
         # Per-session fixed-size state (a recurrent target's KDA state), one slot per table; None
         # for attention-only models.
         self.states = None
-        self.prefault = None    # a Prefaulter (splitspec/engine/prefault.py) mapping pages ahead of use
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -90,15 +89,6 @@ class KVPool:
                              f"({per_block} bytes each); at least 2 are needed (--kv-cache-budget-mb)")
         return cls(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, num_blocks=blocks,
                    block_size=block_size, dtype=dtype, device=device)
-
-    def prefault_ahead(self, ahead_bytes: int) -> None:
-        """Keep ahead_bytes of blocks past the highest one handed out mapped by a background
-        thread (CPU only; see prefault.py for why a prefix-cache pool wants it)."""
-        if self.k.device.type != "cpu" or self.prefault is not None:
-            return
-        from .prefault import Prefaulter
-        self.prefault = Prefaulter([self.k, self.v], block_size=self.block_size, num_blocks=self.num_blocks,
-                                   ahead=ahead_bytes // max(1, self.bytes_per_block))
 
     @property
     def capacity_blocks(self) -> int:
@@ -156,8 +146,6 @@ class KVPool:
                 self._untouched += fresh
             if len(out) < n:
                 out += self.cache.evict(n - len(out))
-        if self.prefault is not None and fresh:
-            self.prefault.need(self._untouched - 1)
         return out
 
     def copy_slots(self, frm: torch.Tensor, to: torch.Tensor) -> None:

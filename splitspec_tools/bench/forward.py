@@ -28,6 +28,7 @@ FLAGS = {
     "--threads": (2, "intra-op threads"),
     "--prompts": (200, "exactness: HumanEval's 164 first, then chat prompts"),
     "--new-tokens": (64, "exactness: tokens generated per prompt"),
+    "--max-prompt-tokens": (0, "exactness: keep each prompt's last N tokens (0: whole prompts)"),
     "--width": (8, "exactness: verify width (root + drafted tokens)"),
     "--attention": ("torch,torch-exact", "exactness: attention paths, comma-separated"),
     "--verify-threads": (0, "exactness: the speculative side's threads (0: --threads)"),
@@ -68,6 +69,10 @@ def mismatch(model, ids: list[int], a, attention: str) -> bool:
     return got[:a.new_tokens] != greedy[:len(got[:a.new_tokens])]
 
 
+def _tail(ids: list[int], n: int) -> list[int]:
+    return ids[-n:] if n else ids
+
+
 def exactness(model, path, a, dtype: str) -> list[dict]:
     from splitspec_tools.bench.prompts import chat_prompts, humaneval_prompts
     from target_service.engine import load_tokenizer
@@ -76,7 +81,7 @@ def exactness(model, path, a, dtype: str) -> list[dict]:
     rows = []
     for attention in csv_items(a.attention):
         t0 = time.perf_counter()
-        bad = [p.id for p in ps if mismatch(model, tok.encode(p.text).ids, a, attention)]
+        bad = [p.id for p in ps if mismatch(model, _tail(tok.encode(p.text).ids, a.max_prompt_tokens), a, attention)]
         rows.append({"dtype": dtype, "attention": attention, "prompts": len(ps), "mismatches": len(bad),
                      "share": len(bad) / len(ps), "seconds": time.perf_counter() - t0, "mismatching": bad})
         log(f"{dtype} {attention}: {len(bad)}/{len(ps)} prompts mismatch; first {bad[:5]}")
@@ -276,6 +281,15 @@ def quality(path, a) -> list[dict]:
 
 
 def bench(a, argv: list[str]) -> dict:
+    import torch
+    threads = torch.get_num_threads()
+    try:
+        return _bench(a, argv)
+    finally:
+        torch.set_num_threads(threads)      # in process (the tests) the caller's threads are its own
+
+
+def _bench(a, argv: list[str]) -> dict:
     import torch
 
     from splitspec.models.loader import model_folder
