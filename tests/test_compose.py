@@ -255,4 +255,4 @@ def test_a_bad_model_stops_the_service_naming_the_file(service, flag_name, bad, 
     out = subprocess.run([sys.executable, "-m", module, *argv[1:]], capture_output=True, text=True, timeout=300)
     assert out.returncode != 0, out.stderr[-2000:]
     assert str(path) in out.stderr, out.stderr[-2000:]
-    assert ("no such file" if bad == "missing" else "not a readable GGUF") in out.stderr, out.stderr[-2000:]
+    assert ("no such file" if bad == "missing" else "not a GGUF file") in out.stderr, out.stderr[-2000:]

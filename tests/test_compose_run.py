@@ -348,7 +348,7 @@ def test_an_unreadable_gguf_stops_the_target_for_good_naming_the_file(image, tmp
         assert state["State"]["Status"] == "exited" and state["State"]["ExitCode"] != 0
         assert state["RestartCount"] == 3 and state["State"]["Health"]["Status"] == "unhealthy"
         logs = run("docker", "logs", "--tail", "5", target)
-        assert "/models/bad.gguf: not a readable GGUF file" in logs.stderr + logs.stdout, logs.stderr
+        assert "/models/bad.gguf: 8 bytes is shorter than a GGUF header" in logs.stderr + logs.stdout, logs.stderr
         ps = stack.compose("ps").stdout
         assert re.search(r"target.*Exit(ed)? \(?1\)?", ps, re.I), ps
     finally:
