@@ -305,13 +305,17 @@ def _bench(a, argv: list[str]) -> dict:
     if a.check == "profile":
         a.bandwidth_gbs = read_bandwidth_gbs(a.threads)
         log(f"read bandwidth {a.bandwidth_gbs:.1f} GB/s ({a.threads} threads)")
-    for dtype in csv_items(a.dtypes):
-        for weights in csv_items(a.weights) if a.check != "exactness" else csv_items(a.weights)[:1]:
-            model = load_model(path, dtype=dtype, gguf_weights=weights)
-            check = {"exactness": lambda: exactness(model, path, a, dtype), "cost": lambda: cost(model, a, dtype, weights),
-                     "profile": lambda: profile(model, a, dtype, weights)}[a.check]
-            rows += check()
-            del model
+    # A --weights item may name its own dtype ("packed:float32,dequantized:bfloat16": each weights
+    # mode at the dtype `--dtype auto` serves it); plain items run at every --dtypes.
+    items = csv_items(a.weights)[:1] if a.check == "exactness" else csv_items(a.weights)
+    runs = [(dt, w) for w in items if ":" not in w for dt in csv_items(a.dtypes)]
+    runs += [(w.split(":")[1], w.split(":")[0]) for w in items if ":" in w]
+    for dtype, weights in runs:
+        model = load_model(path, dtype=dtype, gguf_weights=weights)
+        check = {"exactness": lambda: exactness(model, path, a, dtype), "cost": lambda: cost(model, a, dtype, weights),
+                 "profile": lambda: profile(model, a, dtype, weights)}[a.check]
+        rows += check()
+        del model
     setting = {"exactness": f"{a.new_tokens} tokens a prompt, verify width {a.width}; threads {a.threads} (verifies: "
                             f"{a.verify_threads or a.threads}); weights {csv_items(a.weights)[0]}",
                "cost": f"threads {a.threads}; medians of {a.reps} repetitions, the attention paths taking turns",
