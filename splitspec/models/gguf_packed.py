@@ -31,6 +31,7 @@ GROUP = 32              # ggml's block length along the input dimension
 Q4_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}
 Q8_0_BLOCK_BYTES = 34   # f16 d + 32 int8
 HEAD_FORMATS = ("int8", "int4")
+FLOAT_TYPES = ("F32", "F16", "BF16")    # a head stored as floats keeps them: requantizing would only lose bits
 
 
 def kernel_available() -> bool:
@@ -219,6 +220,8 @@ def make_plan(weights, cfg, head_format: str = "int8") -> PackPlan:
     head = HEAD if HEAD in weights.tensors else EMBED
     if packable(_qtype(weights, head), *_shape(weights, head)) is None:
         plan.head = "stored"
+    elif _qtype(weights, head) in FLOAT_TYPES:
+        plan.kept[head + " (head)"] = f"{_qtype(weights, head)} head: multiplied as stored, never requantized"
     elif cfg.vocab_size % 16 == 0 and cfg.hidden_size % GROUP == 0:
         plan.head = "requantized"
         plan.kept[head + " (head)"] = f"{_qtype(weights, head)} requantized to {head_format} for the head"

@@ -338,6 +338,10 @@ def pack_plan(weights, cfg: ModelConfig, device: torch.device, gguf_weights: str
         log.info("gguf_weights", weights="dequantized", requested=gguf_weights, why=why)
         return None
     plan = gguf_packed.make_plan(weights, cfg, gguf_head)
+    if not plan.groups and plan.head is None and not plan.embed:
+        log.info("gguf_weights", weights="dequantized", requested=gguf_weights,
+                 why="no tensor of the file maps onto the int4 kernel", dequantized_count=len(plan.kept))
+        return None
     log.info("gguf_weights", weights="packed", head=plan.head and f"{plan.head_format} ({plan.head})",
              packed_groups=len(plan.groups), embedding="Q8_0 blocks" if plan.embed else "dequantized",
              dequantized={k: v for k, v in list(plan.kept.items())[:8]}, dequantized_count=len(plan.kept))
