@@ -266,7 +266,7 @@ def test_verify_rejects_draft_probs_of_the_wrong_shape_and_keeps_its_state(tiny_
         assert seq.cache.length == 3 and seq.tokens == ref.tokens
 
     class Failing:
-        def verify(self, *args):
+        def verify(self, *args, **kwargs):
             raise RuntimeError("backend failure")
 
     seq.verifier = Failing()
